@@ -1,0 +1,179 @@
+"""Paged-KV attention in plain torch: the interface every AR model layer calls.
+
+A step's tokens arrive flattened (``[num_tokens, heads, head_dim]``), requests back to back in batch order.
+The metadata says where each request's rows are, where to write their K/V in the paged cache and which
+cached positions each request may attend to. One code path serves prefill, chunked prefill and decode:
+queries are lower-right aligned against the request's full context (query ``i`` of a request with
+``context`` cached tokens sits at absolute position ``context + i``).
+
+Requests are attended in at most two batched groups — single-token queries (decode) and longer queries
+(prefill chunks) — so a mixed step does not pay ``max_query_len`` for every decode row, and no step loops
+over requests in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together: gather/scatter indices built once per step, reused by every layer."""
+
+    token_rows: torch.Tensor  # [n] flat token rows of this group's queries
+    token_req: torch.Tensor  # [n] request index within the group
+    token_qpos: torch.Tensor  # [n] query index within its request
+    kv_slots: torch.Tensor  # [g, max_kv] cache slot of each key position (scratch slot where invalid)
+    mask: torch.Tensor  # [g, 1, max_q, max_kv] True where attention is allowed
+    max_q: int
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_tokens: int  # real (unpadded) token rows
+    num_padded_tokens: int  # rows the model actually runs (>= num_tokens)
+    query_start_loc: torch.Tensor  # [num_reqs + 1]
+    seq_lens: torch.Tensor  # [num_reqs] context + this step's tokens
+    slot_mapping: torch.Tensor  # [num_padded_tokens] where each row's K/V goes; padding -> scratch slot
+    groups: list[AttentionGroup]
+
+
+def scratch_slot(num_blocks: int, block_size: int) -> int:
+    """First slot of the extra block every cache carries; padded rows write there and nobody reads it."""
+    return num_blocks * block_size
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """One ``[2, (num_blocks + 1) * block_size, kv_heads, head_dim]`` tensor per layer (K and V, flat slots).
+
+    The extra block is the scratch block padded rows write into.
+    """
+    shape = (2, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_blocks: int,
+    num_padded_tokens: int | None = None,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build the step's metadata from per-request query lengths, cached lengths and block tables."""
+    num_reqs = len(query_lens)
+    if not (len(context_lens) == len(block_tables) == num_reqs):
+        raise ValueError("query_lens, context_lens and block_tables must have one entry per request")
+    num_tokens = sum(query_lens)
+    padded = num_tokens if num_padded_tokens is None else num_padded_tokens
+    if padded < num_tokens:
+        raise ValueError(f"num_padded_tokens={padded} is smaller than the real token count {num_tokens}")
+    scratch = scratch_slot(num_blocks, block_size)
+
+    q_lens = torch.tensor(query_lens, dtype=torch.long)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    seq = q_lens + ctx
+    starts = torch.zeros(num_reqs + 1, dtype=torch.long)
+    starts[1:] = torch.cumsum(q_lens, 0)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    table = torch.full((num_reqs, max(max_blocks, 1)), num_blocks, dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        if len(t) * block_size < int(seq[i]):
+            raise ValueError(f"request {i}: {len(t)} blocks cannot hold {int(seq[i])} tokens")
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+
+    # Slot of every real token row: its absolute position looked up in its request's block table.
+    req_of_row = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
+    qpos = torch.arange(num_tokens) - starts[req_of_row]
+    abs_pos = ctx[req_of_row] + qpos
+    slots = table[req_of_row, abs_pos // block_size] * block_size + abs_pos % block_size
+    slot_mapping = torch.full((padded,), scratch, dtype=torch.long)
+    slot_mapping[:num_tokens] = slots
+
+    groups = []
+    is_decode = q_lens == 1
+    for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode & (q_lens > 0)).flatten()):
+        if members.numel() == 0:
+            continue
+        g_qlens, g_ctx, g_seq = q_lens[members], ctx[members], seq[members]
+        max_q, max_kv = int(g_qlens.max()), int(g_seq.max())
+        kv_pos = torch.arange(max_kv)
+        g_table = table[members]
+        kv_slots = g_table[:, kv_pos // block_size] * block_size + kv_pos % block_size
+        kv_valid = kv_pos[None, :] < g_seq[:, None]
+        kv_slots = torch.where(kv_valid, kv_slots, torch.full_like(kv_slots, scratch))
+        q_abs = g_ctx[:, None] + torch.arange(max_q)[None, :]  # [g, max_q]
+        mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
+        # Padded query rows would have no valid key; let them see key 0 so softmax stays finite (discarded).
+        mask[:, :, 0] = True
+        row_in_group = torch.isin(req_of_row, members)
+        token_rows = torch.nonzero(row_in_group).flatten()
+        remap = torch.full((num_reqs,), -1, dtype=torch.long)
+        remap[members] = torch.arange(members.numel())
+        groups.append(
+            AttentionGroup(
+                token_rows=token_rows.to(device),
+                token_req=remap[req_of_row[token_rows]].to(device),
+                token_qpos=qpos[token_rows].to(device),
+                kv_slots=kv_slots.to(device),
+                mask=mask[:, None].to(device),
+                max_q=max_q,
+            )
+        )
+    return AttentionMetadata(
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        num_padded_tokens=padded,
+        query_start_loc=starts.to(device),
+        seq_lens=seq.to(device),
+        slot_mapping=slot_mapping.to(device),
+        groups=groups,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend every query row to its request's context.
+
+    q: [rows, heads, dim]; k, v: [rows, kv_heads, dim]; kv_cache: [2, slots, kv_heads, dim]. Rows past
+    ``meta.num_tokens`` are padding: their K/V go to the scratch slot and their output is zero.
+    """
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    kv_cache[0].index_copy_(0, meta.slot_mapping[:rows], k.to(kv_cache.dtype))
+    kv_cache[1].index_copy_(0, meta.slot_mapping[:rows], v.to(kv_cache.dtype))
+    out = q.new_zeros(rows, num_heads, head_dim)
+    rep = num_heads // num_kv_heads
+    for g in meta.groups:
+        n_req = g.kv_slots.shape[0]
+        qb = q.new_zeros(n_req, g.max_q, num_heads, head_dim)
+        qb[g.token_req, g.token_qpos] = q[g.token_rows]
+        kb = kv_cache[0][g.kv_slots].to(q.dtype)  # [g, max_kv, kv_heads, dim]
+        vb = kv_cache[1][g.kv_slots].to(q.dtype)
+        if rep > 1:
+            kb = kb.repeat_interleave(rep, dim=2)
+            vb = vb.repeat_interleave(rep, dim=2)
+        ob = F.scaled_dot_product_attention(
+            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=g.mask, scale=scale
+        ).transpose(1, 2)
+        out[g.token_rows] = ob[g.token_req, g.token_qpos]
+    return out

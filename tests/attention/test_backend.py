@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata, paged_attention
+
+BLOCK = 4
+NUM_BLOCKS = 64
+
+
+def naive_causal(q, k, v, scale):
+    """Full causal attention for one request: q [t, H, D] against k/v [t, Hkv, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, 1)
+    v = v.repeat_interleave(rep, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    t = q.shape[0]
+    s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+
+def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0):
+    """Feed each sequence's rows in the given per-step chunk sizes; return outputs per sequence."""
+    scale = 1 / math.sqrt(dim)
+    (cache,) = allocate_kv_cache(1, NUM_BLOCKS, BLOCK, kv_heads, dim)
+    # Blocks are handed out non-contiguously and interleaved across requests on purpose.
+    free = list(range(NUM_BLOCKS))[::-1]
+    tables = {i: [] for i in range(len(seqs))}
+    done = {i: 0 for i in range(len(seqs))}
+    outs = {i: [] for i in range(len(seqs))}
+    for step in schedule:  # step: list of (seq index, n tokens) in batch order
+        qs, ks, vs, qlens, ctxs, tabs = [], [], [], [], [], []
+        for i, n in step:
+            q, k, v = seqs[i]
+            need = math.ceil((done[i] + n) / BLOCK)
+            while len(tables[i]) < need:
+                tables[i].append(free.pop(len(free) // 2))
+            qs.append(q[done[i] : done[i] + n])
+            ks.append(k[done[i] : done[i] + n])
+            vs.append(v[done[i] : done[i] + n])
+            qlens.append(n)
+            ctxs.append(done[i])
+            tabs.append(tables[i])
+        num = sum(qlens)
+        pad = num + padded_extra
+        q = torch.cat(qs + [torch.randn(padded_extra, heads, dim)])
+        k = torch.cat(ks + [torch.randn(padded_extra, kv_heads, dim)])
+        v = torch.cat(vs + [torch.randn(padded_extra, kv_heads, dim)])
+        meta = build_attention_metadata(qlens, ctxs, tabs, BLOCK, NUM_BLOCKS, num_padded_tokens=pad)
+        o = paged_attention(q, k, v, cache, meta, scale)
+        assert torch.all(o[num:] == 0)
+        start = 0
+        for (i, n) in step:
+            outs[i].append(o[start : start + n])
+            done[i] += n
+            start += n
+    return {i: torch.cat(o) for i, o in outs.items()}, scale
+
+
+def make_seqs(lengths, heads=4, kv_heads=2, dim=8):
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(t, heads, dim, generator=g), torch.randn(t, kv_heads, dim, generator=g),
+         torch.randn(t, kv_heads, dim, generator=g))
+        for t in lengths
+    ]
+
+
+@pytest.mark.parametrize("padded_extra", [0, 3])
+def test_chunked_prefill_and_decode_match_full_causal_attention(padded_extra):
+    seqs = make_seqs([11, 7, 14])
+    schedule = [
+        [(0, 5), (1, 6)],  # prefill chunk + full prefill
+        [(1, 1), (0, 4), (2, 7)],  # decode, last prefill chunk, new request
+        [(2, 1), (0, 1)],  # a one-row prefill remainder next to a decode; reordered batch
+        [(0, 1), (2, 5)],
+        [(2, 1)],
+    ]
+    outs, scale = run_steps(seqs, schedule, padded_extra=padded_extra)
+    for i, (q, k, v) in enumerate(seqs):
+        expect = naive_causal(q, k, v, scale)
+        assert outs[i].shape == expect.shape
+        torch.testing.assert_close(outs[i], expect, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_rejects_short_block_table_and_bad_padding():
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([5], [0], [[0]], BLOCK, NUM_BLOCKS)
+    with pytest.raises(ValueError, match="smaller"):
+        build_attention_metadata([5], [0], [[0, 1]], BLOCK, NUM_BLOCKS, num_padded_tokens=3)
