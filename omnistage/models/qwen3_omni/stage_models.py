@@ -1,0 +1,247 @@
+"""Qwen3-Omni's three parts as stage models: what the runners call around each forward.
+
+- ``ThinkerStageModel``: token ids in; hidden states for sampling out; sends the Talker only the rows it
+  uses (embeddings of user-turn rows, of the assistant header and of fed-back answer tokens).
+- ``TalkerStageModel``: builds each row's input from the request's intermediate state (prefill rows,
+  decode rows = code-predictor frame embedding + text row), runs the code predictor batched over every
+  request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
+- ``Code2WavStageModel``: one batched decode over chunks of different lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from omnistage.attention.backend import AttentionMetadata
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.talker import Talker
+from omnistage.models.qwen3_omni.talker_inputs import (
+    TalkerTokenIds,
+    TextSpecials,
+    build_talker_prefill,
+    talker_decode_input,
+    talker_text_row,
+    text_row_ready,
+    user_rows_mask,
+)
+from omnistage.models.qwen3_omni.thinker import Thinker
+from omnistage.runner.outputs import OmniOutput, StepContext
+from omnistage.runner.sampler import SamplingRow, sample
+
+_NO_UPDATES = None
+
+
+class ThinkerStageModel:
+    def __init__(self, thinker: Thinker) -> None:
+        self.thinker = thinker
+        cfg = thinker.cfg
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.hidden_size = cfg.hidden_size
+
+    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
+        return {"input_ids": input_ids, "positions": positions}, [_NO_UPDATES] * len(ctx.req_ids)
+
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
+        with torch.inference_mode():
+            out = self.thinker(input_ids, positions, kv_caches, attn_meta)
+        return OmniOutput(
+            text_hidden_states=out.hidden,
+            multimodal_outputs={"embeds": out.embeds},
+            intermediate={"positions": positions},
+        )
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.thinker.compute_logits(hidden)
+
+    def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
+        return [_NO_UPDATES] * len(ctx.req_ids)
+
+    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+        """Rows for the Talker, sliced by real spans; only requests that asked for audio."""
+        embeds = output.multimodal_outputs["embeds"]
+        positions = output.intermediate["positions"]
+        out = {}
+        for req in ctx.requests:
+            needed = req.extra.get("talker_rows")
+            if needed is None:
+                continue
+            s, e = ctx.spans[req.req_id]
+            pos = positions[s:e]
+            in_prompt = pos < needed.shape[0]
+            keep = ~in_prompt | needed[pos.clamp_max(needed.shape[0] - 1)]
+            if bool(keep.any()):
+                # Boolean indexing copies: the payload owns its rows, not a view of this step's buffer.
+                out[req.req_id] = {"positions": pos[keep].cpu(), "embeds": embeds[s:e][keep]}
+        return out
+
+
+# transformers' talker generate samples the residual codes with these (when the talker samples at all).
+CODE_PREDICTOR_TOP_K = 50
+CODE_PREDICTOR_TOP_P = 0.8
+
+
+class TalkerStageModel:
+    def __init__(self, talker: Talker, ids: TalkerTokenIds, specials: TextSpecials) -> None:
+        self.talker = talker
+        self.ids = ids
+        self.specials = specials
+        cfg = talker.cfg
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.hidden_size = cfg.hidden_size
+        self.codec_eos_id = talker.codec_eos_id
+        self.num_code_groups = talker.num_code_groups
+
+    # ---- input construction (called by the thinker2talker processor) ------------------------------
+    def prompt_rows_needed(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """[P] bool: prompt rows the Talker reads (user turns + the final assistant header)."""
+        ids = torch.tensor(list(prompt_ids), dtype=torch.long)
+        if ids.numel() < 3 or ids[-3] != self.ids.im_start or ids[-2] != self.ids.assistant:
+            raise ValueError(
+                "speech output needs a chat prompt that ends with the assistant header "
+                "'<|im_start|>assistant\\n' (render it with add_generation_prompt=True)"
+            )
+        needed = user_rows_mask(ids, self.ids)
+        needed[-3:] = True
+        return needed
+
+    def build_prefill(
+        self, prompt_ids: Sequence[int], rows: Mapping[int, torch.Tensor], first_answer: torch.Tensor,
+        speaker_id: int,
+    ) -> tuple[torch.Tensor, list[int]]:
+        ids = torch.tensor(list(prompt_ids), dtype=torch.long)
+        # Rows the Talker does not read were never sent; zeros stand in for them and are not used.
+        embeds = first_answer.new_zeros(len(prompt_ids), first_answer.shape[-1])
+        if rows:
+            index = torch.tensor(list(rows), dtype=torch.long)
+            embeds[index] = torch.stack(list(rows.values()))
+        with torch.inference_mode():
+            prefill, input_ids = build_talker_prefill(
+                self.talker, self.ids, ids, embeds, None, first_answer, speaker_id, self.specials
+            )
+        return prefill, input_ids.tolist()
+
+    def project_text(self, rows: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.talker.project_text(rows)
+
+    def _text_rows(self, state: Mapping[str, Any]) -> torch.Tensor:
+        """Projected answer rows so far (row 0 = first answer token), [n, H]."""
+        rows = state.get("text_rows")
+        return self.specials.pad.new_zeros(0, self.hidden_size) if rows is None else rows
+
+    def text_ready(self, state: Mapping[str, Any], step: int) -> bool:
+        return text_row_ready(step, self._text_rows(state).shape[0], bool(state.get("text_done", False)))
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
+        rows = input_ids.shape[0]
+        embeds = torch.zeros(rows, self.hidden_size, dtype=self.specials.pad.dtype, device=input_ids.device)
+        frames = torch.full((rows, self.num_code_groups), -1, dtype=torch.long, device=input_ids.device)
+        updates: list[dict[str, Any] | None] = [None] * len(ctx.req_ids)
+        new_rows: list[tuple[int, int, int]] = []  # (batch index, token row, decode step)
+        for i, req_id in enumerate(ctx.req_ids):
+            st = ctx.states[i]
+            s, e = ctx.spans[req_id]
+            lo, hi = int(positions[s]), int(positions[s]) + (e - s)
+            prefill = st.get("prefill_embeds")
+            if prefill is None:
+                raise RuntimeError(f"talker request {req_id!r} scheduled before its prefill was built")
+            num_prefill = prefill.shape[0]
+            stored = st.get("decode_embeds")
+            num_stored = 0 if stored is None else stored.shape[0]
+            a, b = lo, min(hi, num_prefill)
+            if a < b:
+                embeds[s : s + b - a] = prefill[a:b]
+            a, b = max(lo, num_prefill), min(hi, num_prefill + num_stored)
+            if a < b:  # recompute after preemption replays stored decode inputs
+                embeds[s + a - lo : s + b - lo] = stored[a - num_prefill : b - num_prefill]
+            if hi > num_prefill + num_stored:
+                if hi != num_prefill + num_stored + 1:
+                    raise RuntimeError(f"talker request {req_id!r}: more than one new decode row in a step")
+                if "last_hidden" not in st:
+                    raise RuntimeError(f"talker request {req_id!r}: decode without the previous hidden state")
+                new_rows.append((i, e - 1, hi - 1 - num_prefill))
+        if new_rows:
+            idx = [i for i, _, _ in new_rows]
+            token_rows = torch.tensor([r for _, r, _ in new_rows], device=input_ids.device)
+            hidden_prev = torch.stack([ctx.states[i]["last_hidden"] for i in idx])
+            text = torch.stack(
+                [
+                    talker_text_row(
+                        step, self._text_rows(ctx.states[i]), bool(ctx.states[i].get("text_done")), self.specials
+                    )
+                    for i, _, step in new_rows
+                ]
+            )
+            rows_for_cp = [_code_predictor_row(ctx.sampling_rows[i]) for i in idx]
+            with torch.inference_mode():
+                codes, embed_sum = self.talker.predict_codes(
+                    hidden_prev, input_ids[token_rows], lambda logits, _g: sample(logits, rows_for_cp)
+                )
+            step_in = talker_decode_input(embed_sum, text)
+            embeds[token_rows] = step_in
+            frames[token_rows] = codes
+            for k, i in enumerate(idx):
+                stored = ctx.states[i].get("decode_embeds")
+                row = step_in[k : k + 1]
+                updates[i] = {"decode_embeds": row if stored is None else torch.cat([stored, row])}
+        return {"inputs_embeds": embeds, "positions": positions, "frames": frames}, updates
+
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
+        with torch.inference_mode():
+            hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta)
+        return OmniOutput(text_hidden_states=hidden, multimodal_outputs={"codes.audio": frames})
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.talker.compute_logits(hidden)
+
+    def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
+        """Keep the hidden state the next decode's code predictor starts from."""
+        hidden = output.text_hidden_states
+        return [
+            {"last_hidden": hidden[ctx.spans[r][1] - 1].clone()} if r in sampled else None for r in ctx.req_ids
+        ]
+
+    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+        frames = output.multimodal_outputs["codes.audio"]
+        out = {}
+        for req_id in ctx.req_ids:
+            s, e = ctx.spans[req_id]
+            mine = frames[s:e]
+            mine = mine[mine[:, 0] >= 0]
+            if mine.shape[0]:
+                out[req_id] = {"frames": mine}
+        return out
+
+
+def _code_predictor_row(row: SamplingRow) -> SamplingRow:
+    """The residual codes follow the talker's greedy/sampling choice with transformers' fixed top-k/top-p."""
+    p = row.params
+    if p.greedy:
+        params = SamplingParams(temperature=0.0)
+    else:
+        params = SamplingParams(temperature=1.0, top_k=CODE_PREDICTOR_TOP_K, top_p=CODE_PREDICTOR_TOP_P)
+    return SamplingRow(params, row.generator)
+
+
+class Code2WavStageModel:
+    def __init__(self, code2wav: Code2Wav) -> None:
+        self.code2wav = code2wav
+        self.sample_rate = int(code2wav.sample_rate)
+
+    def forward_batch(self, payloads: list[Any]) -> OmniOutput:
+        width = max(p.codes.shape[1] for p in payloads)
+        q = payloads[0].codes.shape[0]
+        codes = torch.zeros(len(payloads), q, width, dtype=torch.long)
+        for b, p in enumerate(payloads):
+            codes[b, :, : p.codes.shape[1]] = p.codes
+        lengths = torch.tensor([p.codes.shape[1] for p in payloads])
+        context = torch.tensor([p.left_context for p in payloads])
+        wave, wave_lengths = self.code2wav.decode_with_context(codes, lengths, context)
+        return OmniOutput(text_hidden_states=None, multimodal_outputs={"audio": wave, "audio_lengths": wave_lengths})

@@ -1,0 +1,277 @@
+"""User-facing APIs: offline ``Omni.generate`` and streaming ``AsyncOmni``.
+
+Both drive one ``OmniEngine``. ``Omni`` submits every prompt at once and steps until all are done
+(continuous batching does the rest). ``AsyncOmni`` runs the engine loop on a background thread; calls
+from the event loop are queued to that thread (the engine is single-threaded by design) and each
+request's deltas come back through its own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.pipeline.engine import EngineArgs, OmniEngine, Prompt
+from omnistage.pipeline.orchestrator import RequestDelta
+
+
+@dataclass
+class OmniRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    codes: torch.Tensor | None = None  # [num_code_groups, frames]
+    audio: torch.Tensor | None = None  # float32 mono
+    sample_rate: int | None = None
+    finish_reason: str | None = None
+
+
+class _Collector:
+    """Accumulates one request's deltas into its final output."""
+
+    def __init__(self, out: OmniRequestOutput) -> None:
+        self.out = out
+        self.codes: list[torch.Tensor] = []
+        self.audio: list[torch.Tensor] = []
+        self.done = False
+
+    def add(self, d: RequestDelta) -> None:
+        self.out.token_ids.extend(d.new_token_ids)
+        if d.codes is not None:
+            self.codes.append(d.codes)
+        if d.audio is not None:
+            self.audio.append(d.audio)
+        if d.finished:
+            self.done = True
+            self.out.finish_reason = d.finish_reason
+
+    def finish(self, engine: OmniEngine, wants_audio: bool) -> OmniRequestOutput:
+        self.out.text = engine.tokenizer.decode(self.out.token_ids, skip_special_tokens=True)
+        if wants_audio:
+            q = engine.talker_model.num_code_groups
+            self.out.codes = torch.cat(self.codes, dim=1) if self.codes else torch.zeros(q, 0, dtype=torch.long)
+            self.out.audio = torch.cat(self.audio) if self.audio else torch.zeros(0)
+            self.out.sample_rate = engine.sample_rate
+        return self.out
+
+
+def _resolve_model(model: str | Path | None) -> str:
+    if model is not None:
+        return str(model)
+    from omnistage.testing import default_model_dir
+
+    return str(default_model_dir())
+
+
+class Omni:
+    def __init__(self, model: str | Path | None = None, stage_config: str = "qwen3_omni", dtype: str = "float32",
+                 device: str = "cpu", pipeline=None) -> None:
+        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device), pipeline)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        modalities: Sequence[str] = ("text",),
+        sampling_params: SamplingParams | Mapping[str, SamplingParams] | None = None,
+        speaker: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[OmniRequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], Mapping)):
+            prompts = [prompts]
+        engine = self.engine
+        collectors: dict[str, _Collector] = {}
+        # Validate every prompt before submitting any, so one bad prompt does not leave others running.
+        rendered = [engine.render_prompt(p) for p in prompts]
+        for ids in rendered:
+            rid = engine.add_request(ids, modalities, sampling_params, speaker)
+            collectors[rid] = _Collector(OmniRequestOutput(rid, ids))
+        progress = _Progress(len(collectors), enabled=use_tqdm)
+        while not all(c.done for c in collectors.values()):
+            for d in engine.step():
+                c = collectors.get(d.req_id)
+                if c is not None:
+                    was_done = c.done
+                    c.add(d)
+                    if c.done and not was_done:
+                        progress.update()
+        progress.close()
+        wants_audio = "audio" in modalities
+        return [c.finish(engine, wants_audio) for c in collectors.values()]
+
+
+class _Progress:
+    """A one-line progress display for long offline batches (stderr; off unless asked for)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled, self.start = total, 0, enabled, time.monotonic()
+        self._draw()
+
+    def _draw(self) -> None:
+        if self.enabled:
+            rate = self.done / max(time.monotonic() - self.start, 1e-9)
+            sys.stderr.write(f"\rrequests {self.done}/{self.total} ({rate:.2f} req/s)")
+            sys.stderr.flush()
+
+    def update(self) -> None:
+        self.done += 1
+        self._draw()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can run."""
+
+
+class AsyncOmni:
+    """Streaming API: ``async for delta in omni.generate(...)``; ``await omni.abort(request_id)``."""
+
+    def __init__(self, model: str | Path | None = None, stage_config: str = "qwen3_omni", dtype: str = "float32",
+                 device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None) -> None:
+        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device), pipeline)
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count(1)
+        self.dead: BaseException | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._run_commands()
+                if self.engine.has_work():
+                    for d in self.engine.step():
+                        self._publish(d)
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as exc:  # the engine is dead: tell every waiting client
+            self.dead = exc
+            for req_id in list(self._streams):
+                self._publish(RequestDelta(req_id, finished=True, finish_reason="error"))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut_loop, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn()
+            except Exception as exc:
+                fut_loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                fut_loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _publish(self, d: RequestDelta) -> None:
+        entry = self._streams.get(d.req_id)
+        if entry is None:
+            return
+        loop, q = entry
+        if d.finished:
+            self._streams.pop(d.req_id, None)
+        loop.call_soon_threadsafe(q.put_nowait, d)
+
+    async def _call(self, fn) -> Any:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put((fn, loop, fut))
+        self._wake.set()
+        return await fut
+
+    # ---- public API --------------------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        modalities: Sequence[str] = ("text",),
+        sampling_params: SamplingParams | Mapping[str, SamplingParams] | None = None,
+        speaker: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Yield this request's deltas; the last one has ``finished=True``. Closing the iterator early
+        (e.g. the client went away) aborts the request in every stage."""
+        rid = request_id or f"req-{next(self._ids)}"
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def submit() -> str:
+            waiting = self.engine.orchestrator.thinker.scheduler.num_waiting
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are already waiting")
+            self._streams[rid] = (loop, q)
+            try:
+                return self.engine.add_request(prompt, modalities, sampling_params, speaker, rid)
+            except BaseException:
+                self._streams.pop(rid, None)
+                raise
+
+        await self._call(submit)
+        finished = False
+        try:
+            while True:
+                d = await q.get()
+                yield d
+                if d.finished:
+                    finished = True
+                    if d.finish_reason == "error" and self.dead is not None:
+                        raise EngineDeadError(f"engine stopped: {self.dead!r}")
+                    return
+        finally:
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        def do() -> bool:
+            self._streams.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+        if self.dead is not None:
+            return False
+        return await self._call(do)
+
+    async def resource_stats(self) -> dict[str, Any]:
+        return await self._call(self.engine.resource_stats)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
