@@ -1,0 +1,100 @@
+"""Load a pipeline config from a packaged preset name or a user YAML file, with optional overrides."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omnistage.config.errors import ConfigError
+from omnistage.config.stage_config import PipelineConfig
+
+_PRESET_PACKAGE = "omnistage.config"
+_PRESET_DIR = "presets"
+
+
+def available_presets() -> tuple[str, ...]:
+    root = resources.files(_PRESET_PACKAGE).joinpath(_PRESET_DIR)
+    return tuple(sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml")))
+
+
+def _read_source(path_or_preset: str | os.PathLike[str]) -> tuple[str, str]:
+    """Returns (yaml text, description for error messages)."""
+    text_path = os.fspath(path_or_preset)
+    looks_like_path = (
+        isinstance(path_or_preset, os.PathLike)
+        or text_path.endswith((".yaml", ".yml"))
+        or os.sep in text_path
+        or (os.altsep is not None and os.altsep in text_path)
+    )
+    if looks_like_path:
+        path = Path(text_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {text_path!r} does not exist")
+        return path.read_text(encoding="utf-8"), text_path
+    resource = resources.files(_PRESET_PACKAGE).joinpath(_PRESET_DIR, f"{text_path}.yaml")
+    if not resource.is_file():
+        raise ConfigError(f"unknown preset {text_path!r}; presets: {list(available_presets())}")
+    return resource.read_text(encoding="utf-8"), f"preset {text_path!r}"
+
+
+def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested dicts merge key by key (siblings kept); any other value replaces. Inputs are not mutated."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Overrides use the config's own keys; `stages` is a mapping stage name -> partial stage dict."""
+    result = copy.deepcopy(dict(raw))
+    overrides = dict(overrides)
+    stage_overrides = overrides.pop("stages", None) or {}
+    if not isinstance(stage_overrides, Mapping):
+        raise ConfigError("overrides['stages'] must map stage names to partial stage configs")
+    result = _deep_merge(result, overrides)
+    stages = result.get("stages")
+    if stage_overrides and not isinstance(stages, list):
+        raise ConfigError("cannot override stages: the config has no stage list", field="stages")
+    by_name = {s.get("name"): i for i, s in enumerate(stages or []) if isinstance(s, Mapping)}
+    for name, partial in stage_overrides.items():
+        if name not in by_name:
+            raise ConfigError(f"override names unknown stage {name!r}; stages: {sorted(map(str, by_name))}")
+        if not isinstance(partial, Mapping):
+            raise ConfigError("a stage override must be a mapping", stage=name)
+        if "name" in partial and partial["name"] != name:
+            raise ConfigError("overrides cannot rename a stage", stage=name, field="name")
+        stages[by_name[name]] = _deep_merge(dict(stages[by_name[name]]), partial)
+    return result
+
+
+def load_pipeline_config(
+    path_or_preset: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+) -> PipelineConfig:
+    """Load and validate a pipeline config.
+
+    `path_or_preset` is a packaged preset name (e.g. "qwen3_omni") or a path to a YAML file.
+    `overrides` example: {"runner": "v2", "stages": {"talker": {"sampling": {"temperature": 0.0}}}}.
+    """
+    text, source = _read_source(path_or_preset)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {exc}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source} must hold a mapping at the top level")
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    try:
+        return PipelineConfig.from_dict(raw)
+    except ConfigError as exc:
+        raise type(exc)(f"{exc.message} (in {source})", stage=exc.stage, field=exc.field) from None

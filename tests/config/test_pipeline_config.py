@@ -1,0 +1,282 @@
+import copy
+import textwrap
+
+import pytest
+
+from omnistage.config import (
+    ConfigError,
+    ExecutionType,
+    PipelineConfig,
+    StageConfig,
+    StageSchedulerConfig,
+    available_presets,
+    load_pipeline_config,
+)
+from omnistage.config.input_processors import TALKER2CODE2WAV_REFERENCE_ARGS
+from omnistage.core.sampling_params import SamplingParams
+
+
+def raw_pipeline() -> dict:
+    return {
+        "model_arch": "qwen3_omni",
+        "stages": [
+            {"name": "thinker", "execution": "ar", "model_part": "thinker", "final_output": "text"},
+            {
+                "name": "talker",
+                "execution": "ar",
+                "model_part": "talker",
+                "inputs": ["thinker"],
+                "input_processor": "thinker2talker",
+            },
+            {
+                "name": "code2wav",
+                "execution": "generation",
+                "model_part": "code2wav",
+                "inputs": ["talker"],
+                "input_processor": "talker2code2wav",
+                "final_output": "audio",
+            },
+        ],
+    }
+
+
+def test_preset_loads_with_documented_values():
+    assert "qwen3_omni" in available_presets()
+    p = load_pipeline_config("qwen3_omni")
+    assert p.model_arch == "qwen3_omni" and p.runner == "v1"
+    assert p.order == ("thinker", "talker", "code2wav")
+    thinker, talker, c2w = (p.stage(n) for n in p.order)
+    assert thinker.execution is ExecutionType.AR and thinker.final_output == "text" and thinker.is_source
+    assert thinker.sampling.greedy and thinker.sampling.max_tokens == 256
+    assert talker.inputs == ("thinker",) and talker.input_processor == "thinker2talker"
+    assert talker.final_output is None
+    assert (talker.sampling.temperature, talker.sampling.top_k, talker.sampling.top_p) == (0.9, 50, 1.0)
+    assert talker.sampling.repetition_penalty == 1.05 and talker.sampling.max_tokens == 4096
+    assert c2w.execution is ExecutionType.GENERATION and c2w.final_output == "audio"
+    assert dict(c2w.processor_args) == {
+        "first_chunk_frames": 25,
+        "chunk_frames": 300,
+        "left_context_frames": 25,
+    }
+    assert [s.name for s in p.final_stages] == ["thinker", "code2wav"]
+    assert p.downstream("thinker") == ("talker",) and p.downstream("code2wav") == ()
+    with pytest.raises(TypeError):
+        c2w.processor_args["chunk_frames"] = 1  # frozen
+    assert hash(p) == hash(load_pipeline_config("qwen3_omni")) and {c2w: 1}[c2w] == 1
+
+
+def test_overrides_merge_nested_and_keep_siblings():
+    p = load_pipeline_config(
+        "qwen3_omni",
+        overrides={
+            "runner": "v2",
+            "stages": {
+                "talker": {"sampling": {"temperature": 0.0}, "runner": "v1"},
+                "code2wav": {"processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)},
+            },
+        },
+    )
+    assert p.runner == "v2"
+    talker = p.stage("talker")
+    assert talker.sampling.temperature == 0.0 and talker.sampling.top_k == 50  # sibling kept
+    assert talker.runner == "v1"
+    assert p.stage("code2wav").processor_args["first_chunk_frames"] == 300
+    with pytest.raises(ConfigError, match="unknown stage 'talkr'"):
+        load_pipeline_config("qwen3_omni", overrides={"stages": {"talkr": {"runner": "v2"}}})
+
+
+def test_user_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            model_arch: qwen3_omni
+            runner: v2
+            stages:
+              - name: t
+                execution: AR
+                model_part: thinker
+                final_output: text
+                sampling: {temperature: 0.0, max_tokens: 8, stop_token_ids: [3, 4]}
+                scheduler: {max_num_seqs: 2, max_num_batched_tokens: 64, max_model_len: 128, block_size: 4}
+            """
+        )
+    )
+    p = load_pipeline_config(path)
+    assert p.order == ("t",) and p.runner == "v2"
+    s = p.stage("t")
+    assert s.sampling == SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(3, 4))
+    assert s.scheduler == StageSchedulerConfig(
+        max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128, block_size=4
+    )
+    assert load_pipeline_config(str(path)) == p
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_pipeline_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_pipeline_config("qwen4_omni")
+
+
+def _err(raw: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        PipelineConfig.from_dict(raw)
+    return info.value
+
+
+def test_unknown_stage_reference():
+    raw = raw_pipeline()
+    raw["stages"][1]["inputs"] = ["thinkr"]
+    e = _err(raw)
+    assert (e.stage, e.field) == ("talker", "inputs") and "'thinkr'" in str(e)
+
+
+def test_input_declared_after_consumer_is_fine_and_order_is_topological():
+    raw = raw_pipeline()
+    raw["stages"].reverse()
+    p = PipelineConfig.from_dict(raw)
+    assert p.order == ("thinker", "talker", "code2wav")
+
+
+def test_unknown_processor():
+    raw = raw_pipeline()
+    raw["stages"][1]["input_processor"] = "thinker2talkr"
+    e = _err(raw)
+    assert e.stage == "talker" and e.field == "input_processor" and "thinker2talkr" in str(e)
+
+
+def test_stage_with_inputs_needs_processor_and_source_must_not_have_one():
+    raw = raw_pipeline()
+    del raw["stages"][1]["input_processor"]
+    assert (_err(raw).stage, _err(raw).field) == ("talker", "input_processor")
+    raw = raw_pipeline()
+    raw["stages"][0]["input_processor"] = "thinker2talker"
+    assert (_err(raw).stage, _err(raw).field) == ("thinker", "input_processor")
+
+
+def test_cycle():
+    raw = raw_pipeline()
+    raw["stages"][1]["inputs"] = ["code2wav"]
+    e = _err(raw)
+    assert "cycle" in str(e) and e.field == "inputs"
+    raw = raw_pipeline()
+    raw["stages"][1]["inputs"] = ["talker"]
+    assert "own output" in str(_err(raw))
+
+
+def test_bad_sampling_value():
+    raw = raw_pipeline()
+    raw["stages"][1]["sampling"] = {"top_p": 1.5}
+    e = _err(raw)
+    assert (e.stage, e.field) == ("talker", "sampling") and "top_p" in str(e)
+    raw["stages"][1]["sampling"] = {"temprature": 0.5}
+    e = _err(raw)
+    assert e.stage == "talker" and "temprature" in str(e)
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"chunk_frames": 0}, "processor_args.chunk_frames"),
+        ({"first_chunk_frames": -1}, "processor_args.first_chunk_frames"),
+        ({"chunk_frames": 2.5}, "processor_args.chunk_frames"),
+        ({"chunk_frames": True}, "processor_args.chunk_frames"),
+        ({"chunk_frames": 25, "left_context_frames": 25}, "processor_args.left_context_frames"),
+        ({"chunk_size": 300}, "processor_args"),
+    ],
+)
+def test_bad_chunk_args(args, field):
+    raw = raw_pipeline()
+    raw["stages"][2]["processor_args"] = args
+    e = _err(raw)
+    assert (e.stage, e.field) == ("code2wav", field)
+
+
+def test_processor_args_defaults_and_no_args_processor():
+    raw = raw_pipeline()
+    raw["stages"][2]["processor_args"] = {"chunk_frames": 50}
+    p = PipelineConfig.from_dict(raw)
+    assert dict(p.stage("code2wav").processor_args) == {
+        "first_chunk_frames": 25,
+        "chunk_frames": 50,
+        "left_context_frames": 25,
+    }
+    raw["stages"][1]["processor_args"] = {"x": 1}
+    assert (_err(raw).stage, _err(raw).field) == ("talker", "processor_args")
+
+
+@pytest.mark.parametrize("where", ["top", "stage", "scheduler"])
+def test_unknown_key(where):
+    raw = raw_pipeline()
+    if where == "top":
+        raw["runnr"] = "v2"
+    elif where == "stage":
+        raw["stages"][0]["final_ouput"] = "text"
+    else:
+        raw["stages"][0]["scheduler"] = {"max_num_seq": 4}
+    with pytest.raises(ConfigError, match="unknown key"):
+        PipelineConfig.from_dict(raw)
+
+
+def test_duplicate_name():
+    raw = raw_pipeline()
+    raw["stages"].append(copy.deepcopy(raw["stages"][0]))
+    e = _err(raw)
+    assert (e.stage, e.field) == ("thinker", "name") and "duplicate" in str(e)
+
+
+def test_other_field_errors():
+    cases = [
+        (lambda r: r["stages"][0].update(execution="diffusion"), ("thinker", "execution")),
+        (lambda r: r["stages"][0].update(model_part="vision"), ("thinker", "model_part")),
+        (lambda r: r["stages"][0].update(final_output="video"), ("thinker", "final_output")),
+        (lambda r: r["stages"][0].update(runner="v3"), ("thinker", "runner")),
+        (lambda r: r["stages"][0].update(data_plane="shm"), ("thinker", "data_plane")),
+        (lambda r: r["stages"][0].update(session_mode="streaming"), ("thinker", "session_mode")),
+        (lambda r: r["stages"][0].update(scheduler={"block_size": 0}), ("thinker", "scheduler.block_size")),
+        (
+            lambda r: r["stages"][0].update(scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 4}),
+            ("thinker", "scheduler.max_num_batched_tokens"),
+        ),
+        (lambda r: r["stages"][0].update(sampling={"max_tokens": 4096}), ("thinker", "sampling.max_tokens")),
+        (
+            lambda r: r["stages"][0].update(scheduler={"num_blocks": 4, "kv_cache_bytes": 4}),
+            ("thinker", "scheduler"),
+        ),
+        (lambda r: r["stages"][0].pop("model_part"), ("thinker", "model_part")),
+        (lambda r: r.update(runner="v9"), (None, "runner")),
+        (lambda r: r.update(model_arch="llama"), (None, "model_arch")),
+        (lambda r: [st.update(final_output=None) for st in r["stages"]], (None, "stages")),
+    ]
+    for mutate, (stage, field) in cases:
+        raw = raw_pipeline()
+        mutate(raw)
+        e = _err(raw)
+        assert (e.stage, e.field) == (stage, field), (str(e), stage, field)
+        if stage is not None:
+            assert f"stage {stage!r}" in str(e)
+
+
+def test_generation_stage_ignores_token_limits():
+    raw = raw_pipeline()
+    raw["stages"][2]["scheduler"] = {"max_num_seqs": 16, "max_num_batched_tokens": 1}
+    assert PipelineConfig.from_dict(raw).stage("code2wav").scheduler.max_num_seqs == 16
+
+
+def test_direct_construction_normalises_and_stays_frozen():
+    s = StageConfig(name="a", execution="AR", model_part="thinker", inputs=[], final_output="text")
+    assert s.execution is ExecutionType.AR and s.inputs == ()
+    p = PipelineConfig(model_arch="qwen3_omni", stages=[s])
+    assert p.stages == (s,) and p.order == ("a",)
+    with pytest.raises(AttributeError):
+        s.name = "b"
+    with pytest.raises(ConfigError, match="SamplingParams"):
+        StageConfig(name="a", execution="ar", model_part="thinker", sampling={"temperature": 0.0})
+
+
+def test_resolve_num_blocks():
+    sched = StageSchedulerConfig(max_num_seqs=2, max_model_len=100, block_size=16)
+    assert sched.resolve_num_blocks(bytes_per_block=1) == 7 * 2
+    assert StageSchedulerConfig(num_blocks=9).resolve_num_blocks(bytes_per_block=1) == 9
+    sched = StageSchedulerConfig(max_model_len=64, block_size=16, kv_cache_bytes=1000)
+    assert sched.resolve_num_blocks(bytes_per_block=100) == 10
+    with pytest.raises(ConfigError, match="fewer than one"):
+        sched.resolve_num_blocks(bytes_per_block=500)
