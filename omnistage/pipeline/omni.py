@@ -141,8 +141,10 @@ class AsyncOmni:
     """Streaming API: ``async for delta in omni.generate(...)``; ``await omni.abort(request_id)``."""
 
     def __init__(self, model: str | Path | None = None, stage_config: str = "qwen3_omni", dtype: str = "float32",
-                 device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None) -> None:
-        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device), pipeline)
+                 device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
+                 on_step=None) -> None:
+        # on_step(StageEvents) runs on the engine thread after every stage step (metrics hook).
+        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device), pipeline, on_step)
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
