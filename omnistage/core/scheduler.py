@@ -1,0 +1,432 @@
+"""Token/KV scheduler for autoregressive stages (Thinker, Talker).
+
+Continuous batching with chunked prefill, recompute-style preemption, requests that are registered
+before their input exists (WAITING_FOR_INPUT) and stage-driven pauses. One step is
+schedule() -> runner -> update_from_output(); the scheduler refuses to run two steps interleaved.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from omnistage.core.kv_cache import KVCacheManager, KVCacheStats
+from omnistage.core.request import Request, RequestStatus, finished_status_for
+from omnistage.core.sched_output import CachedRequestData, NewRequestData, Phase, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    num_blocks: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        # A request of max_model_len tokens must fit in the pool on its own, or it would preempt forever.
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_blocks * block_size ({self.num_blocks} * {self.block_size}) must cover "
+                f"max_model_len ({self.max_model_len})"
+            )
+        # Without chunking a whole prompt must fit in one step's budget.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when enable_chunked_prefill is False"
+            )
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    req_id: str
+    new_token_ids: list[int]  # includes a stop/eos token that ended the request
+    finished: bool
+    finish_reason: str | None
+
+
+class ARScheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: deque[Request] = deque()  # not admitted, schedulable (+ finished ones until purged)
+        self._running: dict[str, Request] = {}  # admitted (hold KV blocks), in admission order
+        self._idle: dict[str, Request] = {}  # not admitted, nothing to compute until input arrives
+        self._paused: set[str] = set()  # admitted but paused by the stage (pause_for_input)
+        self._preempted: set[str] = set()  # preempted and not yet re-admitted
+        self._finished: dict[str, Request] = {}  # finished since the last schedule(); reported next
+        self._step = 0
+        self._pending_step: int | None = None  # non-empty output not yet given to update_from_output
+
+    # ----------------------------------------------------------------- registration and input
+    def add_request(self, request: Request, wait_for_input: bool = False) -> None:
+        req_id = request.req_id
+        if req_id in self._requests or req_id in self._finished:
+            raise ValueError(f"request {req_id!r} is already registered")
+        if request.output_token_ids or request.num_computed_tokens or request.is_finished:
+            raise ValueError(f"request {req_id!r} must be fresh (no output, nothing computed, not finished)")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        if wait_for_input:
+            request.input_finished = False
+        elif request.input_finished and request.num_prompt_tokens == 0:
+            raise ValueError(f"request {req_id!r} has an empty prompt and no more input is expected")
+        self._requests[req_id] = request
+        self._enqueue_or_idle(request)
+
+    def add_input(self, req_id: str, token_ids: Sequence[int], finished: bool) -> bool:
+        """Append a prompt chunk. Returns False (ignored) for an unknown or already finished request."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return False
+        token_ids = list(token_ids)
+        if request.input_finished:
+            raise ValueError(f"request {req_id!r}: input was already marked finished")
+        if request.num_tokens + len(token_ids) > self.config.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: input would grow to {request.num_tokens + len(token_ids)} tokens, "
+                f"longer than max_model_len ({self.config.max_model_len})"
+            )
+        if finished and request.num_tokens + len(token_ids) == 0:
+            raise ValueError(f"request {req_id!r}: input finished without any token; abort it instead")
+        request.append_prompt_token_ids(token_ids)
+        if finished:
+            request.input_finished = True
+        if req_id in self._idle and self._num_schedulable(request) > 0:
+            del self._idle[req_id]
+            request.status = RequestStatus.WAITING
+            self._waiting.append(request)
+        elif req_id in self._running and req_id not in self._paused and self._num_schedulable(request) > 0:
+            request.status = RequestStatus.RUNNING
+        return True
+
+    def pause_for_input(self, req_id: str) -> None:
+        """Park an admitted request (keeps its KV blocks) until resume(); others keep running."""
+        if req_id not in self._running:
+            raise ValueError(f"request {req_id!r} is not running; only running requests can be paused")
+        self._paused.add(req_id)
+        self._running[req_id].status = RequestStatus.WAITING_FOR_INPUT
+
+    def resume(self, req_id: str) -> None:
+        """Undo pause_for_input; a no-op for requests that are not paused (e.g. finished meanwhile)."""
+        if req_id not in self._paused:
+            return
+        self._paused.discard(req_id)
+        request = self._running[req_id]
+        has_work = self._num_schedulable(request) > 0
+        request.status = RequestStatus.RUNNING if has_work else RequestStatus.WAITING_FOR_INPUT
+
+    def is_paused(self, req_id: str) -> bool:
+        return req_id in self._paused
+
+    # ----------------------------------------------------------------- finishing
+    def abort_requests(self, req_ids: Iterable[str] | str) -> None:
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        for req_id in req_ids:
+            request = self._requests.get(req_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, req_id: str, reason: str) -> bool:
+        """Stage-driven finish ("stop" | "length" | "abort"). False if the request is unknown/finished."""
+        status = finished_status_for(reason)
+        request = self._requests.get(req_id)
+        if request is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        req_id = request.req_id
+        request.status = status
+        request.finish_reason = status.finish_reason
+        # Admitted requests give their blocks back at once; queued ones are purged by the next schedule().
+        self._running.pop(req_id, None)
+        self._idle.pop(req_id, None)
+        self._paused.discard(req_id)
+        self._preempted.discard(req_id)
+        self.kv.free(req_id)
+        del self._requests[req_id]
+        self._finished[req_id] = request
+
+    # ----------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        if self._pending_step is not None:
+            raise RuntimeError(
+                f"schedule() called again before update_from_output() for step {self._pending_step}"
+            )
+        self._step += 1
+        cfg = self.config
+        finished_ids = set(self._finished)
+        self._finished.clear()
+        if any(r.is_finished for r in self._waiting):
+            self._waiting = deque(r for r in self._waiting if not r.is_finished)
+
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        added_blocks: dict[str, list[int]] = {}
+        preempted_now: list[Request] = []
+
+        # Running requests: one token for each decode first, then continue partial prefills.
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self._running.values():
+            if request.req_id in self._paused:
+                continue
+            n = self._num_schedulable(request)
+            if n == 0:
+                if request.input_finished:
+                    raise RuntimeError(
+                        f"request {request.req_id!r} has nothing to compute but was not sampled"
+                    )
+                request.status = RequestStatus.WAITING_FOR_INPUT  # starved: waits for the next chunk
+                continue
+            request.status = RequestStatus.RUNNING
+            is_decode = n == 1 and request.num_computed_tokens >= request.num_prompt_tokens
+            (decodes if is_decode else prefills).append(request)
+
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is RequestStatus.PREEMPTED:
+                continue  # chosen as a victim earlier in this loop
+            n = self._num_schedulable(request)
+            if n > budget and not cfg.enable_chunked_prefill:
+                continue
+            n = min(n, budget)
+            while True:
+                new_blocks = self.kv.allocate_slots(request.req_id, request.num_computed_tokens + n)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                budget += scheduled.pop(victim.req_id, 0)
+                added_blocks.pop(victim.req_id, None)
+                self._preempt(victim)
+                preempted_now.append(victim)
+                finished_ids.add(victim.req_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue
+            scheduled[request.req_id] = n
+            added_blocks[request.req_id] = new_blocks
+            budget -= n
+
+        # Admit waiting requests FCFS (preempted ones sit at the front). Never after a preemption in
+        # this step: the freed blocks are for the running requests, and a request must not be both
+        # dropped and re-added in one output.
+        new_ids: set[str] = set()
+        new_reqs: list[NewRequestData] = []
+        if not preempted_now:
+            while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+                request = self._waiting[0]
+                n = self._num_schedulable(request)
+                if n == 0:
+                    self._waiting.popleft()
+                    request.status = RequestStatus.WAITING_FOR_INPUT
+                    self._idle[request.req_id] = request
+                    continue
+                if n > budget and not cfg.enable_chunked_prefill:
+                    break
+                n = min(n, budget)
+                if self.kv.allocate_slots(request.req_id, request.num_computed_tokens + n) is None:
+                    break
+                self._waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self._running[request.req_id] = request
+                resumed = request.req_id in self._preempted
+                self._preempted.discard(request.req_id)
+                scheduled[request.req_id] = n
+                budget -= n
+                new_ids.add(request.req_id)
+                new_reqs.append(
+                    NewRequestData(
+                        request=request,
+                        block_ids=self.kv.block_ids(request.req_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                        resumed_from_preemption=resumed,
+                    )
+                )
+
+        out = SchedulerOutput(
+            new_reqs=new_reqs,
+            finished_req_ids=finished_ids,
+            preempted_req_ids={r.req_id for r in preempted_now},
+            step_id=self._step,
+        )
+        for req_id, n in scheduled.items():
+            request = self._running[req_id]
+            start = request.num_computed_tokens
+            end = start + n
+            is_last = end == request.num_tokens
+            # Decode = exactly the last known token, which is an output token. A one-token rest of a
+            # prompt (or of a recompute) is still a prefill.
+            is_decode = n == 1 and is_last and start >= request.num_prompt_tokens
+            out.phases[req_id] = Phase.DECODE if is_decode else Phase.PREFILL
+            if is_last and request.input_finished:
+                out.sample_req_ids.add(req_id)
+            if req_id not in new_ids:
+                out.cached_reqs.append(
+                    CachedRequestData(
+                        req_id=req_id, new_block_ids=added_blocks[req_id], num_computed_tokens=start
+                    )
+                )
+            out.num_scheduled_tokens[req_id] = n
+        out.total_num_scheduled_tokens = sum(scheduled.values())
+        if not out.is_empty:
+            self._pending_step = out.step_id
+        return out
+
+    def _num_schedulable(self, request: Request) -> int:
+        # While more input may come, hold the last known token back: it is the one whose logits get
+        # sampled, so it must be computed in the step where the input is known to be complete.
+        known = request.num_tokens if request.input_finished else request.num_tokens - 1
+        return max(0, known - request.num_computed_tokens)
+
+    def _pick_victim(self) -> Request:
+        candidates = [r for r in self._running.values() if r.req_id not in self._paused]
+        # The most recently arrived loses; admission order breaks ties.
+        order = {req_id: i for i, req_id in enumerate(self._running)}
+        return max(candidates, key=lambda r: (r.arrival_time, order[r.req_id]))
+
+    def _preempt(self, request: Request) -> None:
+        del self._running[request.req_id]
+        self.kv.free(request.req_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._preempted.add(request.req_id)
+        self._waiting.appendleft(request)
+
+    def _enqueue_or_idle(self, request: Request) -> None:
+        if self._num_schedulable(request) > 0:
+            request.status = RequestStatus.WAITING
+            self._waiting.append(request)
+        else:
+            request.status = RequestStatus.WAITING_FOR_INPUT
+            self._idle[request.req_id] = request
+
+    # ----------------------------------------------------------------- results
+    def update_from_output(
+        self, sched_out: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+    ) -> list[RequestUpdate]:
+        if sched_out.is_empty:
+            return []
+        if self._pending_step != sched_out.step_id:
+            raise RuntimeError(
+                f"update_from_output() got step {sched_out.step_id}, expected step {self._pending_step}"
+            )
+        # Validate everything before mutating anything.
+        for req_id, tokens in sampled.items():
+            if len(tokens) and req_id not in sched_out.sample_req_ids:
+                raise ValueError(f"sampled tokens for {req_id!r}, which was not scheduled for sampling")
+        alive = [r for r in sched_out.num_scheduled_tokens if r in self._running]
+        missing = [r for r in alive if r in sched_out.sample_req_ids and not len(sampled.get(r, ()))]
+        if missing:
+            raise ValueError(f"no sampled tokens for requests scheduled for sampling: {missing}")
+        self._pending_step = None
+
+        updates: list[RequestUpdate] = []
+        for req_id in alive:
+            request = self._running[req_id]
+            request.num_computed_tokens += sched_out.num_scheduled_tokens[req_id]
+            if req_id not in sched_out.sample_req_ids:
+                continue
+            accepted: list[int] = []
+            stop_status: RequestStatus | None = None
+            for token in sampled[req_id]:
+                request.append_output_token_ids([token])
+                accepted.append(request.output_token_ids[-1])
+                stop_status = self._check_stop(request)
+                if stop_status is not None:
+                    break  # tokens after a stop are dropped
+            if stop_status is not None:
+                self._finish(request, stop_status)
+            updates.append(
+                RequestUpdate(
+                    req_id=req_id,
+                    new_token_ids=accepted,
+                    finished=stop_status is not None,
+                    finish_reason=request.finish_reason,
+                )
+            )
+        return updates
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        # A stop token ends the request only once min_tokens tokens precede it.
+        if request.num_output_tokens > params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ----------------------------------------------------------------- queries
+    def get_request(self, req_id: str) -> Request | None:
+        """Unfinished requests, plus finished ones until the next schedule() has reported them."""
+        request = self._requests.get(req_id)
+        return request if request is not None else self._finished.get(req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def has_finished_to_report(self) -> bool:
+        """True while finished requests wait to be reported in a schedule() output's finished_req_ids."""
+        return bool(self._finished)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self._running.values() if r.status is RequestStatus.RUNNING)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._requests) - self.num_running
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv.stats()
+
+    def check_invariants(self) -> None:
+        """Consistency of queues, statuses and KV ownership (used by tests; cheap enough for debugging)."""
+        waiting_ids = [r.req_id for r in self._waiting if not r.is_finished]
+        groups = [waiting_ids, list(self._running), list(self._idle)]
+        seen = [req_id for group in groups for req_id in group]
+        assert len(seen) == len(set(seen)), "a request is in two queues"
+        assert set(seen) == set(self._requests), "queues and the request table disagree"
+        assert self._paused <= set(self._running), "a paused request is not admitted"
+        for req_id in waiting_ids:
+            status = self._requests[req_id].status
+            assert status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (req_id, status)
+            assert not self.kv.has_request(req_id), f"queued request {req_id} holds blocks"
+        for req_id in self._idle:
+            assert self._requests[req_id].status is RequestStatus.WAITING_FOR_INPUT
+            assert not self.kv.has_request(req_id)
+        for req_id, request in self._running.items():
+            assert request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_INPUT), request
+            covered = len(self.kv.block_ids(req_id)) * self.config.block_size
+            assert covered >= request.num_computed_tokens, f"{req_id}: blocks do not cover computed tokens"
+        assert len(self._running) <= self.config.max_num_seqs
+        self.kv.check_invariants()

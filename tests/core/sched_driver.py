@@ -1,0 +1,115 @@
+"""A fake "model runner" that drives ARScheduler the way a real runner would and checks its output.
+
+It keeps its own per-request copy of the tokens that are "in the KV cache" and the block table, built
+only from SchedulerOutput deltas; the next token is a pure function of that KV content. So a request
+whose KV was recomputed after preemption, or that ran in any mix of other requests, must produce
+exactly the same tokens as when it ran alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from omnistage.core import ARScheduler, Phase, Request, SchedulerOutput
+
+VOCAB = 1000
+
+
+def kv_token_fn(req: Request, kv_tokens: list[int]) -> int:
+    acc = 17
+    for i, tok in enumerate(kv_tokens):
+        acc = (acc * 31 + tok * (i + 3)) % 1_000_003
+    return 100 + acc % (VOCAB - 100)  # ids < 100 are kept free for eos/stop ids in tests
+
+
+@dataclass
+class FakeRunner:
+    sched: ARScheduler
+    token_fn: Callable[[Request, list[int]], int] = kv_token_fn
+    kv_tokens: dict[str, list[int]] = field(default_factory=dict)
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+
+    def step(self) -> tuple[SchedulerOutput, list]:
+        sched = self.sched
+        cfg = sched.config
+        out = sched.schedule()
+        self.outputs.append(out)
+
+        assert out.preempted_req_ids <= out.finished_req_ids
+        for req_id in out.preempted_req_ids:
+            assert sched.get_request(req_id).status.name == "PREEMPTED"
+        for req_id in out.finished_req_ids:
+            self.kv_tokens.pop(req_id, None)
+            self.blocks.pop(req_id, None)
+        new_ids = set()
+        for data in out.new_reqs:
+            req_id = data.request.req_id
+            assert req_id not in self.kv_tokens, f"{req_id} re-added while the runner still holds it"
+            assert data.num_computed_tokens == 0
+            self.kv_tokens[req_id] = []
+            self.blocks[req_id] = list(data.block_ids)
+            new_ids.add(req_id)
+        cached_ids = set()
+        for data in out.cached_reqs:
+            assert data.req_id in self.kv_tokens, f"cached {data.req_id} unknown to the runner"
+            assert data.num_computed_tokens == len(self.kv_tokens[data.req_id])
+            assert not data.resumed_from_preemption
+            self.blocks[data.req_id].extend(data.new_block_ids)
+            cached_ids.add(data.req_id)
+        assert not (new_ids & cached_ids)
+        assert set(out.num_scheduled_tokens) == new_ids | cached_ids
+        assert not (set(out.num_scheduled_tokens) & out.finished_req_ids)
+
+        # Batch bounds.
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(out.num_scheduled_tokens) <= cfg.max_num_seqs
+        assert all(n >= 1 for n in out.num_scheduled_tokens.values())
+        assert set(out.phases) == set(out.num_scheduled_tokens)
+        assert out.sample_req_ids <= set(out.num_scheduled_tokens)
+
+        sampled: dict[str, list[int]] = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = sched.get_request(req_id)
+            kv = self.kv_tokens[req_id]
+            start = len(kv)
+            assert start + n <= req.num_tokens
+            prompt_part = start < req.num_prompt_tokens
+            if prompt_part:
+                assert out.phases[req_id] is Phase.PREFILL
+            kv.extend(req.all_token_ids[start : start + n])
+            assert len(self.blocks[req_id]) * cfg.block_size >= len(kv)
+            assert self.blocks[req_id] == sched.kv.block_ids(req_id)
+            should_sample = len(kv) == req.num_tokens and req.input_finished
+            assert (req_id in out.sample_req_ids) == should_sample
+            if should_sample:
+                sampled[req_id] = [self.token_fn(req, list(kv))]
+        all_blocks = [b for table in self.blocks.values() for b in table]
+        assert len(all_blocks) == len(set(all_blocks)), "two requests share a KV block"
+
+        updates = sched.update_from_output(out, sampled)
+        sched.check_invariants()
+        return out, updates
+
+    def run(
+        self, max_steps: int = 1000, before_step: Callable[[int], None] | None = None, min_steps: int = 0
+    ) -> int:
+        """Step until no request is left and every finish was reported; returns the step count."""
+        for i in range(max_steps):
+            if before_step is not None:
+                before_step(i)
+            idle = not (self.sched.has_unfinished() or self.sched.has_finished_to_report())
+            if idle and i >= min_steps:
+                return i
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def assert_clean(self) -> None:
+        stats = self.sched.kv_stats()
+        assert stats.num_free_blocks == stats.num_blocks
+        assert stats.num_requests == 0
+        assert not self.sched.has_unfinished()
+        assert self.sched.num_running == 0 and self.sched.num_waiting == 0
+        assert not self.kv_tokens, f"runner still holds {sorted(self.kv_tokens)}"
