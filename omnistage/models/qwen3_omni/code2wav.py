@@ -1,0 +1,504 @@
+"""Qwen3-Omni Code2Wav: codec frames [B, Q, T] -> 24 kHz waveform.
+
+Network: per-group code embeddings (offset per quantizer, averaged) -> sliding-window causal transformer
+-> 2 upsampling stages (transposed conv + ConvNeXt block) -> causal conv -> decoder blocks (SnakeBeta,
+transposed conv, 3 dilated residual units) -> SnakeBeta -> causal conv -> clamp to [-1, 1].
+
+Parameter names follow transformers' ``Qwen3OmniMoeCode2Wav`` so ``code2wav.*`` checkpoint tensors load with
+the prefix stripped.
+
+Every part is causal: attention is causal with a sliding window, the convolutions pad only on the left and
+the transposed convolutions drop the trailing samples that would need a later frame. Hence a prefix of the
+frames determines a prefix of the waveform: right-padded batches and chunked decoding with left context are
+exact. The cost is that ``n`` frames give ``samples_for_frames(n) = n * samples_per_frame - k`` samples
+(k = 555 for the real model), and chunked decoding loses those ``k`` samples at every chunk end, exactly
+like the reference implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT
+
+DEFAULT_SAMPLE_RATE = 24000
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass(frozen=True)
+class Code2WavConfig:
+    codebook_size: int = 2048
+    num_quantizers: int = 16
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int | None = None
+    attention_bias: bool = False
+    sliding_window: int | None = 72
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    layer_scale_initial_scale: float = 0.01
+    rope_theta: float = 10000.0
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+    decoder_dim: int = 1536
+    sample_rate: int = DEFAULT_SAMPLE_RATE
+    resolved_head_dim: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        positive = {
+            "codebook_size": self.codebook_size,
+            "num_quantizers": self.num_quantizers,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "decoder_dim": self.decoder_dim,
+            "sample_rate": self.sample_rate,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.num_hidden_layers < 0:
+            raise ValueError(f"num_hidden_layers must be >= 0, got {self.num_hidden_layers}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        head_dim = (
+            self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+        )
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even number (rotary), got {head_dim}")
+        object.__setattr__(self, "resolved_head_dim", head_dim)
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
+        object.__setattr__(self, "upsample_rates", tuple(int(r) for r in self.upsample_rates))
+        object.__setattr__(self, "upsampling_ratios", tuple(int(r) for r in self.upsampling_ratios))
+        if any(r <= 0 for r in self.upsample_rates + self.upsampling_ratios):
+            raise ValueError("upsample_rates and upsampling_ratios must be positive")
+        if self.decoder_dim % (2 ** len(self.upsample_rates)):
+            raise ValueError(
+                f"decoder_dim ({self.decoder_dim}) must be divisible by 2**{len(self.upsample_rates)} "
+                "(each decoder block halves the channels)"
+            )
+
+    @property
+    def samples_per_frame(self) -> int:
+        return math.prod(self.upsample_rates + self.upsampling_ratios)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> Code2WavConfig:
+        """From transformers' ``Qwen3OmniMoeCode2WavConfig`` or the ``code2wav_config`` dict of config.json."""
+
+        def get(name: str, default: Any = None) -> Any:
+            if isinstance(hf_config, Mapping):
+                return hf_config.get(name, default)
+            return getattr(hf_config, name, default)
+
+        rope = get("rope_parameters") or get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"Code2Wav supports only default rotary embeddings, got rope_type={rope_type!r}")
+        rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+        missing = object()
+        kwargs = {}
+        for name, spec in cls.__dataclass_fields__.items():
+            if not spec.init or name == "rope_theta":
+                continue
+            value = get(name, missing)
+            # None means "use the default", except for sliding_window where None means full causal.
+            if value is not missing and (value is not None or name == "sliding_window"):
+                kwargs[name] = value
+        return cls(rope_theta=float(rope_theta), **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Transformer part
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int, init: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim], half-split layout
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Code2WavConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.resolved_head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = _apply_rotary(q, cos, sin)
+        k = _apply_rotary(k, cos, sin)
+        if self.num_kv_heads != self.num_heads:
+            group = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, config: Code2WavConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: Code2WavConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = Mlp(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
+        self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
+
+
+def sliding_causal_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [T, T] mask, True = may attend: key j <= query i and i - j < window."""
+    pos = torch.arange(length, device=device)
+    offset = pos[:, None] - pos[None, :]
+    mask = offset >= 0
+    if window is not None:
+        mask &= offset < window
+    return mask
+
+
+class Code2WavTransformer(nn.Module):
+    def __init__(self, config: Code2WavConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.resolved_head_dim, config.rope_theta)
+        self.window = config.sliding_window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden]. Every row starts at position 0 (right padding only)."""
+        length = x.shape[1]
+        cos, sin = self.rotary_emb(length, x.dtype)
+        mask = sliding_causal_mask(length, self.window, x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Convolutional part
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, kernel_size=7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dwconv(x).transpose(1, 2)
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+class SnakeBeta(nn.Module):
+    """x + sin^2(x * e^alpha) / e^beta, per channel; parameters are stored in log scale."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha.exp()[None, :, None]
+        beta = self.beta.exp()[None, :, None]
+        # The 1e-9 guard matches the reference numerics.
+        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int) -> None:
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv1d(dim, dim, kernel_size=7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv1d(dim, dim, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, rate: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [SnakeBeta(in_dim), CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate)]
+        layers += [ResidualUnit(out_dim, dilation) for dilation in (1, 3, 9)]
+        self.block = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.block:
+            x = layer(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The model
+
+
+class Code2Wav(nn.Module):
+    """Codec frames -> waveform. ``forward`` matches the reference; ``decode*`` are the batched stage APIs."""
+
+    def __init__(self, config: Code2WavConfig | Any) -> None:
+        super().__init__()
+        if not isinstance(config, Code2WavConfig):
+            config = Code2WavConfig.from_hf(config)
+        self.config = config
+        self.sample_rate = config.sample_rate
+        self.samples_per_frame = config.samples_per_frame
+        hidden = config.hidden_size
+
+        self.pre_transformer = Code2WavTransformer(config)
+        self.code_embedding = nn.Embedding(config.codebook_size * config.num_quantizers, hidden)
+        # Each quantizer group owns its own slice of the shared embedding table.
+        offsets = torch.arange(config.num_quantizers).view(1, -1, 1) * config.codebook_size
+        self.register_buffer("code_offset", offsets, persistent=False)
+
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalConvTranspose1d(hidden, hidden, factor, factor), ConvNeXtBlock(hidden)])
+            for factor in config.upsampling_ratios
+        )
+        decoder: list[nn.Module] = [CausalConv1d(hidden, config.decoder_dim, 7)]
+        for i, rate in enumerate(config.upsample_rates):
+            decoder.append(DecoderBlock(config.decoder_dim // 2**i, config.decoder_dim // 2 ** (i + 1), rate))
+        out_dim = config.decoder_dim // 2 ** len(config.upsample_rates)
+        decoder += [SnakeBeta(out_dim), CausalConv1d(out_dim, 1, 7)]
+        self.decoder = nn.ModuleList(decoder)
+
+    # -- lengths ---------------------------------------------------------------------------------------
+
+    def _walk_length(self, frames: LengthT) -> LengthT:
+        length = frames
+        for stage in self.upsample:
+            length = stage[0].output_length(length)
+        for layer in self.decoder:
+            if isinstance(layer, DecoderBlock):
+                length = layer.block[1].output_length(length)
+            elif isinstance(layer, CausalConv1d):
+                length = layer.output_length(length)
+        return length
+
+    def samples_for_frames(self, frames: int) -> int:
+        """Samples one call on ``frames`` frames produces (real model: 1920 * frames - 555; 0 for 0)."""
+        if frames < 0:
+            raise ValueError(f"frames must be >= 0, got {frames}")
+        return int(self._walk_length(int(frames)))
+
+    # -- reference-equivalent forward -------------------------------------------------------------------
+
+    def _check_codes(self, codes: torch.Tensor) -> None:
+        if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
+            raise ValueError(f"codes must be [B, {self.config.num_quantizers}, T], got {tuple(codes.shape)}")
+        if codes.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"codes must be an integer tensor, got {codes.dtype}")
+        if codes.numel() and (codes.min() < 0 or codes.max() >= self.config.codebook_size):
+            raise ValueError(
+                f"codes must lie in [0, {self.config.codebook_size}), got range "
+                f"[{int(codes.min())}, {int(codes.max())}]"
+            )
+
+    def _synthesize(self, codes: torch.Tensor) -> torch.Tensor:
+        hidden = self.code_embedding(codes.long() + self.code_offset).mean(1)
+        hidden = self.pre_transformer(hidden).transpose(1, 2)  # [B, hidden, T]
+        for stage in self.upsample:
+            for layer in stage:
+                hidden = layer(hidden)
+        for layer in self.decoder:
+            hidden = layer(hidden)
+        return hidden.clamp(-1.0, 1.0)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, Q, T] (all T frames valid) -> wave [B, 1, samples_for_frames(T)]."""
+        self._check_codes(codes)
+        return self._synthesize(codes)
+
+    # -- batched stage API -------------------------------------------------------------------------------
+
+    def _check_codes_shape_only(self, codes: torch.Tensor) -> None:
+        if codes.dim() != 3 or codes.shape[1] != self.config.num_quantizers:
+            raise ValueError(f"codes must be [B, {self.config.num_quantizers}, T], got {tuple(codes.shape)}")
+
+    def _check_lengths(self, codes: torch.Tensor, lengths: torch.Tensor) -> None:
+        if lengths.dim() != 1 or lengths.shape[0] != codes.shape[0]:
+            raise ValueError(f"lengths must be [B={codes.shape[0]}], got {tuple(lengths.shape)}")
+        if lengths.numel() and (lengths.min() < 1 or lengths.max() > codes.shape[-1]):
+            raise ValueError(f"lengths must lie in [1, {codes.shape[-1]}], got {lengths.tolist()}")
+
+    def decode(self, codes: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batched call over right-padded requests.
+
+        codes: [B, Q, T] (positions >= lengths[b] are padding, any value); lengths: [B] frame counts.
+        Returns wave [B, S_max] (zero past each request's end) and wave_lengths [B] =
+        samples_for_frames(lengths). Each row equals decoding that request alone.
+        """
+        self._check_codes_shape_only(codes)
+        lengths = lengths.to(device=codes.device, dtype=torch.long)
+        self._check_lengths(codes, lengths)
+        frames = int(lengths.max()) if lengths.numel() else 0
+        codes = codes[..., :frames]
+        valid = torch.arange(frames, device=codes.device)[None, :] < lengths[:, None]  # [B, T]
+        # Padding may hold anything (e.g. -1): replace it with a valid id. Causality keeps it out of valid samples.
+        codes = codes.masked_fill(~valid[:, None, :], 0)
+        self._check_codes(codes)
+        wave_lengths = self._walk_length(lengths)
+        if frames == 0:
+            return codes.new_zeros((codes.shape[0], 0), dtype=self.code_embedding.weight.dtype), wave_lengths
+        wave = self._synthesize(codes)[:, 0]
+        wave = wave[:, : int(wave_lengths.max())]
+        in_range = torch.arange(wave.shape[-1], device=wave.device)[None, :] < wave_lengths[:, None]
+        return wave * in_range, wave_lengths
+
+    def decode_with_context(
+        self, codes: torch.Tensor, lengths: torch.Tensor, left_context: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched streaming decode: row b holds ``left_context[b]`` already-decoded frames, then new ones.
+
+        Returns only the new samples, left-aligned: wave [B, S_max] and lengths [B] =
+        samples_for_frames(lengths) - left_context * samples_per_frame.
+        """
+        self._check_codes_shape_only(codes)
+        lengths = lengths.to(device=codes.device, dtype=torch.long)
+        left_context = left_context.to(device=codes.device, dtype=torch.long)
+        if left_context.shape != lengths.shape:
+            raise ValueError(f"left_context must be shaped like lengths {tuple(lengths.shape)}")
+        if left_context.numel() and (left_context.min() < 0 or (left_context >= lengths).any()):
+            raise ValueError(
+                f"need 0 <= left_context < lengths (at least one new frame), got left_context="
+                f"{left_context.tolist()}, lengths={lengths.tolist()}"
+            )
+        wave, wave_lengths = self.decode(codes, lengths)
+        skip = left_context * self.samples_per_frame
+        new_lengths = wave_lengths - skip
+        width = int(new_lengths.max()) if new_lengths.numel() else 0
+        index = skip[:, None] + torch.arange(width, device=wave.device)[None, :]
+        inside = index < wave_lengths[:, None]
+        new_wave = wave.gather(1, index.clamp(max=max(wave.shape[-1] - 1, 0)))
+        return new_wave * inside, new_lengths
+
+    def decode_chunk(self, codes: torch.Tensor, left_context: int) -> torch.Tensor:
+        """One request: codes [Q, T] whose first ``left_context`` frames are context -> new samples [S]."""
+        if codes.dim() != 2:
+            raise ValueError(f"codes must be [Q, T], got {tuple(codes.shape)}")
+        lengths = torch.tensor([codes.shape[-1]], device=codes.device)
+        context = torch.tensor([left_context], device=codes.device)
+        wave, new_lengths = self.decode_with_context(codes[None], lengths, context)
+        return wave[0, : int(new_lengths[0])]
+
+    def chunked_decode(
+        self, codes: torch.Tensor, chunk_size: int = 300, left_context_size: int = 25
+    ) -> torch.Tensor:
+        """Reference chunked decoding of one request, codes [Q, T] -> wave [S].
+
+        Chunk k covers frames [k*chunk_size, (k+1)*chunk_size) with up to ``left_context_size`` frames of
+        context in front; the context's samples are dropped. All chunks run as one batched call.
+        """
+        if codes.dim() != 2:
+            raise ValueError(f"codes must be [Q, T], got {tuple(codes.shape)}")
+        if chunk_size < 1 or left_context_size < 0:
+            raise ValueError(
+                f"need chunk_size >= 1 and left_context_size >= 0, got {chunk_size}, {left_context_size}"
+            )
+        total = codes.shape[-1]
+        if total == 0:
+            return codes.new_zeros((0,), dtype=self.code_embedding.weight.dtype)
+        starts = list(range(0, total, chunk_size))
+        contexts = [min(left_context_size, s) for s in starts]
+        ends = [min(s + chunk_size, total) for s in starts]
+        width = max(e - s + c for s, e, c in zip(starts, ends, contexts))
+        batch = codes.new_zeros((len(starts), codes.shape[0], width))
+        for row, (s, e, c) in enumerate(zip(starts, ends, contexts)):
+            batch[row, :, : e - s + c] = codes[:, s - c : e]
+        lengths = torch.tensor([e - s + c for s, e, c in zip(starts, ends, contexts)], device=codes.device)
+        context = torch.tensor(contexts, device=codes.device)
+        wave, new_lengths = self.decode_with_context(batch, lengths, context)
+        return torch.cat([wave[row, :n] for row, n in enumerate(new_lengths.tolist())])
