@@ -1,0 +1,188 @@
+"""Pre-norm decoder layers and a paged-KV decoder stack shared by the Thinker and the Talker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.attention.backend import AttentionMetadata, paged_attention
+from omnistage.models.layers.attention import AttendFn, QKNormAttention
+from omnistage.models.layers.mlp import GatedMLP, check_activation
+from omnistage.models.layers.moe import SparseMoE
+from omnistage.models.layers.norm import RMSNorm
+from omnistage.models.layers.rotary import RotaryEmbedding, rope_theta
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of a Qwen3(-MoE) decoder. ``sparse_layers`` lists the layers whose MLP is a mixture of experts."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even, got {self.head_dim}")
+        if any(not 0 <= i < self.num_layers for i in self.sparse_layers):
+            raise ValueError(f"sparse_layers {self.sparse_layers} out of range for {self.num_layers} layers")
+        if self.sparse_layers:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError("moe_intermediate_size must be positive when the decoder has MoE layers")
+        if len(self.sparse_layers) < self.num_layers and self.intermediate_size <= 0:
+            raise ValueError("intermediate_size must be positive when the decoder has dense layers")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+
+    @classmethod
+    def from_hf(cls, cfg: Any, *, all_sparse: bool = False, shared_expert: bool = False) -> DecoderConfig:
+        """Read a transformers text config.
+
+        ``all_sparse``: every layer is MoE regardless of ``mlp_only_layers``/``decoder_sparse_step`` (the Talker's
+        layers always are). Otherwise the Qwen3-MoE rule applies: MoE unless listed in ``mlp_only_layers``, when
+        ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``.
+        """
+        check_activation(getattr(cfg, "hidden_act", "silu"))
+        num_layers = cfg.num_hidden_layers
+        num_experts = getattr(cfg, "num_experts", 0) or 0
+        if all_sparse:
+            sparse = tuple(range(num_layers))
+        else:
+            mlp_only = set(getattr(cfg, "mlp_only_layers", None) or [])
+            step = getattr(cfg, "decoder_sparse_step", 1) or 1
+            sparse = tuple(
+                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+            )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+            layer_types = getattr(cfg, "layer_types", None) or []
+            if "sliding_attention" in layer_types:
+                raise ValueError("sliding-window attention layers are not supported")
+        return cls(
+            hidden_size=cfg.hidden_size,
+            num_layers=num_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=rope_theta(cfg),
+            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            num_experts=num_experts,
+            num_experts_per_tok=getattr(cfg, "num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
+            sparse_layers=sparse,
+            shared_expert_intermediate_size=(
+                getattr(cfg, "shared_expert_intermediate_size", 0) or 0 if shared_expert else 0
+            ),
+        )
+
+
+def paged_attend(kv_cache: torch.Tensor, meta: AttentionMetadata) -> AttendFn:
+    """Bind one layer's paged cache and the step's metadata into an ``attend`` callable."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, meta, scale)
+
+    return attend
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = QKNormAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.attention_bias,
+        )
+        self.mlp: nn.Module
+        if layer_idx in cfg.sparse_layers:
+            self.mlp = SparseMoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class PagedDecoder(nn.Module):
+    """``layers`` + final ``norm`` over flattened token rows with one paged KV cache per layer.
+
+    Subclasses add their own embedding table under the checkpoint's name.
+    """
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+        capture_layer: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: [N, H] layer-0 input -> (final-normed [N, H], hidden entering layer ``capture_layer`` or None).
+
+        ``capture_layer == num_layers`` captures the final-normed output (what transformers reports last).
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        if positions.shape[0] != h.shape[0]:
+            raise ValueError(f"positions has {positions.shape[0]} rows, hidden has {h.shape[0]}")
+        cos, sin = self.rotary(positions, h.dtype)
+        captured = None
+        for i, layer in enumerate(self.layers):
+            if i == capture_layer:
+                captured = h
+            h = layer(h, cos, sin, paged_attend(kv_caches[i], attn_meta))
+        h = self.norm(h)
+        if capture_layer == len(self.layers):
+            captured = h
+        return h, captured

@@ -1,0 +1,104 @@
+"""Qwen3-Omni Talker: a Qwen3-MoE decoder (every layer MoE + sigmoid-gated shared expert) over codec rows.
+
+Names follow the checkpoint with ``talker.`` stripped: ``model.codec_embedding``, ``model.layers.N.*``,
+``model.norm``, ``codec_head``, ``text_projection``, ``hidden_projection`` and ``code_predictor.*``.
+
+Positions (text-only input): row i of the talker sequence (prefill rows 0..L-1, decode step k at L+k) has
+position i; transformers' talker MRoPE reduces to that when no audio/image/video is in the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.attention.backend import AttentionMetadata
+from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
+from omnistage.models.layers.mlp import ResizeMLP, check_activation
+from omnistage.models.qwen3_omni.code_predictor import CodePredictor, SampleFn
+
+# generate() keeps the top this-many codec ids for control tokens and never lets the talker sample them.
+NUM_RESERVED_CODEC_IDS = 1024
+
+
+class TalkerTextModel(PagedDecoder):
+    def __init__(self, cfg: DecoderConfig, vocab_size: int) -> None:
+        super().__init__(cfg)
+        self.codec_embedding = nn.Embedding(vocab_size, cfg.hidden_size)
+
+
+class Talker(nn.Module):
+    """Built from the full Qwen3OmniMoeConfig (reads ``talker_config``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        tcfg = config.talker_config
+        text_cfg = tcfg.text_config
+        check_activation(getattr(text_cfg, "hidden_act", "silu"))
+        # transformers' talker layer always installs the shared-expert MoE, whatever mlp_only_layers says.
+        self.cfg = DecoderConfig.from_hf(text_cfg, all_sparse=True, shared_expert=True)
+        if self.cfg.shared_expert_intermediate_size <= 0:
+            raise ValueError("talker text_config.shared_expert_intermediate_size must be positive")
+        self.vocab_size = text_cfg.vocab_size
+        self.codec_eos_id = int(tcfg.codec_eos_token_id)
+        if self.vocab_size <= NUM_RESERVED_CODEC_IDS or not 0 <= self.codec_eos_id < self.vocab_size:
+            raise ValueError(
+                f"talker vocab {self.vocab_size} must exceed {NUM_RESERVED_CODEC_IDS} and hold codec_eos "
+                f"{self.codec_eos_id}"
+            )
+        cp_cfg = tcfg.code_predictor_config
+        if cp_cfg.hidden_size != self.cfg.hidden_size:
+            raise ValueError("code predictor hidden_size must equal the talker hidden_size")
+        if cp_cfg.num_code_groups != tcfg.num_code_groups:
+            raise ValueError("talker and code predictor disagree on num_code_groups")
+        self.num_code_groups = int(tcfg.num_code_groups)
+
+        self.model = TalkerTextModel(self.cfg, self.vocab_size)
+        self.codec_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
+        if getattr(tcfg, "tie_word_embeddings", False):
+            self.codec_head.weight = self.model.codec_embedding.weight
+        thinker_hidden = int(tcfg.thinker_hidden_size)
+        self.text_projection = ResizeMLP(thinker_hidden, text_cfg.intermediate_size, self.cfg.hidden_size)
+        self.hidden_projection = ResizeMLP(thinker_hidden, text_cfg.intermediate_size, self.cfg.hidden_size)
+        self.code_predictor = CodePredictor(cp_cfg)
+
+        suppressed = torch.zeros(self.vocab_size, dtype=torch.bool)
+        suppressed[self.vocab_size - NUM_RESERVED_CODEC_IDS :] = True
+        suppressed[self.codec_eos_id] = False
+        self.suppressed = nn.Buffer(suppressed, persistent=False)
+
+    def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.codec_embedding(ids)
+
+    def project_text(self, thinker_embeds: torch.Tensor) -> torch.Tensor:
+        """Thinker layer-0 embeddings [..., H_thinker] -> talker rows [..., H]."""
+        return self.text_projection(thinker_embeds)
+
+    def project_hidden(self, thinker_hidden: torch.Tensor) -> torch.Tensor:
+        """Thinker accept-layer hidden rows (multimodal positions) -> talker rows."""
+        return self.hidden_projection(thinker_hidden)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden, _ = self.model.run_layers(inputs_embeds, positions, kv_caches, attn_meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor, suppress: bool = True) -> torch.Tensor:
+        """[M, H] -> [M, vocab]; the reserved top ids except codec_eos are -inf (as generate's suppress_tokens)."""
+        logits = self.codec_head(hidden)
+        if suppress:
+            logits = logits.masked_fill(self.suppressed, float("-inf"))
+        return logits
+
+    def predict_codes(
+        self, talker_hidden: torch.Tensor, code0: torch.Tensor, sample: SampleFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Complete the frames of B requests: (codes [B, Q] with code0 first, embed_sum [B, H])."""
+        return self.code_predictor.predict(talker_hidden, code0, self.embed_codec(code0), sample)
