@@ -182,14 +182,15 @@ class Orchestrator:
             self.sink(RequestDelta(req_id, new_token_ids=list(tokens)))
         for req_id, payload in ev.stage_outputs.items():
             tracked = self.requests.get(req_id)
-            if tracked is not None and tracked.wants_audio:
+            # A Talker that already stopped (codec_eos or its own limit) needs no more text.
+            if tracked is not None and self.names.talker in tracked.pending_stages:
                 self.connector.put(self.names.thinker, self.names.talker, req_id, payload)
         for req_id, reason in ev.finished.items():
             tracked = self.requests.get(req_id)
             if tracked is None:
                 continue
             tracked.finish_reason = reason
-            if tracked.wants_audio:
+            if self.names.talker in tracked.pending_stages:
                 self.connector.put(self.names.thinker, self.names.talker, req_id, _END)
             self._stage_done(req_id, self.names.thinker, reason)
 
@@ -200,6 +201,7 @@ class Orchestrator:
                 self.sink(RequestDelta(req_id, codes=payload["frames"].T.contiguous()))
         for req_id in ev.finished:
             if req_id in self.requests:
+                self.t2t.on_talker_finished(req_id)
                 self.connector.put(self.names.talker, self.names.code2wav, req_id, _END)
                 self._stage_done(req_id, self.names.talker, None)
 

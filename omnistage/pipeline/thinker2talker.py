@@ -102,6 +102,10 @@ class Thinker2Talker:
     def abort(self, req_id: str) -> None:
         self._states.pop(req_id, None)
 
+    def on_talker_finished(self, req_id: str) -> None:
+        """The Talker stopped before the Thinker did: later text for this request is dropped."""
+        self._states.pop(req_id, None)
+
     @property
     def num_pending(self) -> int:
         return len(self._states)

@@ -1,0 +1,227 @@
+"""End-to-end: Thinker -> Talker -> Code2Wav under concurrency, against transformers' generate(return_audio=True).
+
+Greedy float32 on the tiny checkpoint. Three prompts of different lengths run concurrently with staggered
+arrivals; each request's text tokens and codec codes must equal the reference exactly and its waveform to
+1e-4 (chunking matched to the reference: 300 frames, 25 of left context).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from omnistage.config import load_pipeline_config
+from omnistage.config.input_processors import TALKER2CODE2WAV_REFERENCE_ARGS
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.pipeline.engine import EngineArgs, OmniEngine
+
+PROMPTS = [
+    "Hi",
+    "Tell me a short story about the sea and a small boat.",
+    [
+        {"role": "system", "content": "You are a helpful voice assistant."},
+        {"role": "user", "content": "What is the weather like?"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "And tomorrow?"},
+    ],
+]
+THINKER_TOKENS = [6, 9, 7]
+TALKER_TOKENS = 24
+
+
+def make_engine(ckpt, processor_args=None, **stage_overrides):
+    overrides = {"stages": {"code2wav": {"processor_args": dict(processor_args or TALKER2CODE2WAV_REFERENCE_ARGS)}}}
+    for stage, values in stage_overrides.items():
+        overrides["stages"].setdefault(stage, {}).update(values)
+    return OmniEngine(EngineArgs(str(ckpt)), load_pipeline_config("qwen3_omni", overrides))
+
+
+def params(i):
+    n = THINKER_TOKENS[i]
+    return {
+        "thinker": SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n),
+        "talker": SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.0),
+    }
+
+
+def run(engine, schedule, aborts=None):
+    """schedule: {step: [prompt index, ...]}; returns per prompt index: tokens, codes, audio, finish."""
+    aborts = aborts or {}
+    ids, results, step = {}, {}, 0
+    pending = {k: list(v) for k, v in schedule.items()}
+    while pending or engine.has_work():
+        for i in pending.pop(step, []):
+            ids[engine.add_request(PROMPTS[i], ["text", "audio"], params(i), speaker="ethan")] = i
+        for i in aborts.get(step, []):
+            rid = next(r for r, j in ids.items() if j == i)
+            assert engine.abort(rid)
+        for d in engine.step():
+            r = results.setdefault(ids[d.req_id], {"tokens": [], "codes": [], "audio": [], "finish": None})
+            r["tokens"] += d.new_token_ids
+            if d.codes is not None:
+                r["codes"].append(d.codes)
+            if d.audio is not None:
+                r["audio"].append(d.audio)
+            if d.finished:
+                r["finish"] = d.finish_reason
+        step += 1
+        assert step < 2000
+    for r in results.values():
+        r["codes"] = torch.cat(r["codes"], 1) if r["codes"] else None
+        r["audio"] = torch.cat(r["audio"]) if r["audio"] else torch.zeros(0)
+    return results
+
+
+def assert_all_free(engine):
+    stats = engine.resource_stats()
+    for stage in ("thinker", "talker"):
+        s = stats[stage]
+        assert s["kv_free_blocks"] == s["kv_blocks"], (stage, s)
+        assert s["buffer_entries"] == 0 and s["batch_size"] == 0, (stage, s)
+        assert s["running"] == 0 and s["waiting"] == 0, (stage, s)
+    assert stats["code2wav"]["pending_chunks"] == 0 and stats["code2wav"]["waiting"] == 0
+    assert stats["connector_pending"] == 0
+    assert stats["thinker2talker_pending"] == 0 and stats["talker2code2wav_pending"] == 0
+    assert stats["requests"] == 0
+
+
+@functools.lru_cache(maxsize=None)
+def reference(ckpt_str: str, i: int):
+    """transformers' greedy generate for prompt i: (generated ids, codes [Q, T], waveform)."""
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    hf = _hf(ckpt_str)
+    tok = AutoTokenizer.from_pretrained(ckpt_str)
+    prompt = PROMPTS[i]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    input_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+    captured = {}
+    original = hf.code2wav.chunked_decode
+
+    def spy(codes, **kw):
+        captured["codes"] = codes[0].clone()
+        return original(codes, **kw)
+
+    hf.code2wav.chunked_decode = spy
+    try:
+        n = THINKER_TOKENS[i]
+        with torch.no_grad():
+            seq, wav = hf.generate(
+                input_ids,
+                speaker="ethan",
+                return_audio=True,
+                thinker_max_new_tokens=n,
+                thinker_min_new_tokens=n,
+                thinker_eos_token_id=hf.config.im_end_token_id,
+                talker_max_new_tokens=TALKER_TOKENS,
+                talker_do_sample=False,
+                talker_repetition_penalty=1.0,
+            )
+    finally:
+        hf.code2wav.chunked_decode = original
+    assert isinstance(Qwen3OmniMoeForConditionalGeneration, type)
+    return seq[0, input_ids.shape[1] :].tolist(), captured["codes"], wav.reshape(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf(ckpt_str: str):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt_str, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    return make_engine(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def concurrent(engine):
+    out = run(engine, {0: [1], 2: [0], 5: [2]})
+    assert_all_free(engine)
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_concurrent_requests_match_transformers(tiny_ckpt, concurrent, i):
+    tokens, codes, wav = reference(str(tiny_ckpt), i)
+    got = concurrent[i]
+    assert got["tokens"] == tokens
+    assert got["finish"] == "length"
+    assert got["codes"] is not None and got["codes"].shape == codes.shape
+    assert torch.equal(got["codes"], codes)
+    assert got["audio"].shape == wav.shape
+    assert (got["audio"] - wav).abs().max().item() <= 1e-4
+
+
+def test_batch_invariance_alone_vs_mixed_with_abort(engine, concurrent):
+    for i in range(len(PROMPTS)):
+        alone = run(engine, {0: [i]})[i]
+        assert alone["tokens"] == concurrent[i]["tokens"]
+        assert torch.equal(alone["codes"], concurrent[i]["codes"])
+        assert (alone["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
+    # A request aborted mid-flight does not disturb the others, and frees everything it held.
+    mixed = run(engine, {0: [0, 1], 1: [2]}, aborts={4: [1]})
+    assert mixed[1]["finish"] == "abort"
+    for i in (0, 2):
+        assert mixed[i]["tokens"] == concurrent[i]["tokens"]
+        assert torch.equal(mixed[i]["codes"], concurrent[i]["codes"])
+    assert_all_free(engine)
+
+
+def test_text_only_request_never_reaches_the_talker(engine):
+    seen = []
+    engine.orchestrator.on_step = lambda ev: seen.append((ev.stage, set(ev.client_outputs) | set(ev.finished)))
+    try:
+        rid = engine.add_request("Hi", ["text"], SamplingParams(temperature=0.0, max_tokens=4))
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.orchestrator.on_step = None
+    assert any(stage == "thinker" and rid in ids for stage, ids in seen)
+    assert not any(stage != "thinker" and rid in ids for stage, ids in seen)
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("abort_step", [0, 2, 6, 12])
+def test_abort_at_each_stage_frees_everything(engine, abort_step):
+    run(engine, {0: [1]}, aborts={abort_step: [1]})
+    assert_all_free(engine)
+
+
+def test_streaming_audio_arrives_before_thinker_finishes_and_matches_chunked_decode(tiny_ckpt):
+    args = {"first_chunk_frames": 4, "chunk_frames": 4, "left_context_frames": 2}
+    eng = make_engine(tiny_ckpt, args)
+    n = 30
+    p = {
+        "thinker": SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n),
+        "talker": SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, repetition_penalty=1.0),
+    }
+    rid = eng.add_request(PROMPTS[1], ["text", "audio"], p, speaker="ethan")
+    text_done_at = first_audio_at = None
+    audio, codes, step = [], [], 0
+    while eng.has_work():
+        step += 1
+        for d in eng.step():
+            assert d.req_id == rid
+            if d.audio is not None:
+                audio.append(d.audio)
+                first_audio_at = first_audio_at or step
+            if d.codes is not None:
+                codes.append(d.codes)
+        if text_done_at is None and eng.orchestrator.thinker.scheduler.get_request(rid) is None:
+            text_done_at = step
+    assert first_audio_at is not None and text_done_at is not None
+    assert first_audio_at < text_done_at, "audio must stream while the Thinker is still writing"
+    code2wav = eng.orchestrator.code2wav.runner.model.code2wav
+    all_codes = torch.cat(codes, 1)
+    with torch.no_grad():
+        expect = code2wav.chunked_decode(all_codes, chunk_size=4, left_context_size=2)
+    got = torch.cat(audio)
+    assert got.shape == expect.shape
+    assert (got - expect).abs().max().item() <= 1e-5
+    assert_all_free(eng)
