@@ -23,7 +23,6 @@ from omnistage.config import (
     PipelineConfig,
     StageConfig,
     load_pipeline_config,
-    resolve_stage_runner,
     validate_pipeline,
 )
 from omnistage.core.generation_scheduler import GenerationScheduler
@@ -42,6 +41,7 @@ from omnistage.pipeline.talker2code2wav import Talker2Code2Wav
 from omnistage.pipeline.thinker2talker import Thinker2Talker
 from omnistage.runner.ar_runner import ARModelRunner
 from omnistage.runner.generation_runner import GenerationRunner
+from omnistage.runner.graph_runner import GraphARModelRunner, GraphRunnerConfig
 
 # What Qwen3-Omni's stage models declare (validated against the stage config before any request runs).
 QWEN3_OMNI_CAPABILITIES = {
@@ -82,7 +82,7 @@ def _kv_blocks(stage: StageConfig, model, dtype: torch.dtype) -> int:
     return max(per_request, min(fit, per_request * s.max_num_seqs))
 
 
-def _ar_stage(stage: StageConfig, model, dtype: torch.dtype, device: str) -> ARStageEngine:
+def _ar_stage(stage: StageConfig, model, dtype: torch.dtype, device: str, runner_version: str) -> ARStageEngine:
     num_blocks = _kv_blocks(stage, model, dtype)
     s = stage.scheduler
     sched = ARScheduler(
@@ -94,7 +94,16 @@ def _ar_stage(stage: StageConfig, model, dtype: torch.dtype, device: str) -> ARS
             num_blocks=num_blocks,
         )
     )
-    runner = ARModelRunner(model, num_blocks=num_blocks, block_size=s.block_size, dtype=dtype, device=device)
+    if runner_version == "v2":
+        buckets = tuple(1 << i for i in range((s.max_num_seqs - 1).bit_length() + 1))
+        # The MoE layers read routing counts on the host, which CUDA graph capture forbids: on CUDA the v2
+        # runner keeps its static buffers but replays nothing (see docs/structure.md, runner/graph_runner).
+        graph = GraphRunnerConfig(decode_buckets=buckets, max_model_len=s.max_model_len,
+                                  full_graph=torch.device(device).type != "cuda")
+        runner = GraphARModelRunner(model, num_blocks=num_blocks, block_size=s.block_size, dtype=dtype,
+                                    device=device, graph_config=graph)
+    else:
+        runner = ARModelRunner(model, num_blocks=num_blocks, block_size=s.block_size, dtype=dtype, device=device)
     return ARStageEngine(stage.name, sched, runner)
 
 
@@ -119,11 +128,7 @@ class OmniEngine:
         self.args = args
         model_dir = Path(args.model)
         self.pipeline = pipeline or load_pipeline_config(args.stage_config)
-        validate_pipeline(self.pipeline, QWEN3_OMNI_CAPABILITIES)
-        for stage in self.pipeline.stages:
-            runner = resolve_stage_runner(stage, self.pipeline)
-            if runner != "v1":
-                raise ValueError(f"stage {stage.name!r}: runner {runner!r} is not available in this build")
+        self.runners = validate_pipeline(self.pipeline, QWEN3_OMNI_CAPABILITIES)
         self.stage_configs = {s.model_part: s for s in self.pipeline.stages}
         if "thinker" not in self.stage_configs:
             raise ValueError("the pipeline needs a thinker stage")
@@ -138,7 +143,8 @@ class OmniEngine:
         thinker = Thinker(self.hf_config)
         load_into(thinker, model_dir, "thinker.", dtype, skip=("audio_tower.", "visual."))
         thinker.to(device).eval()
-        thinker_stage = _ar_stage(self.stage_configs["thinker"], ThinkerStageModel(thinker), dtype, device)
+        th_cfg = self.stage_configs["thinker"]
+        thinker_stage = _ar_stage(th_cfg, ThinkerStageModel(thinker), dtype, device, self.runners[th_cfg.name])
 
         talker_engine = code2wav_engine = t2t = t2c = None
         self.speakers: dict[str, int] = {}
@@ -150,7 +156,8 @@ class OmniEngine:
             with torch.inference_mode():
                 specials = text_specials(talker, thinker.model.embed_tokens, ids)
             self.talker_model = TalkerStageModel(talker, ids, specials)
-            talker_engine = _ar_stage(self.stage_configs["talker"], self.talker_model, dtype, device)
+            tk_cfg = self.stage_configs["talker"]
+            talker_engine = _ar_stage(tk_cfg, self.talker_model, dtype, device, self.runners[tk_cfg.name])
             t2t = Thinker2Talker(talker_engine, self.talker_model)
             code2wav = Code2Wav(self.hf_config.code2wav_config)
             load_into(code2wav, model_dir, "code2wav.", dtype)

@@ -225,3 +225,23 @@ def test_streaming_audio_arrives_before_thinker_finishes_and_matches_chunked_dec
     assert got.shape == expect.shape
     assert (got - expect).abs().max().item() <= 1e-5
     assert_all_free(eng)
+
+
+def test_v2_runner_gives_identical_tokens_codes_and_audio(tiny_ckpt, concurrent):
+    from omnistage.runner.graph_runner import GraphARModelRunner
+
+    eng = OmniEngine(
+        EngineArgs(str(tiny_ckpt)),
+        load_pipeline_config(
+            "qwen3_omni",
+            {"runner": "v2", "stages": {"code2wav": {"processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}},
+        ),
+    )
+    assert isinstance(eng.orchestrator.talker.runner, GraphARModelRunner)
+    v2 = run(eng, {0: [1], 2: [0], 5: [2]})
+    for i in range(len(PROMPTS)):
+        assert v2[i]["tokens"] == concurrent[i]["tokens"]
+        assert torch.equal(v2[i]["codes"], concurrent[i]["codes"])
+        assert (v2[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
+    assert eng.orchestrator.talker.runner.stats.replays > 0
+    assert_all_free(eng)

@@ -36,6 +36,9 @@ _NO_UPDATES = None
 
 
 class ThinkerStageModel:
+    # Row-aligned aux outputs only (embeds, positions): safe to rebuild after a graph replay.
+    supports_full_graph_aux_outputs = True
+
     def __init__(self, thinker: Thinker) -> None:
         self.thinker = thinker
         cfg = thinker.cfg
@@ -86,6 +89,8 @@ CODE_PREDICTOR_TOP_P = 0.8
 
 
 class TalkerStageModel:
+    supports_full_graph_aux_outputs = True
+
     def __init__(self, talker: Talker, ids: TalkerTokenIds, specials: TextSpecials) -> None:
         self.talker = talker
         self.ids = ids
