@@ -1,0 +1,106 @@
+"""The ``omnistage`` command: make-checkpoint, generate, serve, bench (one function per subcommand)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import wave
+from pathlib import Path
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    from omnistage.testing.checkpoint import build_checkpoint
+
+    path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed)
+    print(path)
+    return 0
+
+
+def write_wav(path: str | Path, audio, sample_rate: int) -> None:
+    """float32 mono in [-1, 1] -> 16-bit PCM WAV."""
+    import torch
+
+    pcm = (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().tobytes()
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from omnistage import Omni, SamplingParams
+
+    omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device)
+    modalities = ["text", "audio"] if args.audio else ["text"]
+    params = {"thinker": SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
+    prompts = args.prompt
+    outs = omni.generate(prompts, modalities=modalities, sampling_params=params, speaker=args.voice,
+                         use_tqdm=len(prompts) > 1)
+    for i, out in enumerate(outs):
+        print(out.text)
+        if args.audio:
+            path = Path(args.audio)
+            if len(outs) > 1:
+                path = path.with_name(f"{path.stem}-{i}{path.suffix}")
+            write_wav(path, out.audio, out.sample_rate)
+            print(f"wrote {path} ({out.audio.numel() / out.sample_rate:.2f} s at {out.sample_rate} Hz)",
+                  file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from omnistage.entrypoints.server import serve_from_args
+
+    return serve_from_args(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from omnistage.entrypoints.bench import run_from_args
+
+    return run_from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-checkpoint", help="write a random Qwen3-Omni checkpoint in the HF format")
+    p.add_argument("dir")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-gqa", "small"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_checkpoint)
+
+    p = sub.add_parser("generate", help="answer prompts offline (text, and speech with --audio)")
+    p.add_argument("prompt", nargs="+")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--stage-config", default="qwen3_omni")
+    p.add_argument("--audio", metavar="OUT.wav", help="also speak the answer and write it here")
+    p.add_argument("--voice", default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_generate)
+
+    from omnistage.entrypoints.bench import add_bench_arguments
+    from omnistage.entrypoints.server import add_serve_arguments
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_arguments(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="drive a running server and print latency percentiles")
+    add_bench_arguments(p)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

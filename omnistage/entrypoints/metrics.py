@@ -1,0 +1,124 @@
+"""Prometheus metrics of one server (its own ``CollectorRegistry``, so several apps can share a process).
+
+Gauges (queue depths, KV usage, pending payloads) are refreshed from ``AsyncOmni.resource_stats()`` at
+scrape time; counters and histograms are fed by the server per request and by the engine's ``on_step``
+hook per stage step (the hook runs on the engine thread; prometheus_client is thread-safe).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_RTF_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+_PENDING_KEYS = ("connector_pending", "thinker2talker_pending", "talker2code2wav_pending")
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("omnistage_num_requests_running", "Requests running in a stage", ["stage"], registry=r)
+        self.waiting = Gauge("omnistage_num_requests_waiting", "Requests waiting in a stage", ["stage"], registry=r)
+        self.kv_usage = Gauge("omnistage_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["stage"], registry=r)
+        self.buffer_entries = Gauge(
+            "omnistage_intermediate_buffer_entries", "Per-request intermediate buffer entries", ["stage"], registry=r
+        )
+        self.pending = Gauge("omnistage_pending_payloads", "Inter-stage payloads not yet consumed", ["queue"],
+                             registry=r)
+        self.in_flight = Gauge("omnistage_requests_in_flight", "Requests tracked by the orchestrator", registry=r)
+        self.prompt_tokens = Counter("omnistage_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("omnistage_generation_tokens", "Text tokens generated", registry=r)
+        self.audio_seconds = Counter("omnistage_audio_seconds", "Seconds of audio generated", registry=r)
+        self.requests = Counter("omnistage_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.ttft = Histogram("omnistage_time_to_first_token_seconds", "Time to first text token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("omnistage_inter_token_latency_seconds", "Time between text tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("omnistage_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("omnistage_time_to_first_audio_seconds", "Time to first audio chunk",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram("omnistage_real_time_factor", "Request wall time / seconds of audio produced",
+                             buckets=_RTF_BUCKETS, registry=r)
+        self.step_time = Histogram("omnistage_stage_step_seconds", "Wall time of one stage step", ["stage"],
+                                   buckets=_STEP_BUCKETS, registry=r)
+        self.step_tokens = Counter("omnistage_stage_step_tokens", "Tokens (rows) processed by stage steps",
+                                   ["stage"], registry=r)
+
+    # ---- engine hook (engine thread) ---------------------------------------------------------------
+    def observe_step(self, events: Any) -> None:
+        self.step_time.labels(events.stage).observe(events.step_time)
+        if events.num_tokens:
+            self.step_tokens.labels(events.stage).inc(events.num_tokens)
+
+    # ---- scrape ------------------------------------------------------------------------------------
+    def update_resources(self, stats: Mapping[str, Any]) -> None:
+        for stage in ("thinker", "talker", "code2wav"):
+            s = stats.get(stage)
+            if not isinstance(s, Mapping):
+                continue
+            self.running.labels(stage).set(s.get("running", 0))
+            self.waiting.labels(stage).set(s.get("waiting", 0))
+            if "kv_usage" in s:
+                self.kv_usage.labels(stage).set(s["kv_usage"])
+            if "buffer_entries" in s:
+                self.buffer_entries.labels(stage).set(s["buffer_entries"])
+        for key in _PENDING_KEYS:
+            if key in stats:
+                self.pending.labels(key.removesuffix("_pending")).set(stats[key])
+        self.in_flight.set(stats.get("requests", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping; call ``tokens``/``audio`` as deltas arrive and ``finish`` once."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last_token: float | None = None
+        self.first_audio: float | None = None
+        self.num_tokens = 0
+        self.audio_samples = 0
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            # A delta may carry several tokens: spread its gap evenly over them.
+            gap = (now - self.last_token) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last_token = now
+        self.num_tokens += n
+        self.metrics.generation_tokens.inc(n)
+
+    def audio(self, num_samples: int) -> None:
+        if num_samples <= 0:
+            return
+        if self.first_audio is None:
+            self.first_audio = time.monotonic()
+            self.metrics.ttfa.observe(self.first_audio - self.start)
+        self.audio_samples += num_samples
+
+    def finish(self, finish_reason: str | None, sample_rate: int | None) -> None:
+        elapsed = time.monotonic() - self.start
+        self.metrics.e2e.observe(elapsed)
+        self.metrics.requests.labels(finish_reason or "unknown").inc()
+        if self.audio_samples and sample_rate:
+            seconds = self.audio_samples / sample_rate
+            self.metrics.audio_seconds.inc(seconds)
+            self.metrics.rtf.observe(elapsed / seconds)

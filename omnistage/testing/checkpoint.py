@@ -1,0 +1,61 @@
+"""Build a random Qwen3-Omni checkpoint in the real Hugging Face format, fully offline."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+from omnistage.testing.presets import build_config_dict, build_generation_config_dict, get_preset
+from omnistage.testing.tokenizer import save_tokenizer, tokenizer_ids, train_tokenizer
+from omnistage.testing.weights import init_state_dict, to_hub_layout, write_safetensors
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def make_hf_config(config_dict: dict) -> Qwen3OmniMoeConfig:
+    with warnings.catch_warnings():
+        # mrope keys in the talker's rope_parameters are flagged as unknown by the validator; they are used.
+        warnings.simplefilter("ignore")
+        return Qwen3OmniMoeConfig(**config_dict)
+
+
+def build_state(config: Qwen3OmniMoeConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors (hub names), seeded by `seed`, stored as `dtype`."""
+    with torch.device("meta"):
+        skeleton = Qwen3OmniMoeForConditionalGeneration(config)
+    state = to_hub_layout(init_state_dict(skeleton, seed))
+    return {k: v.to(dtype) for k, v in state.items()}
+
+
+def build_checkpoint(
+    out_dir: str | Path, preset: str = "tiny", seed: int = 0, max_shard_bytes: int | None = None
+) -> Path:
+    """Write a complete checkpoint directory and return its path.
+
+    Files: config.json, generation_config.json, model.safetensors (or shards + index when
+    `max_shard_bytes` is exceeded), tokenizer.json, tokenizer_config.json, vocab.json, merges.txt.
+    The same (preset, seed) gives byte-identical files.
+    """
+    spec = get_preset(preset)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_tokenizer(spec.bpe_vocab_size)
+    ids = tokenizer_ids(tok)
+    save_tokenizer(tok, out)
+
+    config_dict = build_config_dict(spec, ids)
+    config = make_hf_config(config_dict)
+    _write_json(out / "config.json", config_dict)
+    _write_json(out / "generation_config.json", build_generation_config_dict(ids))
+
+    write_safetensors(build_state(config, seed, _DTYPES[spec.storage_dtype]), out, max_shard_bytes)
+    return out

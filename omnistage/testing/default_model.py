@@ -1,0 +1,36 @@
+"""The built-in default model: the tiny checkpoint (seed 0), built on first use into a cache directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_PRESET = "tiny"
+DEFAULT_SEED = 0
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
+
+
+def default_model_dir() -> Path:
+    """Path of the built-in checkpoint; built atomically (temp dir, then rename) the first time."""
+    target = cache_root() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}"
+    if (target / "config.json").is_file():
+        return target
+    from omnistage.testing.checkpoint import build_checkpoint
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build_checkpoint(tmp, preset=DEFAULT_PRESET, seed=DEFAULT_SEED)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if someone else won it
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

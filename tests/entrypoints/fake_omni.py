@@ -1,0 +1,111 @@
+"""A deterministic stand-in for ``AsyncOmni`` (same public surface the server uses).
+
+It lets the server tests reach states the real engine cannot be forced into cheaply (a full queue, a
+dead engine) and observe aborts exactly. Text tokens are characters (token id = code point); the answer
+to a prompt is fixed by ``answer``; each audio chunk is a short ramp whose values depend on the token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.pipeline.omni import EngineDeadError, QueueFullError
+from omnistage.pipeline.orchestrator import RequestDelta
+
+SAMPLE_RATE = 24000
+CHUNK = 480
+
+
+class CharTokenizer:
+    eos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i > 0)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.tokenizer = CharTokenizer()
+        self.speakers = {"ethan": 1, "chelsie": 2}
+        self.default_speaker = "ethan"
+        self.sample_rate = SAMPLE_RATE
+        self.max_model_len = 200
+        self.model_name = "fake-omni"
+        self.stage_configs = {
+            "thinker": SimpleNamespace(name="thinker", sampling=SamplingParams(temperature=0.0, max_tokens=64)),
+            "talker": SimpleNamespace(name="talker", sampling=SamplingParams(temperature=0.9, max_tokens=64)),
+        }
+        self.orchestrator = SimpleNamespace(on_step=None)
+
+    def render_prompt(self, messages) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return [ord(c) for m in messages for c in f"<{m['role']}>{m['content']}"]
+
+    def stage_params(self, _):
+        return {part: cfg.sampling for part, cfg in self.stage_configs.items()}
+
+
+def chunk_audio(token: int) -> torch.Tensor:
+    return torch.linspace(-0.5, 0.5, CHUNK) * ((token % 7) + 1) / 8
+
+
+class FakeOmni:
+    def __init__(self, answer: str = "hello world", delay: float = 0.002) -> None:
+        self.engine = FakeEngine()
+        self.answer = answer
+        self.delay = delay
+        self.dead: BaseException | None = None
+        self.queue_full = False
+        self.active: set[str] = set()
+        self.aborted: list[str] = []
+        self.submitted: list[dict] = []
+
+    async def generate(self, prompt, modalities=("text",), sampling_params=None, speaker=None, request_id=None):
+        if self.dead is not None:
+            raise EngineDeadError("engine stopped")
+        if self.queue_full:
+            raise QueueFullError("1 requests are already waiting")
+        if len(prompt) + 1 > self.engine.max_model_len:
+            raise ValueError("prompt too long")
+        self.submitted.append({"prompt": prompt, "modalities": tuple(modalities), "params": sampling_params,
+                               "speaker": speaker, "request_id": request_id})
+        self.active.add(request_id)
+        finished = False
+        params = sampling_params["thinker"]
+        stop_ids = set(params.stop_token_ids)
+        try:
+            tokens = [ord(c) for c in self.answer][: params.max_tokens]
+            reason = "length" if len(tokens) < len(self.answer) else "stop"
+            for tok in tokens:
+                await asyncio.sleep(self.delay)
+                audio = chunk_audio(tok) if "audio" in modalities else None
+                yield RequestDelta(request_id, new_token_ids=[tok], audio=audio)
+                if tok in stop_ids:
+                    reason = "stop"
+                    break
+            finished = True
+            yield RequestDelta(request_id, finished=True, finish_reason=reason)
+        finally:
+            self.active.discard(request_id)
+            if not finished:
+                self.aborted.append(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return False
+
+    async def resource_stats(self) -> dict:
+        n = len(self.active)
+        return {"thinker": {"running": n, "waiting": 0, "kv_usage": 0.1 * n, "buffer_entries": n},
+                "talker": {"running": 0, "waiting": 0, "kv_usage": 0.0, "buffer_entries": 0},
+                "code2wav": {"running": 0, "waiting": 0}, "connector_pending": 0, "requests": n}
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,253 @@
+"""The real server (AsyncOmni on the tiny checkpoint, uvicorn on 127.0.0.1) against the official openai
+client: every answer must equal the offline ``Omni.generate`` result for the same greedy request."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import threading
+import time
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_thread import ServerThread
+from test_audio_format import decode_flac
+
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.entrypoints.audio_format import to_int16
+from omnistage.entrypoints.metrics import ServerMetrics
+from omnistage.entrypoints.server import create_app
+from omnistage.pipeline.omni import AsyncOmni, Omni
+
+MODEL = "tiny-omni"
+TALKER_FRAMES = 30  # > the 25-frame first chunk: audio arrives in two chunks
+# (prompt, thinker max tokens)
+CASES = [("Hi", 8), ("Tell me a short story about the sea.", 10), ("What is the weather like?", 6)]
+TALKER_EXTRA = {"talker": {"temperature": 0, "max_tokens": TALKER_FRAMES, "repetition_penalty": 1.0}}
+MAX_INT16_DIFF = 4  # 1e-4 of full scale, in int16 steps
+
+
+def _params(max_tokens: int) -> dict[str, SamplingParams]:
+    return {"thinker": SamplingParams(temperature=0.0, max_tokens=max_tokens),
+            "talker": SamplingParams(temperature=0.0, max_tokens=TALKER_FRAMES, repetition_penalty=1.0)}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_ckpt):
+    """Each case run alone, offline."""
+    omni = Omni(tiny_ckpt)
+    out = {}
+    for prompt, n in CASES:
+        (res,) = omni.generate(prompt, ["text", "audio"], _params(n), speaker="ethan")
+        assert res.audio.numel() > 0
+        out[prompt] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    metrics = ServerMetrics()
+    omni = AsyncOmni(tiny_ckpt, on_step=metrics.observe_step)
+    yield omni, metrics
+    omni.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    omni, metrics = engine
+    with ServerThread(create_app(omni, MODEL, metrics)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _check_audio(got: np.ndarray, ref) -> None:
+    want = to_int16(ref.audio)
+    assert got.shape == want.shape
+    diff = np.abs(got.astype(np.int32) - want.astype(np.int32)).max()
+    assert diff <= MAX_INT16_DIFF, diff
+
+
+def _chat(client, prompt, n, stream=False, fmt="wav"):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": fmt}, temperature=0, max_tokens=n, stream=stream,
+        stream_options={"include_usage": True} if stream else None, extra_body=TALKER_EXTRA)
+
+
+def _non_streamed(client, prompt, n, references):
+    resp = _chat(client, prompt, n)
+    ref = references[prompt]
+    msg = resp.choices[0].message
+    assert msg.content == ref.text and msg.audio.transcript == ref.text
+    assert resp.usage.completion_tokens == len(ref.token_ids)
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert resp.choices[0].finish_reason == ref.finish_reason
+    with wave.open(io.BytesIO(base64.b64decode(msg.audio.data))) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1
+        _check_audio(np.frombuffer(w.readframes(w.getnframes()), dtype="<i2"), ref)
+
+
+def _streamed(client, prompt, n, references):
+    ref = references[prompt]
+    text, audio, finish, usage, audio_chunks = [], [], None, None, 0
+    for chunk in _chat(client, prompt, n, stream=True, fmt="pcm16"):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        text.append(delta.content or "")
+        a = getattr(delta, "audio", None)
+        data = (a.get("data") if isinstance(a, dict) else getattr(a, "data", None)) if a else None
+        if data:
+            audio.append(base64.b64decode(data))
+            audio_chunks += 1
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(text) == ref.text
+    assert finish == ref.finish_reason
+    assert usage.completion_tokens == len(ref.token_ids)
+    if ref.codes.shape[1] > 25:  # beyond the first 25-frame chunk: streamed as produced, not in one piece
+        assert audio_chunks >= 2
+    _check_audio(np.frombuffer(b"".join(audio), dtype="<i2"), ref)
+
+
+def test_chat_non_streamed_with_audio(client, references):
+    _non_streamed(client, *CASES[0], references)
+
+
+def test_chat_streamed_with_audio(client, references):
+    _streamed(client, *CASES[1], references)
+
+
+def test_concurrent_requests_each_match_their_single_run(client, references):
+    errors = []
+
+    def job(fn, case):
+        try:
+            fn(client, *case, references)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=job, args=(fn, case)) for fn, case in
+               [(_streamed, CASES[0]), (_non_streamed, CASES[1]), (_streamed, CASES[2]), (_non_streamed, CASES[0])]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+
+
+def test_text_only_chat(client, references):
+    prompt, n = CASES[2]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          temperature=0, max_tokens=n)
+    assert resp.choices[0].message.content == references[prompt].text
+    assert resp.choices[0].message.audio is None
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "pcm"])
+def test_speech_formats(server, references, fmt):
+    prompt, n = CASES[0]
+    body = {"model": MODEL, "input": prompt, "voice": "ethan", "response_format": fmt, "temperature": 0,
+            "max_tokens": n, **TALKER_EXTRA}
+    resp = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    if fmt == "wav":
+        assert resp.headers["content-type"] == "audio/wav"
+        with wave.open(io.BytesIO(resp.content)) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+            got = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    elif fmt == "flac":
+        rate, got = decode_flac(resp.content)
+        assert rate == 24000
+    else:
+        got = np.frombuffer(resp.content, dtype="<i2")
+    _check_audio(got, references[prompt])
+
+
+def test_speech_with_openai_client(client, references):
+    prompt, n = CASES[0]
+    resp = client.audio.speech.create(model=MODEL, input=prompt, voice="ethan", response_format="wav",
+                                      extra_body={"temperature": 0, "max_tokens": n, **TALKER_EXTRA})
+    with wave.open(io.BytesIO(resp.content)) as w:
+        _check_audio(np.frombuffer(w.readframes(w.getnframes()), dtype="<i2"), references[prompt])
+
+
+def test_bad_requests_on_the_real_engine(server):
+    url = server.url + "/v1/chat/completions"
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]}
+    r = httpx.post(url, json=long)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "modalities": ["text", "audio"], "audio": {"voice": "nobody", "format": "wav"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "audio.voice"
+    r = httpx.post(url, json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def _idle(stats) -> bool:
+    stages = [stats[s] for s in ("thinker", "talker", "code2wav")]
+    return (stats["requests"] == 0 and all(s["running"] == 0 and s["waiting"] == 0 for s in stages)
+            and all(s.get("kv_usage", 0) == 0 and s.get("buffer_entries", 0) == 0 for s in stages)
+            and stats["connector_pending"] == 0 and stats["thinker2talker_pending"] == 0
+            and stats["talker2code2wav_pending"] == 0)
+
+
+def test_disconnect_mid_stream_frees_every_stage(server, engine, client, references):
+    omni, _ = engine
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "stream": True,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "temperature": 0,
+            "max_tokens": 200, "talker": {**TALKER_EXTRA["talker"], "max_tokens": 400}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        busy = asyncio.run(omni.resource_stats())
+        assert busy["requests"] == 1
+    deadline = time.monotonic() + 20
+    stats = asyncio.run(omni.resource_stats())
+    while not _idle(stats) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = asyncio.run(omni.resource_stats())
+    assert _idle(stats), stats
+    # The gauges say the same, and the server still answers correctly.
+    text = httpx.get(server.url + "/metrics").text
+    assert re.search(r'omnistage_num_requests_running\{stage="thinker"\} 0\.0', text)
+    assert re.search(r"omnistage_requests_in_flight 0\.0", text)
+    assert re.search(r'omnistage_requests_total\{finish_reason="abort"\} [1-9]', text)
+    _non_streamed(client, *CASES[0], references)
+
+
+def test_health_models_metrics(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    text = httpx.get(server.url + "/metrics").text
+
+    def value(pattern: str) -> float:
+        m = re.search(pattern + r" ([0-9.e+-]+)", text)
+        assert m, pattern
+        return float(m.group(1))
+
+    assert value("omnistage_time_to_first_token_seconds_count") >= 1
+    assert value("omnistage_time_to_first_audio_seconds_count") >= 1
+    assert value("omnistage_real_time_factor_count") >= 1
+    assert value("omnistage_inter_token_latency_seconds_count") >= 1
+    assert value("omnistage_e2e_request_latency_seconds_count") >= 1
+    assert value("omnistage_prompt_tokens_total") > 0 and value("omnistage_generation_tokens_total") > 0
+    for stage in ("thinker", "talker", "code2wav"):
+        assert value(rf'omnistage_stage_step_seconds_count\{{stage="{stage}"\}}') > 0
+    for stage in ("thinker", "talker"):
+        assert 0 <= value(rf'omnistage_kv_cache_usage_ratio\{{stage="{stage}"\}}') <= 1

@@ -1,0 +1,258 @@
+"""Server behaviour that does not depend on the model: error classes, stop strings, disconnects, 429/503,
+metrics. Runs the real app under uvicorn against ``FakeOmni`` (see fake_omni.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from fake_omni import FakeOmni, chunk_audio
+from server_thread import ServerThread
+
+from omnistage.entrypoints.audio_format import to_int16
+from omnistage.entrypoints.server import create_app
+
+MODEL = "fake-omni"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeOmni(answer="hello world. bye")
+
+
+@pytest.fixture(scope="module")
+def server(fake):
+    with ServerThread(create_app(fake, MODEL)) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def _reset(fake):
+    fake.dead, fake.queue_full, fake.delay = None, False, 0.002
+    yield
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def _post(server, path, body, raw: bytes | None = None):
+    if raw is not None:
+        return httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"})
+    return httpx.post(server.url + path, json=body)
+
+
+def _chat(**kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    body.update(kw)
+    return body
+
+
+def _assert_error(resp, status, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+@pytest.mark.parametrize("body, raw, status, param, code", [
+    (None, b"{not json", 400, None, "invalid_json"),
+    ({"model": MODEL}, None, 400, "messages", None),
+    (_chat(messages=[]), None, 400, "messages", None),
+    (_chat(model="gpt-4o"), None, 404, "model", "model_not_found"),
+    (_chat(modalities=["audio"]), None, 400, "modalities", None),
+    (_chat(modalities=["text", "video"]), None, 400, "modalities", None),
+    (_chat(modalities=["text", "audio"], audio={"voice": "ethan", "format": "mp3"}), None, 400, "audio.format", None),
+    (_chat(modalities=["text", "audio"], audio={"voice": "nobody", "format": "wav"}), None, 400, "audio.voice",
+     "invalid_voice"),
+    (_chat(temperature=-1), None, 400, None, None),
+    (_chat(top_p=0), None, 400, None, None),
+    (_chat(max_tokens=0), None, 400, None, None),
+    (_chat(talker={"temperature": -2}), None, 400, None, None),
+    (_chat(messages=[{"role": "user", "content": "x" * 500}]), None, 400, "messages", "context_length_exceeded"),
+    (_chat(messages=[{"role": "tool", "content": "x"}]), None, 400, None, None),
+    (_chat(n=2), None, 400, "n", None),
+    (_chat(temperature="hot"), None, 400, "temperature", None),
+])
+def test_bad_chat_requests(server, fake, body, raw, status, param, code):
+    before = len(fake.submitted)
+    _assert_error(_post(server, "/v1/chat/completions", body, raw), status, param, code)
+    assert len(fake.submitted) == before  # nothing reached the engine
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": MODEL, "input": "hi", "voice": "ethan", "speed": 1.5}, 400, "speed"),
+    ({"model": MODEL, "input": "hi", "voice": "ethan", "response_format": "mp3"}, 400, "response_format"),
+    ({"model": MODEL, "input": "hi", "voice": "ethan", "response_format": "wav", "stream_format": "sse"}, 400,
+     "response_format"),
+    ({"model": MODEL, "input": "  ", "voice": "ethan"}, 400, "input"),
+    ({"model": MODEL, "input": "hi", "voice": "zed"}, 400, "voice"),
+    ({"model": "other", "input": "hi", "voice": "ethan"}, 404, "model"),
+    ({"model": MODEL, "voice": "ethan"}, 400, "input"),
+])
+def test_bad_speech_requests(server, body, status, param):
+    _assert_error(_post(server, "/v1/audio/speech", body), status, param)
+
+
+def test_unknown_route_uses_error_body(server):
+    _assert_error(httpx.get(server.url + "/v1/nothing"), 404)
+
+
+def test_queue_full_is_429_with_retry_after(server, fake, client):
+    fake.queue_full = True
+    resp = _post(server, "/v1/chat/completions", _chat())
+    _assert_error(resp, 429, code="queue_full")
+    assert int(resp.headers["retry-after"]) >= 1
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_dead_engine_is_503(server, fake):
+    fake.dead = RuntimeError("boom")
+    resp = _post(server, "/v1/chat/completions", _chat(stream=True))
+    _assert_error(resp, 503, code="engine_dead")
+    assert "retry-after" in resp.headers
+    _assert_error(httpx.get(server.url + "/health"), 503)
+
+
+def test_stream_with_multi_token_stop_string_aborts(server, fake, client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            stop=["wor"], stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "hello "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    rid = chunks[0].id
+    assert rid in fake.aborted and rid not in fake.active
+
+
+def test_single_token_stop_goes_to_the_engine(server, fake, client):
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stop=".")
+    assert resp.choices[0].message.content == "hello world"
+    assert resp.choices[0].finish_reason == "stop"
+    assert fake.submitted[-1]["params"]["thinker"].stop_token_ids == (ord("."),)
+    assert fake.submitted[-1]["request_id"] not in fake.aborted  # the engine stopped by itself
+
+
+def test_sampling_translation(server, fake, client):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                   max_completion_tokens=3, seed=7, top_p=0.5,
+                                   extra_body={"talker": {"top_k": 5}})
+    p = fake.submitted[-1]["params"]
+    assert (p["thinker"].temperature, p["thinker"].max_tokens, p["thinker"].seed, p["thinker"].top_p) == (0, 3, 7, 0.5)
+    assert (p["talker"].temperature, p["talker"].seed, p["talker"].top_k) == (0, 7, 5)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0.7)
+    p = fake.submitted[-1]["params"]
+    assert p["talker"].temperature == 0.9  # stage default unless temperature is 0 or talker overrides
+
+
+def test_text_parts_and_developer_role(server, fake, client):
+    client.chat.completions.create(model=MODEL, messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ])
+    prompt = "".join(chr(i) for i in fake.submitted[-1]["prompt"])
+    assert prompt == "<system>be brief<user>ab"
+
+
+def test_stream_audio_usage_and_done(server, fake):
+    body = _chat(modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "pcm16"}, stream=True,
+                 stream_options={"include_usage": True}, max_tokens=5)
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "hello"
+    audio = b"".join(base64.b64decode(c["choices"][0]["delta"]["audio"]["data"]) for c in chunks
+                     if c["choices"] and "audio" in c["choices"][0]["delta"])
+    expected = np.concatenate([to_int16(chunk_audio(ord(ch))) for ch in "hello"])
+    np.testing.assert_array_equal(np.frombuffer(audio, dtype="<i2"), expected)
+    transcript = [c["choices"][0]["delta"]["audio"]["transcript"] for c in chunks
+                  if c["choices"] and c["choices"][0]["delta"].get("audio", {}).get("transcript")]
+    assert transcript == ["hello"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert fake.submitted[-1]["speaker"] == "chelsie"
+
+
+def test_disconnect_mid_stream_aborts_only_that_request(server, fake, client):
+    fake.delay = 0.05
+    long_body = _chat(stream=True)
+    other = {}
+
+    def run_other():
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        other["text"] = r.choices[0].message.content
+
+    t = threading.Thread(target=run_other)
+    t.start()
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=long_body) as resp:
+        lines = resp.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        next(lines)
+    rid = first["id"]
+    deadline = time.monotonic() + 5
+    while rid not in fake.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert rid in fake.aborted and rid not in fake.active
+    t.join(10)
+    assert other["text"] == "hello world. bye"
+
+
+def test_speech_formats(server):
+    for fmt in ("wav", "flac", "pcm"):
+        resp = _post(server, "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "ethan",
+                                                  "response_format": fmt, "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        expected = np.concatenate([to_int16(chunk_audio(ord(ch))) for ch in "hel"])
+        if fmt == "wav":
+            with wave.open(io.BytesIO(resp.content)) as w:
+                assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+                got = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+        elif fmt == "flac":
+            assert resp.content[:4] == b"fLaC"
+            continue  # decoded in test_audio_format
+        else:
+            got = np.frombuffer(resp.content, dtype="<i2")
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_speech_sse(server):
+    body = {"model": MODEL, "input": "hi", "voice": "ethan", "response_format": "pcm", "stream_format": "sse",
+            "max_tokens": 2}
+    with httpx.stream("POST", server.url + "/v1/audio/speech", json=body) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta"] * 2 + ["speech.audio.done"]
+    assert events[-1]["usage"]["output_tokens"] == 2
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("omnistage_num_requests_running{stage=\"thinker\"}", "omnistage_kv_cache_usage_ratio",
+                 "omnistage_time_to_first_token_seconds_bucket", "omnistage_inter_token_latency_seconds_count",
+                 "omnistage_e2e_request_latency_seconds_count", "omnistage_time_to_first_audio_seconds_count",
+                 "omnistage_real_time_factor_count", "omnistage_prompt_tokens_total",
+                 "omnistage_generation_tokens_total"):
+        assert name in text, name
