@@ -149,15 +149,21 @@ class ARModelRunner:
             sampling_rows = [ctx.sampling_rows[ctx.index(r)] for r in ctx.sample_req_ids]
             tokens = sample(logits, sampling_rows).tolist()
             sampled = dict(zip(ctx.sample_req_ids, tokens))
-        self.buffer.scatter(ctx.req_ids, self.model.postprocess(ctx, output, sampled))
+        # The hooks get this step's live context; what they return may outlive the step, so hand it over.
+        self.buffer.scatter(ctx.req_ids, self._hand_over(self.model.postprocess(ctx, output, sampled)))
         for r in ctx.req_ids:
             self.requests[r].num_computed_tokens += so.num_scheduled_tokens[r]
         client: dict[str, dict[str, Any]] = {r: {"token_ids": [t]} for r, t in sampled.items()}
         return StepResult(
             sampled={r: [t] for r, t in sampled.items()},
             client_outputs=client,
-            stage_outputs=self.model.stage_outputs(ctx, output),
+            stage_outputs=self._hand_over(self.model.stage_outputs(ctx, output)),
         )
+
+    def _hand_over(self, products: Any) -> Any:
+        """Make hook products safe to keep past this step. Eager outputs are fresh tensors: nothing to do;
+        the graph runner overrides this to snapshot anything aliasing its persistent buffers."""
+        return products
 
     def state_of(self, req_id: str) -> Mapping[str, Any]:
         return self.buffer.get(req_id)

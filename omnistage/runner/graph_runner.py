@@ -42,9 +42,8 @@ from omnistage.runner.cuda_graph import (
     rebuild_output,
 )
 from omnistage.runner.input_batch import request_token_spans
-from omnistage.runner.outputs import ARStageModel, OmniOutput, StepContext, StepResult
+from omnistage.runner.outputs import ARStageModel, OmniOutput, StepContext
 from omnistage.runner.ownership import OwnedBatchTensor, snapshot
-from omnistage.runner.sampler import sample
 
 logger = logging.getLogger("omnistage.runner")
 
@@ -416,29 +415,6 @@ class GraphARModelRunner(ARModelRunner):
             return leaves
 
         return step
-
-    def sample_tokens(self) -> StepResult:
-        if self._pending is None:
-            raise StepOrderError("sample_tokens called without a preceding execute_model")
-        ctx, output, so = self._pending
-        self._pending = None
-        sampled: dict[str, int] = {}
-        if ctx.sample_req_ids:
-            rows = torch.tensor([ctx.spans[r][1] - 1 for r in ctx.sample_req_ids], device=self.device)
-            logits = self.model.compute_logits(output.text_hidden_states[rows])
-            sampling_rows = [ctx.sampling_rows[ctx.index(r)] for r in ctx.sample_req_ids]
-            tokens = sample(logits, sampling_rows).tolist()
-            sampled = dict(zip(ctx.sample_req_ids, tokens))
-        # The hooks get this step's live context; what they return may outlive the step, so hand it over.
-        self.buffer.scatter(ctx.req_ids, self._hand_over(self.model.postprocess(ctx, output, sampled)))
-        for r in ctx.req_ids:
-            self.requests[r].num_computed_tokens += so.num_scheduled_tokens[r]
-        stage_outputs = self._hand_over(self.model.stage_outputs(ctx, output))
-        return StepResult(
-            sampled={r: [t] for r, t in sampled.items()},
-            client_outputs={r: {"token_ids": [t]} for r, t in sampled.items()},
-            stage_outputs=stage_outputs,
-        )
 
 
 def _fill(buf: torch.Tensor, values: list[int], b: int) -> None:
