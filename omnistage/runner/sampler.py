@@ -74,7 +74,8 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
         mass_before = probs.cumsum(-1) - probs
-        drop |= mass_before >= top_p[:, None]
+        # top_p == 1 must keep everything: float32 cumsums reach 1.0 before the tail ends.
+        drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
