@@ -96,10 +96,8 @@ def _ar_stage(stage: StageConfig, model, dtype: torch.dtype, device: str, runner
     )
     if runner_version == "v2":
         buckets = tuple(1 << i for i in range((s.max_num_seqs - 1).bit_length() + 1))
-        # The MoE layers read routing counts on the host, which CUDA graph capture forbids: on CUDA the v2
-        # runner keeps its static buffers but replays nothing (see docs/structure.md, runner/graph_runner).
-        graph = GraphRunnerConfig(decode_buckets=buckets, max_model_len=s.max_model_len,
-                                  full_graph=torch.device(device).type != "cuda")
+        # MoE layers switch to host-sync-free routing while a CUDA graph is being captured.
+        graph = GraphRunnerConfig(decode_buckets=buckets, max_model_len=s.max_model_len)
         runner = GraphARModelRunner(model, num_blocks=num_blocks, block_size=s.block_size, dtype=dtype,
                                     device=device, graph_config=graph)
     else:

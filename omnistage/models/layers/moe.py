@@ -45,10 +45,28 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static: bool | None = None) -> torch.Tensor:
+        """``static``: route without reading anything back to the host (every expert runs over every row,
+        unselected rows weighted 0) — what CUDA graph capture needs. Default: only while capturing."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
+        if static is None:
+            static = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        out = self._static_experts(x, weights, ids) if static else self._sparse_experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+    def _static_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for expert_id, expert in enumerate(self.experts):  # ascending, like the sparse path
+            out += expert(x) * dense[:, expert_id, None]
+        return out
+
+    def _sparse_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         # Group (token, slot) pairs by expert with one sort, so each expert runs once over all its rows.
         flat_ids = ids.flatten()
@@ -65,6 +83,4 @@ class SparseMoE(nn.Module):
             y = self.experts[expert_id](x[rows]) * weights_sorted[start : start + count, None]
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.reshape(shape)
+        return out
