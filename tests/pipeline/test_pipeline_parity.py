@@ -244,3 +244,24 @@ def test_v2_runner_gives_identical_tokens_codes_and_audio(tiny_ckpt, concurrent)
         assert (v2[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
     assert eng.orchestrator.talker.runner.stats.replays > 0
     assert_all_free(eng)
+
+
+def test_talker_preemption_recomputes_to_identical_codes_and_audio(tiny_ckpt, concurrent):
+    small_pool = {"scheduler": {"block_size": 4, "num_blocks": 20, "max_model_len": 64}, "sampling": {"max_tokens": 32}}
+    eng = make_engine(tiny_ckpt, talker=small_pool)
+    preempted = []
+    sched = eng.orchestrator.talker.scheduler
+    original = sched._preempt
+
+    def spy(request):
+        preempted.append(request.req_id)
+        return original(request)
+
+    sched._preempt = spy
+    got = run(eng, {0: [0, 1, 2]})
+    assert preempted, "the pool was meant to be too small for three talkers at once"
+    for i in range(len(PROMPTS)):
+        assert got[i]["tokens"] == concurrent[i]["tokens"]
+        assert torch.equal(got[i]["codes"], concurrent[i]["codes"])
+        assert (got[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
+    assert_all_free(eng)
