@@ -265,3 +265,29 @@ def test_talker_preemption_recomputes_to_identical_codes_and_audio(tiny_ckpt, co
         assert torch.equal(got[i]["codes"], concurrent[i]["codes"])
         assert (got[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
     assert_all_free(eng)
+
+
+def test_offline_text_api_matches_transformers_greedy_generate(tiny_ckpt):
+    from transformers import AutoTokenizer
+
+    from omnistage import Omni
+
+    omni = Omni(tiny_ckpt)
+    hf, tok = _hf(str(tiny_ckpt)), AutoTokenizer.from_pretrained(str(tiny_ckpt))
+    outs = omni.generate(PROMPTS, modalities=["text"], sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
+    assert len({o.request_id for o in outs}) == len(PROMPTS)  # one output per prompt, in prompt order below
+    for prompt, out in zip(PROMPTS, outs):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+            "input_ids"
+        ]
+        assert out.prompt_token_ids == ids[0].tolist()
+        with torch.no_grad():
+            ref = hf.thinker.generate(ids, max_new_tokens=8, do_sample=False,
+                                      eos_token_id=list(omni.engine.eos_token_ids))[0, ids.shape[1]:].tolist()
+        stop = ref[-1] in omni.engine.eos_token_ids
+        # Our token_ids exclude the stop token; the reference includes it.
+        assert out.token_ids == (ref[:-1] if stop else ref)
+        assert out.finish_reason == ("stop" if stop else "length")
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+        assert out.audio is None and out.codes is None
