@@ -9,6 +9,22 @@ def tiny_ckpt(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def gqa_ckpt(tmp_path_factory):
+    """head_dim != hidden / heads, GQA ratio 4, 8 code groups."""
+    from omnistage.testing.checkpoint import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-gqa"), preset="tiny-gqa", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model_factory():
+    """Call with a checkpoint path: transformers' float32 reference model, cached per path (do not modify)."""
+    from omnistage.testing.reference import load_hf_reference
+
+    return load_hf_reference
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     # 2-core CI machines: torch's spinning worker threads cost more than they give on tiny models.

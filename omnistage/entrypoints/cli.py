@@ -11,7 +11,7 @@ from pathlib import Path
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from omnistage.testing.checkpoint import build_checkpoint
 
-    path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed)
+    path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
     print(path)
     return 0
 
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-gqa", "small"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-bytes", type=int, default=None,
+                   help="split the weights into shards + model.safetensors.index.json above this size")
     p.set_defaults(func=_make_checkpoint)
 
     p = sub.add_parser("generate", help="answer prompts offline (text, and speech with --audio)")

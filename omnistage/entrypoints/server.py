@@ -498,6 +498,9 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
                 "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
 
 
+DEFAULT_MODEL_NAME = "omnistage-tiny"
+
+
 def serve(model: str | None = None, stage_config: str = "qwen3_omni", host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info") -> None:
@@ -507,6 +510,8 @@ def serve(model: str | None = None, stage_config: str = "qwen3_omni", host: str 
     metrics = ServerMetrics()
     omni = AsyncOmni(model, stage_config=stage_config, dtype=dtype, device=device,
                      max_waiting_requests=max_waiting, on_step=metrics.observe_step)
+    if model is None and served_model_name is None:
+        served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
         app = create_app(omni, served_model_name, metrics)
         uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,8 +1,4 @@
-"""Read a Hugging Face Qwen3-Omni checkpoint directory: config + safetensors (single file or sharded).
-
-Only the tensors a stage uses are read (by name prefix); loading into a module is strict and names every
-missing or unexpected tensor, so a checkpoint that does not fit the model fails loudly before serving.
-"""
+"""Read Qwen3-Omni checkpoints in the Hugging Face format: config and safetensors weights."""
 
 from __future__ import annotations
 
@@ -11,80 +7,149 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import Qwen3OmniMoeConfig
 
-# Fields transformers' config classes read but do not declare (DESIGN §2.1); filled in when absent.
-_UNDECLARED_DEFAULTS = {
-    ("talker_config", "spatial_merge_size"): 2,
-    ("thinker_config", "vision_start_token_id"): None,
-}
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+_CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def load_config(model_dir: str | Path) -> Qwen3OmniMoeConfig:
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
+    """Load `config.json`, filling in the fields transformers 5.x reads but does not declare.
+
+    Missing `talker_config.spatial_merge_size` takes the vision tower's value,
+    `talker_config.text_config.shared_expert_intermediate_size` the talker's `intermediate_size`, and
+    `thinker_config.vision_start_token_id` the talker config's value (None when neither has it; only
+    image/video position ids need it).
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json; is it a Qwen3-Omni checkpoint directory?")
-    config = Qwen3OmniMoeConfig.from_pretrained(model_dir)
-    for (part, name), default in _UNDECLARED_DEFAULTS.items():
-        sub = getattr(config, part)
-        if not hasattr(sub, name):
-            setattr(sub, name, default)
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    thinker = raw.setdefault("thinker_config", {})
+    talker = raw.setdefault("talker_config", {})
+    talker_text = talker.setdefault("text_config", {})
+    vision = thinker.get("vision_config", {})
+    talker.setdefault("spatial_merge_size", vision.get("spatial_merge_size", 2))
+    if "intermediate_size" in talker_text:
+        talker_text.setdefault("shared_expert_intermediate_size", talker_text["intermediate_size"])
+    thinker.setdefault("vision_start_token_id", talker.get("vision_start_token_id"))
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # mrope keys in rope_parameters draw a spurious "unrecognized keys" warning
+    try:
+        config = Qwen3OmniMoeConfig.from_dict(raw)
+    finally:
+        hf_logging.set_verbosity(level)
+    config._name_or_path = str(model_dir)
     text = config.talker_config.text_config
-    if not hasattr(text, "shared_expert_intermediate_size"):
+    if not hasattr(text, "shared_expert_intermediate_size"):  # no intermediate_size in the file either
         text.shared_expert_intermediate_size = text.intermediate_size
     return config
 
 
-def _weight_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> file holding it."""
-    index = model_dir / "model.safetensors.index.json"
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Map each tensor name in the checkpoint to the safetensors file that holds it."""
+    root = Path(model_dir)
+    index = root / _INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / f for name, f in weight_map.items()}
-    single = model_dir / "model.safetensors"
-    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no safetensors weights")
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            out.update({k: f for k in fh.keys()})
-    return out
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {name: root / fname for name, fname in weight_map.items()}
+    single = root / _SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    others = sorted(root.glob("*.safetensors"))
+    if others:
+        out: dict[str, Path] = {}
+        for path in others:
+            with safe_open(str(path), framework="pt") as f:
+                out.update({name: path for name in f.keys()})
+        return out
+    raise ValueError(f"{model_dir} holds no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE})")
 
 
-def load_weights(model_dir: str | Path, prefix: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Tensors whose name starts with ``prefix``, prefix stripped, cast to ``dtype`` (floating ones)."""
-    model_dir = Path(model_dir)
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype not in _CAST_DTYPES:
+        raise ValueError(f"dtype must be one of {_CAST_DTYPES} or None, got {dtype}")
+
+
+def load_weights(
+    model_dir: str | Path, prefix: str, dtype: torch.dtype | None = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Read the tensors whose names start with `prefix`, returned with the prefix stripped.
+
+    Works for single-file and sharded (`model.safetensors.index.json`) checkpoints; only the files that
+    hold matching tensors are opened. Floating-point tensors are cast to `dtype` (None keeps the stored
+    dtype); integer tensors keep theirs.
+    """
+    _check_dtype(dtype)
     by_file: dict[Path, list[str]] = {}
-    for name, f in _weight_files(model_dir).items():
+    for name, path in checkpoint_files(model_dir).items():
         if name.startswith(prefix):
-            by_file.setdefault(f, []).append(name)
-    out = {}
-    for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as fh:
+            by_file.setdefault(path, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for path, names in sorted(by_file.items()):
+        with safe_open(str(path), framework="pt") as f:
             for name in names:
-                t = fh.get_tensor(name)
-                out[name[len(prefix):]] = t.to(dtype) if t.is_floating_point() else t
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                out[name[len(prefix) :]] = tensor
     return out
+
+
+def _skipped(name: str, prefix: str, skip: tuple[str, ...]) -> bool:
+    # A skip entry may be written relative to `prefix` ("audio_tower.") or in full ("thinker.audio_tower.").
+    return any(name.startswith(s) or (prefix + name).startswith(s) for s in skip)
+
+
+def _summary(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
 def load_into(
-    module: torch.nn.Module,
+    module: nn.Module,
     model_dir: str | Path,
     prefix: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = torch.float32,
     skip: tuple[str, ...] = (),
 ) -> None:
-    """Strictly load ``prefix``-ed checkpoint tensors into ``module`` (names = checkpoint names - prefix)."""
-    tensors = {k: v for k, v in load_weights(model_dir, prefix, dtype).items() if not k.startswith(skip)}
-    expected = set(module.state_dict())
-    missing = sorted(expected - set(tensors))
-    unexpected = sorted(set(tensors) - expected)
-    if missing or unexpected:
+    """Load checkpoint tensors under `prefix` into `module`, whose state-dict names equal the checkpoint
+    names minus `prefix`.
+
+    Names under a `skip` entry are ignored on both sides (e.g. the thinker's audio/visual towers).
+    Raises ValueError naming every missing, unexpected or shape-mismatched tensor; nothing is loaded then.
+    Parameters on the meta device are replaced by the loaded tensors. Afterwards the module's floating-point
+    parameters and buffers are cast to `dtype` (None: left as loaded).
+    """
+    weights = {
+        k: v for k, v in load_weights(model_dir, prefix, dtype).items() if not _skipped(k, prefix, skip)
+    }
+    expected = {k: v for k, v in module.state_dict().items() if not _skipped(k, prefix, skip)}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    mismatched = sorted(
+        f"{k} (checkpoint {tuple(weights[k].shape)}, module {tuple(expected[k].shape)})"
+        for k in set(weights) & set(expected)
+        if weights[k].shape != expected[k].shape
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing from checkpoint: {_summary(missing)}")
+    if unexpected:
+        problems.append(f"unexpected in checkpoint: {_summary(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatch: {_summary(mismatched)}")
+    if problems:
         raise ValueError(
-            f"checkpoint {model_dir} does not fit {type(module).__name__} under {prefix!r}: "
-            f"missing {missing[:20]}{' ...' if len(missing) > 20 else ''}, "
-            f"unexpected {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+            f"cannot load {model_dir} (prefix {prefix!r}) into {type(module).__name__}: "
+            + "; ".join(problems)
         )
-    module.load_state_dict(tensors, strict=True)
-    module.to(dtype)
+    on_meta = any(t.is_meta for t in expected.values())
+    module.load_state_dict(weights, strict=False, assign=on_meta)
+    if dtype is not None:
+        module.to(dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -15,9 +16,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
 
 
+def builder_fingerprint() -> str:
+    """Hash of the builder's sources: a changed builder gets a fresh cache entry, never a stale model."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("checkpoint.py", "presets.py", "weights.py", "tokenizer.py", "corpus.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def default_model_dir() -> Path:
     """Path of the built-in checkpoint; built atomically (temp dir, then rename) the first time."""
-    target = cache_root() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}"
+    target = cache_root() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-{builder_fingerprint()}"
     if (target / "config.json").is_file():
         return target
     from omnistage.testing.checkpoint import build_checkpoint

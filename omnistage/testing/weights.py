@@ -28,7 +28,6 @@ _VOCODER_RESIDUAL = re.compile(r"\.conv2\.conv\.weight$")
 _VOCODER_RESIDUAL_GAIN = 0.3
 _WAVEFORM_GAIN = 0.08
 _HEAD_GAIN = 2.0
-_EOS_GAIN = float(__import__("os").environ.get("EOSG", "2.0"))
 _RESIDUAL_GAIN = 0.7
 _ROUTER_GAIN = 2.0
 _BIAS_STD = 0.02
@@ -94,12 +93,6 @@ def _init_tensor(name: str, module: nn.Module, attr: str, shape: torch.Size, g: 
     raise TypeError(f"no initialisation rule for {name} ({kind}.{attr}, shape {tuple(shape)})")
 
 
-def _soften_codec_eos(state: dict[str, torch.Tensor], config) -> None:
-    """Scale the codec_eos row of the talker's codec_head by `_EOS_GAIN` / `_HEAD_GAIN`."""
-    eos = config.talker_config.codec_eos_token_id
-    state["talker.codec_head.weight"][eos] *= _EOS_GAIN / _HEAD_GAIN
-
-
 def init_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Seeded float32 values for every entry of `model.state_dict()` (in-memory names).
 
@@ -112,8 +105,6 @@ def init_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         if attr not in module._parameters:
             raise TypeError(f"persistent buffer {name} has no initialisation rule")
         out[name] = _init_tensor(name, module, attr, tensor.shape, _generator(seed, name))
-    if "talker.codec_head.weight" in out:
-        _soften_codec_eos(out, model.config)
     return out
 
 

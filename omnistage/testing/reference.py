@@ -1,0 +1,33 @@
+"""The transformers reference model for parity tests, loaded once per checkpoint directory."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+
+@functools.cache
+def _load(path: str):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # mrope keys draw a spurious rope_parameters warning
+    try:
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(level)
+    return model.eval()
+
+
+def load_hf_reference(path: str | Path):
+    """`Qwen3OmniMoeForConditionalGeneration` in float32, eval mode, cached per resolved path.
+
+    Shared between callers: do not modify it. Greedy audio generation needs the checkpoint's own ids, e.g.
+    `generate(ids, return_audio=True, thinker_max_new_tokens=n, thinker_eos_token_id=config.im_end_token_id,
+    thinker_do_sample=False, talker_do_sample=False, talker_repetition_penalty=1.0, speaker="ethan",
+    talker_max_new_tokens=m)`.
+    """
+    return _load(str(Path(path).resolve()))

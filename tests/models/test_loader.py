@@ -1,0 +1,118 @@
+"""Checkpoint loader: config fix-ups, single vs sharded files, strict loading with named errors, casting."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from omnistage.models.loader import load_config, load_into, load_weights
+from omnistage.testing.checkpoint import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def sharded_ckpt(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("sharded"), "tiny", seed=0, max_shard_bytes=1_000_000)
+
+
+def test_sharded_and_single_file_give_identical_tensors(tiny_ckpt, sharded_ckpt):
+    assert (sharded_ckpt / "model.safetensors.index.json").is_file()
+    assert len(list(sharded_ckpt.glob("model-*-of-*.safetensors"))) > 1
+    for prefix in ("thinker.model.", "talker.", "code2wav.", ""):
+        single = load_weights(tiny_ckpt, prefix)
+        sharded = load_weights(sharded_ckpt, prefix)
+        assert single.keys() == sharded.keys() and single
+        assert all(torch.equal(single[k], sharded[k]) for k in single)
+
+
+def test_prefix_is_stripped_and_only_matching_tensors_return(tiny_ckpt):
+    thinker = load_weights(tiny_ckpt, "thinker.model.")
+    assert "embed_tokens.weight" in thinker and "layers.0.mlp.experts.0.gate_proj.weight" in thinker
+    assert not any(k.startswith(("audio_tower", "visual", "thinker.")) for k in thinker)
+    talker = load_weights(tiny_ckpt, "talker.")
+    nested = {k[len("code_predictor.") :] for k in talker if k.startswith("code_predictor.")}
+    assert set(load_weights(tiny_ckpt, "talker.code_predictor.")) == nested and nested
+
+
+def test_bfloat16_cast(tiny_ckpt):
+    f32 = load_weights(tiny_ckpt, "code2wav.", torch.float32)
+    bf16 = load_weights(tiny_ckpt, "code2wav.", torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    assert all(torch.equal(bf16[k], f32[k].to(torch.bfloat16)) for k in f32)
+    with pytest.raises(ValueError, match="dtype"):
+        load_weights(tiny_ckpt, "code2wav.", torch.int8)
+
+
+class _Head(nn.Module):
+    """Matches `talker.text_projection.*` (a 2-layer MLP with biases)."""
+
+    def __init__(self, hidden: int = 64, inter: int = 128, out: int = 64):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, inter)
+        self.linear_fc2 = nn.Linear(inter, out)
+
+
+def test_load_into_loads_and_casts(tiny_ckpt):
+    head = _Head()
+    load_into(head, tiny_ckpt, "talker.text_projection.", torch.bfloat16)
+    ref = load_weights(tiny_ckpt, "talker.text_projection.", torch.bfloat16)
+    assert head.linear_fc1.weight.dtype == torch.bfloat16
+    assert torch.equal(head.linear_fc2.bias, ref["linear_fc2.bias"])
+
+
+def test_load_into_meta_module(tiny_ckpt):
+    with torch.device("meta"):
+        head = _Head()
+    load_into(head, tiny_ckpt, "talker.hidden_projection.")
+    assert not head.linear_fc1.weight.is_meta
+    assert torch.equal(head.linear_fc1.weight, load_weights(tiny_ckpt, "talker.hidden_projection.")["linear_fc1.weight"])
+
+
+def test_load_into_names_missing_unexpected_and_mismatched(tiny_ckpt):
+    class Wrong(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear_fc1 = nn.Linear(64, 7)  # wrong shape
+            self.extra = nn.Linear(2, 2)  # not in the checkpoint
+
+    with pytest.raises(ValueError) as err:
+        load_into(Wrong(), tiny_ckpt, "talker.text_projection.")
+    msg = str(err.value)
+    assert "extra.weight" in msg and "extra.bias" in msg  # missing from the checkpoint
+    assert "linear_fc2.weight" in msg and "linear_fc2.bias" in msg  # unexpected in the checkpoint
+    assert "linear_fc1.weight (checkpoint (128, 64), module (7, 64))" in msg
+
+
+def test_skip_ignores_towers_relative_or_full_prefix(tiny_ckpt):
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(64, 768, bias=False)
+
+    only_head = ("model.", "audio_tower.", "visual.")
+    load_into(Towers(), tiny_ckpt, "thinker.", skip=only_head)
+    load_into(Towers(), tiny_ckpt, "thinker.", skip=tuple("thinker." + s for s in only_head))
+    with pytest.raises(ValueError, match="audio_tower"):
+        load_into(Towers(), tiny_ckpt, "thinker.", skip=("model.", "visual."))
+
+
+def test_load_config_fills_undeclared_fields(tiny_ckpt, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    raw = json.loads((ckpt / "config.json").read_text())
+    del raw["talker_config"]["spatial_merge_size"]
+    del raw["talker_config"]["text_config"]["shared_expert_intermediate_size"]
+    del raw["thinker_config"]["vision_start_token_id"]
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    config = load_config(ckpt)
+    assert config.talker_config.spatial_merge_size == 2
+    assert config.talker_config.text_config.shared_expert_intermediate_size == 128
+    assert config.thinker_config.vision_start_token_id == raw["talker_config"]["vision_start_token_id"]
+    full = load_config(tiny_ckpt)
+    assert full.talker_config.text_config.shared_expert_intermediate_size == 64
+    assert full.im_end_token_id == raw["im_end_token_id"]
+    with pytest.raises(ValueError, match="config.json"):
+        load_config(tmp_path)
