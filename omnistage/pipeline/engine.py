@@ -237,6 +237,9 @@ class OmniEngine:
             else self.render_prompt(prompt)
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        vocab = self.hf_config.thinker_config.text_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}")
         params = self.stage_params(sampling_params)
         if len(prompt_ids) + 1 > self.max_model_len:
             raise ValueError(

@@ -291,3 +291,23 @@ def test_offline_text_api_matches_transformers_greedy_generate(tiny_ckpt):
         assert out.finish_reason == ("stop" if stop else "length")
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
         assert out.audio is None and out.codes is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"prompt": []}, "empty"),
+        ({"prompt": [1, 10**6]}, "token ids"),
+        ({"prompt": "hi", "modalities": ["audio"]}, "modalities"),
+        ({"prompt": "hi", "modalities": ["text", "audio"], "speaker": "nobody"}, "unknown voice"),
+        ({"prompt": "hi", "sampling_params": {"nope": SamplingParams()}}, "unknown stage"),
+        ({"prompt": "x " * 5000}, "at most"),
+        ({"prompt": [{"role": "robot", "content": "hi"}]}, "role"),
+    ],
+)
+def test_bad_requests_are_rejected_before_touching_any_stage(engine, kwargs, match):
+    kwargs = {"modalities": ["text"], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(**kwargs)
+    assert_all_free(engine)
+    assert not engine.has_work()
