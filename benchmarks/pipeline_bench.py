@@ -66,9 +66,10 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--thinker-tokens", type=int, default=24)
-    ap.add_argument("--talker-tokens", type=int, default=64)
+    ap.add_argument("--thinker-tokens", type=int, default=32)
+    ap.add_argument("--talker-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hf-requests", type=int, default=2, help="requests transformers runs (one at a time)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -95,12 +96,14 @@ def main() -> None:
           f"talker_tokens={args.talker_tokens} (first audio chunk: {dict(pipeline.stage('code2wav').processor_args)})")
     print(f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} | "
           f"{'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} | {'x thru':>6} {'TTFA/E2E':>8}")
+    # transformers serves one request per call, so its throughput does not depend on N: measure it once,
+    # on the first --hf-requests prompts, and compare every concurrency against it.
+    with torch.no_grad():
+        hwall, htoks, haudio, hlat = run_hf(hf, tok, prompts(args.hf_requests), args.thinker_tokens,
+                                            args.talker_tokens, engine.sample_rate)
     for n in args.concurrency:
         texts = prompts(n)
         wall, toks, audio_s, ttfa = run_omnistage(engine, texts, args.thinker_tokens, args.talker_tokens)
-        with torch.no_grad():
-            hwall, htoks, haudio, hlat = run_hf(hf, tok, texts, args.thinker_tokens, args.talker_tokens,
-                                                engine.sample_rate)
         print(f"{n:>3} | {toks / wall:>10.1f} {audio_s / wall:>12.2f} {ttfa:>11.2f} {wall / audio_s:>8.2f} | "
               f"{htoks / hwall:>8.1f} {haudio / hwall:>10.2f} {hlat:>8.2f} {hwall / haudio:>7.2f} | "
               f"{(audio_s / wall) / (haudio / hwall):>6.2f} {ttfa / hlat:>8.2f}", flush=True)

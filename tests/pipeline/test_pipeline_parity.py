@@ -311,3 +311,28 @@ def test_bad_requests_are_rejected_before_touching_any_stage(engine, kwargs, mat
         engine.add_request(**kwargs)
     assert_all_free(engine)
     assert not engine.has_work()
+
+
+def test_talker_waits_for_text_when_the_thinker_is_slower(tiny_ckpt, concurrent):
+    """Throttle the Thinker to every third engine step: the Talker must pause (keeping its KV) instead of
+    running ahead of its text, and still produce exactly the same codes and audio."""
+    eng = make_engine(tiny_ckpt)
+    thinker = eng.orchestrator.thinker
+    real_has_work, ticks = thinker.has_work, iter(range(10**6))
+    thinker.has_work = lambda: next(ticks) % 3 == 0 and real_has_work()
+    pauses = []
+    sched = eng.orchestrator.talker.scheduler
+    real_pause = sched.pause_for_input
+
+    def spy(req_id):
+        pauses.append((req_id, sched.kv.stats().num_used_blocks))
+        return real_pause(req_id)
+
+    sched.pause_for_input = spy
+    got = run(eng, {0: [1, 2]})
+    assert pauses and all(used > 0 for _, used in pauses)  # paused while holding its blocks
+    for i in (1, 2):
+        assert got[i]["tokens"] == concurrent[i]["tokens"]
+        assert torch.equal(got[i]["codes"], concurrent[i]["codes"])
+        assert (got[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
+    assert_all_free(eng)
