@@ -173,9 +173,8 @@ class Orchestrator:
             if tracked is None:
                 continue
             tokens = out["token_ids"]
-            finished = req_id in ev.finished
-            if finished and tokens and tokens[-1] in self.eos_token_ids:
-                tokens = tokens[:-1]  # the stop token is not part of the answer text
+            if ev.finished.get(req_id) == "stop" and tokens:
+                tokens = tokens[:-1]  # the EOS / stop token that ended the answer is not part of its text
             if tracked.first_token_time is None:
                 tracked.first_token_time = now
             tracked.num_output_tokens += len(out["token_ids"])

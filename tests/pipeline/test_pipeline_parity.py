@@ -336,3 +336,23 @@ def test_talker_waits_for_text_when_the_thinker_is_slower(tiny_ckpt, concurrent)
         assert torch.equal(got[i]["codes"], concurrent[i]["codes"])
         assert (got[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
     assert_all_free(eng)
+
+
+def test_stop_token_ends_the_answer_and_is_not_returned(engine):
+    def answer(params):
+        rid = engine.add_request("Hi", ["text"], params)
+        tokens, reason = [], None
+        while engine.has_work():
+            for d in engine.step():
+                assert d.req_id == rid
+                tokens += d.new_token_ids
+                reason = d.finish_reason if d.finished else reason
+        return tokens, reason
+
+    free_run, reason = answer(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert reason == "length" and len(free_run) == 6
+    stop_at = next(i for i in range(1, 6) if free_run[i] not in free_run[:i])  # first occurrence
+    tokens, reason = answer(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                           stop_token_ids=[free_run[stop_at]]))
+    assert reason == "stop" and tokens == free_run[:stop_at]
+    assert_all_free(engine)
