@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.thinker_throughput import hf_inputs, prompts
+from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 
 
 def run_omnistage(engine, texts, thinker_tokens, talker_tokens):
@@ -78,11 +77,7 @@ def main() -> None:
     from omnistage.config import load_pipeline_config
     from omnistage.pipeline.engine import EngineArgs, OmniEngine
 
-    model = args.model
-    if model is None:
-        from omnistage.testing.checkpoint import build_checkpoint
-
-        model = str(build_checkpoint(Path(tempfile.mkdtemp()) / args.preset, preset=args.preset, seed=0))
+    model = resolve_model(args.model, args.preset)
     top = max(args.concurrency)
     sched = {"max_num_seqs": top}
     pipeline = load_pipeline_config("qwen3_omni", {"stages": {

@@ -34,6 +34,15 @@ def run_omnistage(omni, texts, max_tokens) -> tuple[float, int]:
     return dt, sum(len(o.token_ids) + (1 if o.finish_reason == "stop" else 0) for o in outs)
 
 
+def resolve_model(model: str | None, preset: str) -> str:
+    """The given checkpoint dir, or the preset built into a temp dir (seed 0)."""
+    if model is not None:
+        return model
+    from omnistage.testing.checkpoint import build_checkpoint
+
+    return str(build_checkpoint(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0))
+
+
 def hf_inputs(tok, texts):
     return [
         tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, return_tensors="pt",
@@ -83,11 +92,7 @@ def main() -> None:
     from omnistage import Omni
     from omnistage.config import load_pipeline_config
 
-    model = args.model
-    if model is None:
-        from omnistage.testing.checkpoint import build_checkpoint
-
-        model = str(build_checkpoint(Path(tempfile.mkdtemp()) / args.preset, preset=args.preset, seed=0))
+    model = resolve_model(args.model, args.preset)
     top = max(args.concurrency)
     pipeline = load_pipeline_config("qwen3_omni", {"stages": {"thinker": {"scheduler": {
         "max_num_seqs": top, "max_num_batched_tokens": 4096, "max_model_len": 1024}}}})

@@ -85,6 +85,23 @@ class ARModelRunner:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(req.eos_token_ids))
         return SamplingRow(params, state.generator, req.all_token_ids, banned)
 
+    def _make_context(self, so: SchedulerOutput, order: list[str], spans: dict[str, tuple[int, int]],
+                      num_tokens: int, padded: int, meta) -> StepContext:
+        """This step's view: everything row- or order-related is rebuilt here, never carried over."""
+        states = [self.requests[r] for r in order]
+        return StepContext(
+            req_ids=order,
+            requests=[st.request for st in states],
+            spans=spans,
+            phases={r: so.phases[r] for r in order},
+            states=self.buffer.gather(order),
+            sampling_rows=[self._sampling_row(st) for st in states],
+            num_tokens_unpadded=num_tokens,
+            num_tokens_padded=padded,
+            sample_req_ids=[r for r in order if r in so.sample_req_ids],
+            attn_meta=meta,
+        )
+
     # ---- one step ----------------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> None:
         if self._pending is not None:
@@ -119,18 +136,7 @@ class ARModelRunner:
         meta = build_attention_metadata(
             query_lens, context_lens, tables, self.block_size, self.num_blocks, padded, self.device
         )
-        ctx = StepContext(
-            req_ids=order,
-            requests=[st.request for st in states],
-            spans=spans,
-            phases={r: so.phases[r] for r in order},
-            states=self.buffer.gather(order),
-            sampling_rows=[self._sampling_row(st) for st in states],
-            num_tokens_unpadded=num_tokens,
-            num_tokens_padded=padded,
-            sample_req_ids=[r for r in order if r in so.sample_req_ids],
-            attn_meta=meta,
-        )
+        ctx = self._make_context(so, order, spans, num_tokens, padded, meta)
         kwargs, updates = self.model.prepare_inputs(ctx, input_ids.to(self.device), positions.to(self.device))
         self.buffer.scatter(order, updates)
         ctx.states = self.buffer.gather(order)

@@ -42,7 +42,7 @@ from omnistage.runner.cuda_graph import (
     rebuild_output,
 )
 from omnistage.runner.input_batch import request_token_spans
-from omnistage.runner.outputs import ARStageModel, OmniOutput, StepContext
+from omnistage.runner.outputs import ARStageModel, OmniOutput
 from omnistage.runner.ownership import OwnedBatchTensor, snapshot
 
 logger = logging.getLogger("omnistage.runner")
@@ -303,18 +303,7 @@ class GraphARModelRunner(ARModelRunner):
             _fill(self._seq_lens, [c + 1 for c in ctx_lens], b)
             self._block_table[:b].copy_(table)
         meta = self._decode_meta(b)
-        ctx = StepContext(
-            req_ids=order,
-            requests=[st.request for st in states],
-            spans=spans,
-            phases={r: so.phases[r] for r in order},
-            states=self.buffer.gather(order),
-            sampling_rows=[self._sampling_row(st) for st in states],
-            num_tokens_unpadded=n,
-            num_tokens_padded=b,
-            sample_req_ids=[r for r in order if r in so.sample_req_ids],
-            attn_meta=meta,
-        )
+        ctx = self._make_context(so, order, spans, n, b, meta)
         kwargs, updates = self.model.prepare_inputs(ctx, self._ids[:b], self._pos[:b])
         self.buffer.scatter(order, self._hand_over(updates))
         ctx.states = self.buffer.gather(order)
