@@ -24,14 +24,28 @@ def prompts(n: int) -> list[str]:
     return [" ".join(PROMPT_WORDS[: 4 + (i * 5) % len(PROMPT_WORDS)]) + f" ({i})" for i in range(n)]
 
 
-def run_omnistage(omni, texts, max_tokens) -> tuple[float, int]:
+def lengths(n: int, max_tokens: int, ragged: bool) -> list[int]:
+    """Output length per request: all max_tokens, or (ragged) max/4, max/2, 3max/4, max in turn — the
+    spread real traffic has, which a static batch pays for at its longest member."""
+    if not ragged:
+        return [max_tokens] * n
+    return [max(1, max_tokens * (1 + i % 4) // 4) for i in range(n)]
+
+
+def run_omnistage(omni, texts, lens) -> tuple[float, int]:
     from omnistage import SamplingParams
 
-    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    engine = omni.engine
     t0 = time.perf_counter()
-    outs = omni.generate(texts, modalities=["text"], sampling_params=p)
-    dt = time.perf_counter() - t0
-    return dt, sum(len(o.token_ids) + (1 if o.finish_reason == "stop" else 0) for o in outs)
+    ids = {engine.add_request(t, ["text"], SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n))
+           for t, n in zip(texts, lens)}
+    tokens = 0
+    while ids:
+        for d in engine.step():
+            tokens += len(d.new_token_ids) + (1 if d.finish_reason == "stop" else 0)
+            if d.finished:
+                ids.discard(d.req_id)
+    return time.perf_counter() - t0, tokens
 
 
 def resolve_model(model: str | None, preset: str) -> str:
@@ -51,17 +65,18 @@ def hf_inputs(tok, texts):
     ]
 
 
-def run_hf_one_by_one(hf, ids, max_tokens, eos) -> tuple[float, int]:
+def run_hf_one_by_one(hf, ids, lens, eos) -> tuple[float, int]:
     t0 = time.perf_counter()
     n = 0
-    for x in ids:
-        out = hf.thinker.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                  eos_token_id=eos)
+    for x, m in zip(ids, lens):
+        out = hf.thinker.generate(x, max_new_tokens=m, min_new_tokens=m, do_sample=False, eos_token_id=eos)
         n += out.shape[1] - x.shape[1]
     return time.perf_counter() - t0, n
 
 
-def run_hf_static_batch(hf, tok, ids, max_tokens, eos) -> tuple[float, int]:
+def run_hf_static_batch(hf, tok, ids, lens, eos) -> tuple[float, int]:
+    """One padded batch run to the longest request; only each request's own tokens count as output."""
+    max_tokens = max(lens)
     width = max(x.shape[1] for x in ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch = torch.full((len(ids), width), pad, dtype=torch.long)
@@ -72,7 +87,8 @@ def run_hf_static_batch(hf, tok, ids, max_tokens, eos) -> tuple[float, int]:
     t0 = time.perf_counter()
     out = hf.thinker.generate(batch, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                               do_sample=False, eos_token_id=eos, pad_token_id=pad)
-    return time.perf_counter() - t0, (out.shape[1] - width) * len(ids)
+    assert out.shape[1] - width == max_tokens
+    return time.perf_counter() - t0, sum(lens)
 
 
 def main() -> None:
@@ -82,6 +98,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ragged", action="store_true", help="per-request output lengths max/4 .. max")
     ap.add_argument("--skip-one-by-one-above", type=int, default=8,
                     help="run transformers one by one only up to this concurrency (it is linear in N)")
     args = ap.parse_args()
@@ -100,23 +117,24 @@ def main() -> None:
     hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model)
     eos = hf.config.im_end_token_id
-    run_omnistage(omni, prompts(2), 4)  # warm-up
+    run_omnistage(omni, prompts(2), [4, 4])  # warm-up
 
-    print(f"threads={args.threads} preset/model={Path(model).name} max_tokens={args.max_tokens}")
+    print(f"threads={args.threads} preset/model={Path(model).name} max_tokens={args.max_tokens} "
+          f"lengths={'ragged (max/4..max)' if args.ragged else 'fixed'}")
     print(f"{'N':>4} {'omnistage tok/s':>16} {'hf 1-by-1 tok/s':>16} {'hf static tok/s':>16} "
           f"{'x 1-by-1':>9} {'x static':>9}")
     for n in args.concurrency:
-        texts = prompts(n)
-        dt, toks = run_omnistage(omni, texts, args.max_tokens)
+        texts, lens = prompts(n), lengths(n, args.max_tokens, args.ragged)
+        dt, toks = run_omnistage(omni, texts, lens)
         ours = toks / dt
         ids = hf_inputs(tok, texts)
         with torch.no_grad():
             if n <= args.skip_one_by_one_above:
-                dt1, t1 = run_hf_one_by_one(hf, ids, args.max_tokens, eos)
+                dt1, t1 = run_hf_one_by_one(hf, ids, lens, eos)
                 one = t1 / dt1
             else:
                 one = float("nan")
-            dts, ts = run_hf_static_batch(hf, tok, ids, args.max_tokens, eos)
+            dts, ts = run_hf_static_batch(hf, tok, ids, lens, eos)
             static = ts / dts
         print(f"{n:>4} {ours:>16.1f} {one:>16.1f} {static:>16.1f} {ours / one:>9.2f} {ours / static:>9.2f}",
               flush=True)

@@ -293,8 +293,11 @@ class SnakeBeta(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
-        # The 1e-9 guard matches the reference numerics.
-        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        # One temporary, then in place: these tensors are [B, C, samples] at up to 24 kHz, so every extra
+        # pass over memory shows. The 1e-9 guard matches the reference numerics.
+        y = torch.sin(x * alpha)
+        y.mul_(y).div_(beta + 1e-9).add_(x)
+        return y
 
 
 class ResidualUnit(nn.Module):
@@ -397,6 +400,17 @@ class Code2Wav(nn.Module):
             hidden = layer(hidden)
         return hidden.clamp(-1.0, 1.0)
 
+    # On CPU the decoder's [rows, channels, samples] activations fall out of cache when many rows run at
+    # once (per-row cost rises ~1.6x beyond ~100k output samples per call); rows are independent, so a
+    # large batch runs as consecutive tiles. GPUs take the whole batch.
+    CPU_TILE_SAMPLES = 1 << 17
+
+    def _synthesize_tiled(self, codes: torch.Tensor) -> torch.Tensor:
+        if codes.is_cuda or codes.shape[0] <= 1:
+            return self._synthesize(codes)
+        rows = max(1, self.CPU_TILE_SAMPLES // max(1, codes.shape[-1] * self.samples_per_frame))
+        return torch.cat([self._synthesize(part) for part in codes.split(rows)])
+
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, Q, T] (all T frames valid) -> wave [B, 1, samples_for_frames(T)]."""
         self._check_codes(codes)
@@ -433,7 +447,7 @@ class Code2Wav(nn.Module):
         wave_lengths = self._walk_length(lengths)
         if frames == 0:
             return codes.new_zeros((codes.shape[0], 0), dtype=self.code_embedding.weight.dtype), wave_lengths
-        wave = self._synthesize(codes)[:, 0]
+        wave = self._synthesize_tiled(codes)[:, 0]
         wave = wave[:, : int(wave_lengths.max())]
         in_range = torch.arange(wave.shape[-1], device=wave.device)[None, :] < wave_lengths[:, None]
         return wave * in_range, wave_lengths
