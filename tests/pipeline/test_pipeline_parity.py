@@ -356,3 +356,20 @@ def test_stop_token_ends_the_answer_and_is_not_returned(engine):
                                            stop_token_ids=[free_run[stop_at]]))
     assert reason == "stop" and tokens == free_run[:stop_at]
     assert_all_free(engine)
+
+
+def test_bfloat16_pipeline_runs_end_to_end(tiny_ckpt):
+    eng = OmniEngine(EngineArgs(str(tiny_ckpt), dtype="bfloat16"),
+                     load_pipeline_config("qwen3_omni", {"stages": {"code2wav": {
+                         "processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}}))
+    thinker = eng.orchestrator.thinker.runner
+    assert next(thinker.model.thinker.parameters()).dtype == torch.bfloat16
+    assert thinker.kv_caches[0].dtype == torch.bfloat16
+    got = run(eng, {0: [1]})[1]
+    assert len(got["tokens"]) == THINKER_TOKENS[1] and got["finish"] == "length"
+    frames = got["codes"].shape[1]
+    assert frames > 0
+    code2wav = eng.orchestrator.code2wav.runner.model.code2wav
+    assert got["audio"].dtype == torch.float32 and torch.isfinite(got["audio"]).all()
+    assert got["audio"].numel() == code2wav.samples_for_frames(frames)  # one chunk: the length rule
+    assert_all_free(eng)
