@@ -157,14 +157,16 @@ class TalkerStageModel:
             if prefill is None:
                 raise RuntimeError(f"talker request {req_id!r} scheduled before its prefill was built")
             num_prefill = prefill.shape[0]
-            stored = st.get("decode_embeds")
-            num_stored = 0 if stored is None else stored.shape[0]
+            # Decode inputs are kept as a tuple of rows (appending is O(1) in data copied; a growing
+            # tensor would copy every earlier row at every step) and stacked only to replay them.
+            stored = st.get("decode_embeds", ())
+            num_stored = len(stored)
             a, b = lo, min(hi, num_prefill)
             if a < b:
                 embeds[s : s + b - a] = prefill[a:b]
             a, b = max(lo, num_prefill), min(hi, num_prefill + num_stored)
             if a < b:  # recompute after preemption replays stored decode inputs
-                embeds[s + a - lo : s + b - lo] = stored[a - num_prefill : b - num_prefill]
+                embeds[s + a - lo : s + b - lo] = torch.stack(stored[a - num_prefill : b - num_prefill])
             if hi > num_prefill + num_stored:
                 if hi != num_prefill + num_stored + 1:
                     raise RuntimeError(f"talker request {req_id!r}: more than one new decode row in a step")
@@ -192,9 +194,7 @@ class TalkerStageModel:
             embeds[token_rows] = step_in
             frames[token_rows] = codes
             for k, i in enumerate(idx):
-                stored = ctx.states[i].get("decode_embeds")
-                row = step_in[k : k + 1]
-                updates[i] = {"decode_embeds": row if stored is None else torch.cat([stored, row])}
+                updates[i] = {"decode_embeds": (*ctx.states[i].get("decode_embeds", ()), step_in[k].clone())}
         return {"inputs_embeds": embeds, "positions": positions, "frames": frames}, updates
 
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
