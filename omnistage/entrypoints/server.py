@@ -33,7 +33,9 @@ Choices worth knowing as a client:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
+import contextlib
 import json
 import time
 import uuid
@@ -381,7 +383,7 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest) -> Any:
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         job, fmt = tr.chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = _Run(omni, job, rid, metrics)
@@ -390,7 +392,10 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_chat_stream(run, name, include_usage), media_type="text/event-stream")
         texts, audio = [], []
-        async for kind, value in run.events():
+        events = await _collect_unless_gone(run, raw)
+        if events is None:
+            return Response(status_code=CLIENT_CLOSED)
+        for kind, value in events:
             (texts if kind == "text" else audio).append(value)
         _check_finish(run)
         text = "".join(texts)
@@ -406,7 +411,7 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
         )
 
     @app.post("/v1/audio/speech")
-    async def speech(req: SpeechRequest) -> Response:
+    async def speech(req: SpeechRequest, raw: Request) -> Response:
         job, fmt = tr.speech(req)
         run = _Run(omni, job, f"speech-{uuid.uuid4().hex}", metrics)
         await run.start()
@@ -414,13 +419,41 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
             return StreamingResponse(_speech_sse(run), media_type="text/event-stream")
         if fmt == "pcm16":
             return StreamingResponse(_speech_pcm(run), media_type=audio_format.MEDIA_TYPES[fmt])
-        audio = [v async for kind, v in run.events() if kind == "audio"]
+        events = await _collect_unless_gone(run, raw)
+        if events is None:
+            return Response(status_code=CLIENT_CLOSED)
+        audio = [v for kind, v in events if kind == "audio"]
         _check_finish(run)
         wave = torch.cat(audio) if audio else torch.zeros(0)
         return Response(audio_format.encode(wave, fmt, omni.engine.sample_rate),
                         media_type=audio_format.MEDIA_TYPES[fmt])
 
     return app
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs say what happened
+DISCONNECT_POLL_S = 0.25
+
+
+async def _collect_unless_gone(run: _Run, raw: Request) -> list[tuple[str, Any]] | None:
+    """All events of a non-streamed request, or None if the client disconnected first — then the request
+    is aborted in every stage (cancelling the consumer closes the engine stream)."""
+    items: list[tuple[str, Any]] = []
+
+    async def consume() -> None:
+        async for item in run.events():
+            items.append(item)
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+    task.result()
+    return items
 
 
 def _chain_step_hook(omni: AsyncOmni, metrics: ServerMetrics) -> None:

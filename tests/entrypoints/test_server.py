@@ -231,6 +231,28 @@ def test_disconnect_mid_stream_frees_every_stage(server, engine, client, referen
     _non_streamed(client, *CASES[0], references)
 
 
+def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_every_stage(server, engine):
+    omni, _ = engine
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}],
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}, "temperature": 0,
+            "max_tokens": 200, "talker": {**TALKER_EXTRA["talker"], "max_tokens": 400}}
+
+    def aborts() -> float:
+        m = re.search(r'omnistage_requests_total\{finish_reason="abort"\} ([0-9.]+)', httpx.get(server.url + "/metrics").text)
+        return float(m.group(1)) if m else 0.0
+
+    before = aborts()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the answer is complete
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 20
+    stats = asyncio.run(omni.resource_stats())
+    while not _idle(stats) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = asyncio.run(omni.resource_stats())
+    assert _idle(stats), stats
+    assert aborts() == before + 1  # it was aborted, not left to run to its end
+
+
 def test_health_models_metrics(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
