@@ -76,7 +76,7 @@ class ThinkerStageModel:
             s, e = ctx.spans[req.req_id]
             pos = positions[s:e]
             in_prompt = pos < needed.shape[0]
-            keep = ~in_prompt | needed[pos.clamp_max(needed.shape[0] - 1)]
+            keep = ~in_prompt | needed.to(pos.device, non_blocking=True)[pos.clamp_max(needed.shape[0] - 1)]
             if bool(keep.any()):
                 # Boolean indexing copies: the payload owns its rows, not a view of this step's buffer.
                 out[req.req_id] = {"positions": pos[keep].cpu(), "embeds": embeds[s:e][keep]}
@@ -118,11 +118,11 @@ class TalkerStageModel:
         self, prompt_ids: Sequence[int], rows: Mapping[int, torch.Tensor], first_answer: torch.Tensor,
         speaker_id: int,
     ) -> tuple[torch.Tensor, list[int]]:
-        ids = torch.tensor(list(prompt_ids), dtype=torch.long)
+        ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=first_answer.device)
         # Rows the Talker does not read were never sent; zeros stand in for them and are not used.
         embeds = first_answer.new_zeros(len(prompt_ids), first_answer.shape[-1])
         if rows:
-            index = torch.tensor(list(rows), dtype=torch.long)
+            index = torch.tensor(list(rows), dtype=torch.long, device=first_answer.device)
             embeds[index] = torch.stack(list(rows.values()))
         with torch.inference_mode():
             prefill, input_ids = build_talker_prefill(
@@ -152,7 +152,10 @@ class TalkerStageModel:
         for i, req_id in enumerate(ctx.req_ids):
             st = ctx.states[i]
             s, e = ctx.spans[req_id]
-            lo, hi = int(positions[s]), int(positions[s]) + (e - s)
+            # The scheduler advances num_computed_tokens after the step: it is this span's first position
+            # (read on the host, no device sync).
+            lo = ctx.requests[i].num_computed_tokens
+            hi = lo + (e - s)
             prefill = st.get("prefill_embeds")
             if prefill is None:
                 raise RuntimeError(f"talker request {req_id!r} scheduled before its prefill was built")
@@ -243,10 +246,11 @@ class Code2WavStageModel:
     def forward_batch(self, payloads: list[Any]) -> OmniOutput:
         width = max(p.codes.shape[1] for p in payloads)
         q = payloads[0].codes.shape[0]
-        codes = torch.zeros(len(payloads), q, width, dtype=torch.long)
+        device = self.code2wav.code_embedding.weight.device
+        codes = torch.zeros(len(payloads), q, width, dtype=torch.long, device=device)
         for b, p in enumerate(payloads):
             codes[b, :, : p.codes.shape[1]] = p.codes
-        lengths = torch.tensor([p.codes.shape[1] for p in payloads])
-        context = torch.tensor([p.left_context for p in payloads])
+        lengths = torch.tensor([p.codes.shape[1] for p in payloads], device=device)
+        context = torch.tensor([p.left_context for p in payloads], device=device)
         wave, wave_lengths = self.code2wav.decode_with_context(codes, lengths, context)
         return OmniOutput(text_hidden_states=None, multimodal_outputs={"audio": wave, "audio_lengths": wave_lengths})
