@@ -83,7 +83,10 @@ class ARModelRunner:
         banned: tuple[int, ...] = ()
         if req.num_output_tokens < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(req.eos_token_ids))
-        return SamplingRow(params, state.generator, req.all_token_ids, banned)
+        # Whose tokens the repetition penalty sees is a model property: the Thinker's prompt is text like
+        # its output, the Talker's prompt ids are Thinker ids that mean nothing in the codec vocabulary.
+        history = req.all_token_ids if getattr(self.model, "penalty_includes_prompt", True) else req.output_token_ids
+        return SamplingRow(params, state.generator, history, banned)
 
     def _make_context(self, so: SchedulerOutput, order: list[str], spans: dict[str, tuple[int, int]],
                       num_tokens: int, padded: int, meta) -> StepContext:

@@ -61,6 +61,8 @@ class ARStageModel(Protocol):
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # Optional attributes: supports_full_graph_aux_outputs (v2 capture), penalty_includes_prompt (default
+    # True: the repetition penalty sees prompt + output ids).
 
     def prepare_inputs(
         self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor

@@ -42,10 +42,14 @@ def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) 
         return logits
     vocab = logits.shape[1]
     seen = torch.zeros_like(logits, dtype=torch.bool)
-    idx = [(i, t) for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 for t in r.history if t < vocab]
-    if idx:
-        ii = torch.tensor(idx, dtype=torch.long, device=logits.device)
-        seen[ii[:, 0], ii[:, 1]] = True
+    # One C-level list->tensor conversion per penalised row (histories can be thousands of tokens).
+    hist = [(i, torch.as_tensor(r.history, dtype=torch.long)) for i, r in enumerate(rows)
+            if r.params.repetition_penalty != 1.0 and len(r.history)]
+    if hist:
+        cols = torch.cat([h for _, h in hist])
+        row_ids = torch.repeat_interleave(torch.tensor([i for i, _ in hist]), torch.tensor([len(h) for _, h in hist]))
+        keep = cols < vocab
+        seen[row_ids[keep].to(logits.device), cols[keep].to(logits.device)] = True
     p = torch.tensor(penalties, dtype=logits.dtype, device=logits.device)[:, None]
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)

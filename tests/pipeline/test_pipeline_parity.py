@@ -88,7 +88,7 @@ def assert_all_free(engine):
 
 
 @functools.cache
-def reference(ckpt_str: str, i: int):
+def reference(ckpt_str: str, i: int, repetition_penalty: float = 1.0):
     """transformers' greedy generate for prompt i: (generated ids, codes [Q, T], waveform)."""
     from transformers import AutoTokenizer
 
@@ -119,7 +119,7 @@ def reference(ckpt_str: str, i: int):
                 thinker_eos_token_id=hf.config.im_end_token_id,
                 talker_max_new_tokens=TALKER_TOKENS,
                 talker_do_sample=False,
-                talker_repetition_penalty=1.0,
+                talker_repetition_penalty=repetition_penalty,
             )
     finally:
         hf.code2wav.chunked_decode = original
@@ -373,3 +373,22 @@ def test_bfloat16_pipeline_runs_end_to_end(tiny_ckpt):
     assert got["audio"].dtype == torch.float32 and torch.isfinite(got["audio"]).all()
     assert got["audio"].numel() == code2wav.samples_for_frames(frames)  # one chunk: the length rule
     assert_all_free(eng)
+
+
+def test_talker_repetition_penalty_matches_transformers(tiny_ckpt):
+    """The talker penalty (transformers default 1.05; 2.0 here so it bites) sees only generated codec ids."""
+    eng = make_engine(tiny_ckpt)
+    i = 1
+    p = params(i)
+    p["talker"] = p["talker"].replace(repetition_penalty=2.0)
+    ids = {eng.add_request(PROMPTS[i], ["text", "audio"], p, speaker="ethan")}
+    codes = []
+    while eng.has_work():
+        for d in eng.step():
+            assert d.req_id in ids
+            if d.codes is not None:
+                codes.append(d.codes)
+    _, ref_codes, _ = reference(str(tiny_ckpt), i, 2.0)
+    got = torch.cat(codes, 1)
+    assert got.shape == ref_codes.shape and torch.equal(got, ref_codes)
+    assert not torch.equal(ref_codes, reference(str(tiny_ckpt), i)[1])  # the penalty really changed codes

@@ -90,6 +90,8 @@ CODE_PREDICTOR_TOP_P = 0.8
 
 class TalkerStageModel:
     supports_full_graph_aux_outputs = True
+    # transformers penalises only generated codec ids (its talker prompt is embeddings, not ids).
+    penalty_includes_prompt = False
 
     def __init__(self, talker: Talker, ids: TalkerTokenIds, specials: TextSpecials) -> None:
         self.talker = talker
