@@ -122,20 +122,30 @@ def load_into(
     names minus `prefix`.
 
     Names under a `skip` entry are ignored on both sides (e.g. the thinker's audio/visual towers).
-    Raises ValueError naming every missing, unexpected or shape-mismatched tensor; nothing is loaded then.
-    Parameters on the meta device are replaced by the loaded tensors. Afterwards the module's floating-point
-    parameters and buffers are cast to `dtype` (None: left as loaded).
+    Raises ValueError naming every missing, unexpected or shape-mismatched tensor; nothing is loaded then
+    (names and shapes come from the safetensors headers, before any data is read). Data is then read one
+    file at a time and copied into the module's own tensors, so a model built directly in its serving
+    dtype and device needs no second full copy of its weights. Parameters on the meta device are replaced
+    by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
+    are); buffers keep their dtype (e.g. float32 rotary frequencies under bfloat16 weights).
     """
-    weights = {
-        k: v for k, v in load_weights(model_dir, prefix, dtype).items() if not _skipped(k, prefix, skip)
-    }
-    expected = {k: v for k, v in module.state_dict().items() if not _skipped(k, prefix, skip)}
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+    _check_dtype(dtype)
+    files: dict[Path, list[str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, path in checkpoint_files(model_dir).items():
+        if name.startswith(prefix) and not _skipped(name[len(prefix):], prefix, skip):
+            files.setdefault(path, []).append(name)
+    for path, names in files.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                shapes[name[len(prefix):]] = tuple(f.get_slice(name).get_shape())
+    expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     mismatched = sorted(
-        f"{k} (checkpoint {tuple(weights[k].shape)}, module {tuple(expected[k].shape)})"
-        for k in set(weights) & set(expected)
-        if weights[k].shape != expected[k].shape
+        f"{k} (checkpoint {shapes[k]}, module {tuple(expected[k].shape)})"
+        for k in set(shapes) & set(expected)
+        if shapes[k] != tuple(expected[k].shape)
     )
     problems = []
     if missing:
@@ -150,6 +160,22 @@ def load_into(
             + "; ".join(problems)
         )
     on_meta = any(t.is_meta for t in expected.values())
-    module.load_state_dict(weights, strict=False, assign=on_meta)
+    for path, names in sorted(files.items()):
+        with safe_open(str(path), framework="pt") as f:
+            part = {}
+            for name in names:
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                part[name[len(prefix):]] = tensor
+        if on_meta:
+            module.load_state_dict(part, strict=False, assign=True)
+        else:
+            with torch.no_grad():
+                for key, tensor in part.items():
+                    expected[key].copy_(tensor)
+        del part
     if dtype is not None:
-        module.to(dtype)
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)

@@ -7,6 +7,7 @@ stage requests (prompt rendering, per-stage sampling parameters, voice).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +69,19 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not Path(self.model).is_dir():
             raise ValueError(f"model directory {self.model!r} does not exist")
+
+
+@contextlib.contextmanager
+def _building(dtype: torch.dtype, device: str):
+    """Create a model's tensors directly in its serving dtype and on its device: a 30B checkpoint must not
+    first materialise as float32 on the host."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _kv_blocks(stage: StageConfig, model, dtype: torch.dtype) -> int:
@@ -138,18 +152,20 @@ class OmniEngine:
         self.model_name = model_dir.name
         self.max_model_len = self.stage_configs["thinker"].scheduler.max_model_len
 
-        thinker = Thinker(self.hf_config)
+        with _building(dtype, device):
+            thinker = Thinker(self.hf_config)
         load_into(thinker, model_dir, "thinker.", dtype, skip=("audio_tower.", "visual."))
-        thinker.to(device).eval()
+        thinker.eval()
         th_cfg = self.stage_configs["thinker"]
         thinker_stage = _ar_stage(th_cfg, ThinkerStageModel(thinker), dtype, device, self.runners[th_cfg.name])
 
         talker_engine = code2wav_engine = t2t = t2c = None
         self.speakers: dict[str, int] = {}
         if "talker" in self.stage_configs and "code2wav" in self.stage_configs:
-            talker = Talker(self.hf_config)
+            with _building(dtype, device):
+                talker = Talker(self.hf_config)
             load_into(talker, model_dir, "talker.", dtype)
-            talker.to(device).eval()
+            talker.eval()
             ids = TalkerTokenIds.from_config(self.hf_config)
             with torch.inference_mode():
                 specials = text_specials(talker, thinker.model.embed_tokens, ids)
@@ -157,9 +173,10 @@ class OmniEngine:
             tk_cfg = self.stage_configs["talker"]
             talker_engine = _ar_stage(tk_cfg, self.talker_model, dtype, device, self.runners[tk_cfg.name])
             t2t = Thinker2Talker(talker_engine, self.talker_model)
-            code2wav = Code2Wav(self.hf_config.code2wav_config)
+            with _building(dtype, device):
+                code2wav = Code2Wav(self.hf_config.code2wav_config)
             load_into(code2wav, model_dir, "code2wav.", dtype)
-            code2wav.to(device).eval()
+            code2wav.eval()
             c2w_stage = self.stage_configs["code2wav"]
             if c2w_stage.execution is not ExecutionType.GENERATION:
                 raise ValueError(f"stage {c2w_stage.name!r} must be a generation stage")
