@@ -34,6 +34,10 @@ def _generate(args: argparse.Namespace) -> int:
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device)
     modalities = ["text", "audio"] if args.audio else ["text"]
     params = {"thinker": SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
+    talker = omni.engine.stage_configs.get("talker")
+    if args.audio and talker is not None and args.seed is not None:
+        # --seed makes the spoken answer reproducible too (the Talker samples by default).
+        params[talker.name] = talker.sampling.replace(seed=args.seed)
     prompts = args.prompt
     outs = omni.generate(prompts, modalities=modalities, sampling_params=params, speaker=args.voice,
                          use_tqdm=len(prompts) > 1)
@@ -81,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voice", default=None)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seeds the Thinker and, with --audio, the Talker")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_generate)
