@@ -197,7 +197,7 @@ class Orchestrator:
         for req_id, payload in ev.stage_outputs.items():
             if req_id in self.requests and payload["frames"].shape[0] > 0:
                 self.connector.put(self.names.talker, self.names.code2wav, req_id, payload)
-                self.sink(RequestDelta(req_id, codes=payload["frames"].T.cpu()))  # clients get host tensors
+                self.sink(RequestDelta(req_id, codes=payload["frames"].T))  # host tensors (talker stage_outputs)
         for req_id in ev.finished:
             if req_id in self.requests:
                 self.t2t.on_talker_finished(req_id)

@@ -36,7 +36,7 @@ _NO_UPDATES = None
 
 
 class ThinkerStageModel:
-    # Row-aligned aux outputs only (embeds, positions): safe to rebuild after a graph replay.
+    # Row-aligned aux outputs only (embeds): safe to rebuild after a graph replay.
     supports_full_graph_aux_outputs = True
 
     def __init__(self, thinker: Thinker) -> None:
@@ -51,11 +51,7 @@ class ThinkerStageModel:
     def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
         with torch.inference_mode():
             out = self.thinker(input_ids, positions, kv_caches, attn_meta)
-        return OmniOutput(
-            text_hidden_states=out.hidden,
-            multimodal_outputs={"embeds": out.embeds},
-            intermediate={"positions": positions},
-        )
+        return OmniOutput(text_hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -65,21 +61,34 @@ class ThinkerStageModel:
         return [_NO_UPDATES] * len(ctx.req_ids)
 
     def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        """Rows for the Talker, sliced by real spans; only requests that asked for audio."""
-        embeds = output.multimodal_outputs["embeds"]
-        positions = output.intermediate["positions"]
-        out = {}
+        """Rows for the Talker, only for requests that asked for audio.
+
+        Which rows to send is decided on the host (positions follow from ``num_computed_tokens``, the
+        prompt mask is a host tensor), then one gather on the model's device picks them all: no
+        per-request device syncs or copies in the step.
+        """
+        picks, owners = [], []
         for req in ctx.requests:
             needed = req.extra.get("talker_rows")
             if needed is None:
                 continue
             s, e = ctx.spans[req.req_id]
-            pos = positions[s:e]
-            in_prompt = pos < needed.shape[0]
-            keep = ~in_prompt | needed.to(pos.device, non_blocking=True)[pos.clamp_max(needed.shape[0] - 1)]
-            if bool(keep.any()):
-                # Boolean indexing copies: the payload owns its rows, not a view of this step's buffer.
-                out[req.req_id] = {"positions": pos[keep].cpu(), "embeds": embeds[s:e][keep]}
+            pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + (e - s))
+            keep = pos >= needed.shape[0]
+            keep[~keep] = needed[pos[~keep]]
+            rows = torch.nonzero(keep).flatten()
+            if rows.numel():
+                picks.append(rows + s)
+                owners.append((req.req_id, pos[rows]))
+        if not picks:
+            return {}
+        embeds = output.multimodal_outputs["embeds"]
+        # Index-select copies: payloads own their rows, never a view of this step's buffers.
+        picked = embeds[torch.cat(picks).to(embeds.device)]
+        out, start = {}, 0
+        for req_id, pos in owners:
+            out[req_id] = {"positions": pos, "embeds": picked[start : start + pos.numel()]}
+            start += pos.numel()
         return out
 
 
@@ -219,12 +228,14 @@ class TalkerStageModel:
         ]
 
     def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        frames = output.multimodal_outputs["codes.audio"]
+        # One host copy of the step's frames (clients and the chunker read them on the host anyway),
+        # then per-request slices by the real spans.
+        frames = output.multimodal_outputs["codes.audio"][: ctx.num_tokens_unpadded].cpu()
         out = {}
         for req_id in ctx.req_ids:
             s, e = ctx.spans[req_id]
             mine = frames[s:e]
-            mine = mine[mine[:, 0] >= 0]
+            mine = mine[mine[:, 0] >= 0]  # boolean indexing copies: owned, not a view of the step
             if mine.shape[0]:
                 out[req_id] = {"frames": mine}
         return out
