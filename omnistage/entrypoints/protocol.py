@@ -3,7 +3,8 @@
 Unknown request fields are ignored (clients such as the official SDK send optional fields this server
 does not use). Fields that would change the result are declared here so the server can either honour them
 or reject them with a 400 naming the field (see the server module docstring for the whole contract).
-Every string a request carries must be valid Unicode: a lone surrogate (``"\\ud800"`` in JSON) is a 400
+Types are strict (JSON Schema's: ``true`` is not a number, ``"0.5"`` is not a number, ``1e9`` is not an
+integer). Every string a request carries must be valid Unicode: a lone surrogate (``"\\ud800"`` in JSON) is a 400
 naming the field, never a failure inside the tokenizer.
 """
 
@@ -47,7 +48,9 @@ def _number(**bounds: float) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as JSON Schema (and so OpenAI) has them: true is not 1, "0.5" is not a number, 1e9 is not
+    # an integer. JSON object keys are strings, so ``logit_bias`` keys are parsed leniently.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ContentPart(_Request):
@@ -104,7 +107,7 @@ class ChatCompletionRequest(_Request):
     repetition_penalty: float | None = _number(gt=0, le=2)  # extension
     frequency_penalty: float | None = _number(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     presence_penalty: float | None = _number(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
-    logit_bias: dict[Annotated[int, Field(ge=0)], _Bias] | None = None
+    logit_bias: dict[Annotated[int, Field(ge=0, strict=False)], _Bias] | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     min_tokens: int | None = Field(None, ge=0)  # extension

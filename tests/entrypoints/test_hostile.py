@@ -210,7 +210,10 @@ TABLE = [
     ("max_tokens-negative", CHAT, chat(max_tokens=-5), 400, "max_tokens", None),
     ("max_tokens-a-string", CHAT, chat(max_tokens="many"), 400, "max_tokens", None),
     ("max_tokens-1e9", CHAT, chat(max_tokens=10**9), 400, "max_tokens", "context_length_exceeded"),
-    ("max_tokens-float-1e9", CHAT, chat(max_tokens=1e9), 400, "max_tokens", "context_length_exceeded"),
+    ("max_tokens-float-1e9", CHAT, chat(max_tokens=1e9), 400, "max_tokens", None),
+    ("max_tokens-true", CHAT, chat(max_tokens=True), 400, "max_tokens", None),
+    ("temperature-true", CHAT, chat(temperature=True), 400, "temperature", None),
+    ("temperature-numeric-string", CHAT, chat(temperature="0.5"), 400, "temperature", None),
     ("max_completion_tokens-over-context", CHAT, chat(max_completion_tokens=BIG), 400, "max_completion_tokens",
      "context_length_exceeded"),
     ("min_tokens-over-max", CHAT, chat(max_tokens=5, min_tokens=6), 400, "min_tokens", None),
@@ -365,8 +368,9 @@ def test_health_answers_while_maximal_requests_are_rejected(server, limits):
     head, tail = json.dumps(chat(messages=user("<>"))).encode().split(b"<>")
     maximal = head + b"a" * (limits["body"] - len(head) - len(tail)) + tail  # the largest body that is read
     assert len(maximal) == limits["body"]
-    bodies = [(maximal, 400), (json.dumps(chat(messages=user("word " * (limits["chars"] // 5)))).encode(), 400),
-              (json.dumps(chat(messages=user("a" * (2 * limits["body"])))).encode(), 413)]
+    most_chars = json.dumps(chat(messages=user("word " * (limits["chars"] // 5)))).encode()  # tokenized, too long
+    four_million = json.dumps(chat(messages=user("a" * 4_000_000))).encode()  # over the body limit
+    bodies = [(maximal, 400), (most_chars, 400), (four_million, 413)]
     lat: list[tuple[int, float]] = []
     done = threading.Event()
     prober = threading.Thread(target=_probe_health, args=(server.url, done, lat))
