@@ -8,10 +8,13 @@ Choices worth knowing as a client:
 - Sampling: ``temperature``, ``top_p``, ``seed``, ``max_tokens``/``max_completion_tokens``,
   ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (and the extensions ``top_k``,
   ``repetition_penalty``, ``min_tokens``, ``ignore_eos``) apply to the Thinker; unset fields keep the stage
-  defaults from the pipeline config. The Talker keeps its stage defaults, except that ``temperature: 0``
-  makes the Talker greedy too (a request that asks for determinism gets it end to end) and ``seed``
-  seeds it. The extension object ``talker: {temperature, top_p, top_k, repetition_penalty, seed,
+  defaults from the pipeline config. The Talker keeps its stage defaults, except that a greedy
+  ``temperature`` (0, or below 1e-5) makes the Talker greedy too (a request that asks for determinism gets
+  it end to end) and ``seed`` seeds it. The extension object ``talker: {temperature, top_p, top_k, repetition_penalty, seed,
   max_tokens, min_tokens}`` (``extra_body`` in the openai SDK) overrides Talker sampling field by field.
+  ``frequency_penalty`` / ``presence_penalty`` follow OpenAI's formula over the tokens counted by the sampler
+  (``runner.sampler``): the generated ones once the runner passes them (``SamplingRow.output``); until then
+  the Thinker's count also includes the prompt.
 - ``stop``: stop strings are matched on the decoded text in the server; the text before the stop string
   is returned and the request is finished with ``finish_reason="stop"``. A stop string that is exactly
   one token is also given to the Thinker as a stop token id, so the Thinker ends there by itself and the
@@ -32,12 +35,13 @@ Choices worth knowing as a client:
 Validation before admission (nothing reaches the engine unless all of it passes). Every rejection is a
 400 with OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` whose ``param`` names the field
 (``messages.0.content``, ``talker.seed``, ...), unless said otherwise:
-- Body: larger than ``ServerLimits.max_body_bytes`` (default: 12 bytes per prompt character + 1 MiB, 1.8 MB
-  for a 4096-token context) -> 413 ``request_too_large``; not
-  UTF-8, not JSON, or nested deeper than Python's JSON parser allows (about 1000 levels, rejected as soon
-  as the parser gets there) -> 400 ``invalid_json`` (no ``param``).
-- Types and text: wrong JSON types; roles other than system, developer, user, assistant; any string
-  holding a lone surrogate (``"\\ud800"``), i.e. not valid Unicode.
+- Body: larger than ``ServerLimits.max_body_bytes`` (default: 12 bytes per prompt character + 1 MiB, i.e.
+  1.8 MB for a 4096-token context) -> 413 ``request_too_large`` (no ``param``); not UTF-8, not JSON, or
+  nested deeper than Python's JSON parser allows (about 1000 levels, rejected as soon as the parser gets
+  there) -> 400 ``invalid_json`` (no ``param``).
+- Types and text: JSON Schema's strict types (``true`` is not a number, ``"0.5"`` is not a number, ``1e9``
+  is not an integer); roles other than system, developer, user, assistant; any string holding a lone
+  surrogate (``"\\ud800"``), i.e. text that is not valid Unicode.
 - Ranges (OpenAI's): ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``frequency_penalty`` and
   ``presence_penalty`` in [-2, 2], ``logit_bias`` at most 1024 entries, token ids inside the vocabulary,
   biases in [-100, 100]; ``n`` = 1; ``stop`` at most 4 strings of at most 256 characters; ``seed`` in
@@ -47,9 +51,10 @@ Validation before admission (nothing reaches the engine unless all of it passes)
   rejected (``SamplingParams.greedy``).
 - Length: ``max_tokens`` / ``max_completion_tokens`` >= 1 and prompt + maximum <= the context length
   (400 naming that field, code ``context_length_exceeded``, OpenAI's wording); ``talker.max_tokens`` <= the
-  Talker's context length. The prompt's characters are counted before tokenizing (``max_prompt_chars``,
-  default 16 per token of context) and its tokens after; both over -> 400 ``context_length_exceeded`` on
-  ``messages`` / ``input``. Speech ``input`` holds at most 4096 characters (OpenAI's limit).
+  Talker's context length. The prompt's messages and characters are counted before rendering and
+  tokenizing (at most one message per token of context; ``max_prompt_chars``, default 16 per token) and its
+  tokens after; any over -> 400 ``context_length_exceeded`` on ``messages`` / ``input``. Speech ``input``
+  holds at most 4096 characters (OpenAI's limit).
 - Content parts: only ``text``. ``input_audio``, ``image_url``, ``audio_url``, ``video_url``, ``file`` -> 400
   "not supported yet" naming the part (code ``unsupported_content``); any other type -> 400.
 - Fields that would change the answer but are not implemented -> 400 ``unsupported_parameter``:
@@ -350,6 +355,9 @@ class _Translator:
     def prompt(self, messages: list[dict[str, str]], param: str) -> list[int]:
         if not messages:
             raise APIError(400, "messages must not be empty", param=param)
+        if len(messages) >= self.engine.max_model_len:  # each message costs at least one token
+            raise APIError(400, f"{len(messages)} messages cannot fit in this model's context of "
+                                f"{self.engine.max_model_len} tokens", param=param, code="context_length_exceeded")
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:  # before tokenizing: the tokenizer's work is bounded by this
             raise APIError(400, f"The prompt has {chars} characters; this server accepts at most "

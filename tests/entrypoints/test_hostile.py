@@ -218,6 +218,8 @@ TABLE = [
      "context_length_exceeded"),
     ("min_tokens-over-max", CHAT, chat(max_tokens=5, min_tokens=6), 400, "min_tokens", None),
     ("prompt-over-char-limit", CHAT, BIG, 400, "messages", "context_length_exceeded"),
+    ("messages-5000-empty", CHAT, chat(messages=[{"role": "user", "content": ""}] * 5000), 400, "messages",
+     "context_length_exceeded"),
     ("prompt-over-token-limit", CHAT, chat(messages=user("word " * 5000)), 400, "messages",
      "context_length_exceeded"),
     ("stop-5-strings", CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", None),
