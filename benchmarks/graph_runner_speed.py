@@ -29,7 +29,7 @@ def main() -> None:
 
     from benchmarks.thinker_throughput import prompts, resolve_model
     from omnistage import Omni, SamplingParams
-    from omnistage.config import load_pipeline_config
+    from omnistage.models.registry import load_pipeline_config
 
     model = resolve_model(args.model, args.preset)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)

@@ -33,11 +33,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device)
     modalities = ["text", "audio"] if args.audio else ["text"]
-    params = {"thinker": SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
-    talker = omni.engine.stage_configs.get("talker")
-    if args.audio and talker is not None and args.seed is not None:
+    info = omni.info
+    params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
+    if args.audio and args.seed is not None:
         # --seed makes the spoken answer reproducible too (the Talker samples by default).
-        params[talker.name] = talker.sampling.replace(seed=args.seed)
+        for name, defaults in info.stage_sampling.items():
+            if name != info.text_stage:
+                params[name] = defaults.replace(seed=args.seed)
     prompts = args.prompt
     outs = omni.generate(prompts, modalities=modalities, sampling_params=params, speaker=args.voice,
                          use_tqdm=len(prompts) > 1)
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer prompts offline (text, and speech with --audio)")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--stage-config", default="qwen3_omni")
+    p.add_argument("--stage-config", default=None, help="pipeline preset name or YAML path")
     p.add_argument("--audio", metavar="OUT.wav", help="also speak the answer and write it here")
     p.add_argument("--voice", default=None)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -66,6 +66,8 @@ from omnistage.entrypoints.protocol import (
     StageSamplingParams,
     Usage,
 )
+from omnistage.models.family import PreparedPrompt
+from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError, QueueFullError
 
 RETRY_AFTER_S = 1
@@ -103,7 +105,7 @@ def _submit_error(exc: BaseException) -> APIError:
 # ---- request translation ---------------------------------------------------------------------------
 @dataclass
 class _Job:
-    prompt_ids: list[int]
+    prompt: PreparedPrompt
     modalities: tuple[str, ...]
     params: dict[str, SamplingParams]  # by stage name
     speaker: str | None
@@ -114,13 +116,17 @@ class _Job:
     def wants_audio(self) -> bool:
         return "audio" in self.modalities
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
+
 
 class _Translator:
     """Turns API requests into engine inputs, validating everything that can be checked up front."""
 
-    def __init__(self, omni: AsyncOmni, served_model_name: str) -> None:
+    def __init__(self, omni: EngineClient, served_model_name: str) -> None:
         self.omni = omni
-        self.engine = omni.engine
+        self.info = omni.info
         self.served_model_name = served_model_name
 
     def check_model(self, model: str) -> None:
@@ -129,12 +135,12 @@ class _Translator:
                                 f"{self.served_model_name!r}", param="model", code="model_not_found")
 
     def voice(self, voice: str | None, param: str) -> str | None:
-        if not self.engine.speakers:
+        if "audio" not in self.info.output_modalities or not self.info.voices:
             raise APIError(400, "this server has no audio stages; request modalities ['text'] only",
                            param="modalities")
-        name = (voice or self.engine.default_speaker or "").lower()
-        if name not in self.engine.speakers:
-            raise APIError(400, f"unknown voice {voice!r}; available: {sorted(self.engine.speakers)}",
+        name = (voice or self.info.default_voice or "").lower()
+        if name not in self.info.voices:
+            raise APIError(400, f"unknown voice {voice!r}; available: {sorted(self.info.voices)}",
                            param=param, code="invalid_voice")
         return name
 
@@ -142,23 +148,27 @@ class _Translator:
         if not messages:
             raise APIError(400, "messages must not be empty", param=param)
         try:
-            ids = self.engine.render_prompt(messages)
+            prepared = self.omni.render_prompt(messages)
         except ValueError as exc:
+            limit = self.info.max_model_len - 1
+            if "at most" in str(exc):
+                raise APIError(400, f"This model's maximum context length is {limit} tokens; {exc}", param=param,
+                               code="context_length_exceeded") from exc
             raise APIError(400, str(exc), param=param) from exc
-        limit = self.engine.max_model_len - 1
-        if len(ids) > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                                f"{len(ids)} tokens", param=param, code="context_length_exceeded")
-        return ids
+        return prepared
 
     def params(self, thinker: dict[str, Any], talker: StageSamplingParams | None, greedy: bool,
                seed: int | None) -> dict[str, SamplingParams]:
-        base = self.engine.stage_params(None)  # by model part
-        names = {part: cfg.name for part, cfg in self.engine.stage_configs.items()}
+        base = self.info.stage_sampling  # by stage name
+        text = self.info.text_stage
         out: dict[str, SamplingParams] = {}
         try:
-            out[names["thinker"]] = base["thinker"].replace(**{k: v for k, v in thinker.items() if v is not None})
-            if "talker" in base:
+            out[text] = base[text].replace(**{k: v for k, v in thinker.items() if v is not None})
+            # Every other sampling stage (the Talker) follows the request's determinism: temperature 0 makes
+            # it greedy too, seed seeds it; the `talker` extension object overrides it field by field.
+            for name, defaults in base.items():
+                if name == text:
+                    continue
                 t: dict[str, Any] = {}
                 if greedy:
                     t["temperature"] = 0.0
@@ -166,7 +176,7 @@ class _Translator:
                     t["seed"] = seed
                 if talker is not None:
                     t.update({k: getattr(talker, k) for k in _STAGE_FIELDS if getattr(talker, k) is not None})
-                out[names["talker"]] = base["talker"].replace(**t)
+                out[name] = defaults.replace(**t)
         except ValueError as exc:
             raise APIError(400, f"invalid sampling parameters: {exc}") from exc
         return out
@@ -190,7 +200,7 @@ class _Translator:
                 raise APIError(400, str(exc), param="audio.format") from exc
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
-        prompt_ids = self.prompt(messages, "messages")
+        prompt = self.prompt(messages, "messages")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = self.single_token_stops(stops)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -199,13 +209,13 @@ class _Translator:
         if stop_ids:
             thinker["stop_token_ids"] = tuple(sorted(stop_ids))
         params = self.params(thinker, req.talker, req.temperature == 0, req.seed)
-        return _Job(prompt_ids, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
+        return _Job(prompt, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
                     stops, frozenset(stop_ids)), fmt
 
     def single_token_stops(self, stops: list[str]) -> set[int]:
         out = set()
         for s in stops:
-            ids = self.engine.tokenizer.encode(s, add_special_tokens=False)
+            ids = self.omni.tokenizer.encode(s, add_special_tokens=False)
             if len(ids) == 1:
                 out.add(int(ids[0]))
         return out
@@ -225,10 +235,10 @@ class _Translator:
             raise APIError(400, "stream_format 'sse' sends pcm chunks; use response_format 'pcm'",
                            param="response_format")
         speaker = self.voice(req.voice, "voice")
-        prompt_ids = self.prompt([{"role": "user", "content": req.input}], "input")
+        prompt = self.prompt([{"role": "user", "content": req.input}], "input")
         thinker = {"temperature": req.temperature, "seed": req.seed, "max_tokens": req.max_tokens}
         params = self.params(thinker, req.talker, req.temperature == 0, req.seed)
-        return _Job(prompt_ids, ("text", "audio"), params, speaker), fmt
+        return _Job(prompt, ("text", "audio"), params, speaker), fmt
 
 
 # ---- one running request ---------------------------------------------------------------------------
@@ -240,9 +250,9 @@ class _Run:
     stream, which aborts the request in every stage.
     """
 
-    def __init__(self, omni: AsyncOmni, job: _Job, request_id: str, metrics: ServerMetrics) -> None:
+    def __init__(self, omni: EngineClient, job: _Job, request_id: str, metrics: ServerMetrics) -> None:
         self.omni, self.job, self.request_id = omni, job, request_id
-        self.detok = IncrementalDetokenizer(omni.engine.tokenizer)
+        self.detok = IncrementalDetokenizer(omni.tokenizer)
         self.stopper = StopStringMatcher(job.stops)
         self.metrics = metrics
         self.timer: RequestTimer | None = None
@@ -254,7 +264,7 @@ class _Run:
         self.text = ""  # the answer text released so far (stop strings cut off)
 
     async def start(self) -> None:
-        self._agen = self.omni.generate(self.job.prompt_ids, self.job.modalities, self.job.params,
+        self._agen = self.omni.generate(self.job.prompt, self.job.modalities, self.job.params,
                                         self.job.speaker, self.request_id)
         try:
             self._first = await self._agen.__anext__()
@@ -262,7 +272,7 @@ class _Run:
             raise APIError(500, "engine returned no output", "server_error") from exc
         except Exception as exc:
             raise _submit_error(exc) from exc
-        self.timer = RequestTimer(self.metrics, len(self.job.prompt_ids))
+        self.timer = RequestTimer(self.metrics, self.job.num_prompt_tokens)
 
     def _text(self, piece: str) -> str:
         piece = self.stopper.feed(piece)
@@ -300,7 +310,7 @@ class _Run:
         finally:
             if not done:
                 await self._agen.aclose()  # aborts the request in every stage
-            self.timer.finish(self.finish_reason or "abort", getattr(self.omni.engine, "sample_rate", None))
+            self.timer.finish(self.finish_reason or "abort", self.omni.info.sample_rate)
 
     def _text_flush(self) -> str:
         piece = self.stopper.flush()
@@ -309,8 +319,8 @@ class _Run:
 
     def usage(self) -> Usage:
         details = {"audio_tokens": self.num_frames} if self.job.wants_audio else None
-        return Usage(prompt_tokens=len(self.job.prompt_ids), completion_tokens=self.num_tokens,
-                     total_tokens=len(self.job.prompt_ids) + self.num_tokens, completion_tokens_details=details)
+        n = self.job.num_prompt_tokens
+        return Usage(prompt_tokens=n, completion_tokens=self.num_tokens, total_tokens=n + self.num_tokens, completion_tokens_details=details)
 
 
 def _sse(obj: Any) -> str:
@@ -327,14 +337,14 @@ def _check_finish(run: _Run) -> None:
 
 
 # ---- app -------------------------------------------------------------------------------------------
-def create_app(omni: AsyncOmni, served_model_name: str | None = None,
+def create_app(omni: EngineClient, served_model_name: str | None = None,
                metrics: ServerMetrics | None = None) -> FastAPI:
-    """The FastAPI app serving ``omni``. Pass ``metrics`` when its ``observe_step`` is already the engine's
-    ``on_step`` hook; otherwise a fresh ``ServerMetrics`` is created and chained onto the engine's hook."""
-    name = served_model_name or omni.engine.model_name
+    """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
+    listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
+    name = served_model_name or omni.info.name
     if metrics is None:
         metrics = ServerMetrics()
-        _chain_step_hook(omni, metrics)
+        omni.add_step_listener(metrics.observe_step)
     tr = _Translator(omni, name)
     app = FastAPI(title="omnistage", version="0.1.0")
     app.state.omni, app.state.metrics, app.state.served_model_name = omni, metrics, name
@@ -403,7 +413,7 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
         if job.wants_audio:
             wave = torch.cat(audio) if audio else torch.zeros(0)
             audio_out = AudioOutput(id=f"audio_{uuid.uuid4().hex}", expires_at=int(time.time()) + AUDIO_EXPIRY_S,
-                                    data=_b64(audio_format.encode(wave, fmt, omni.engine.sample_rate)),
+                                    data=_b64(audio_format.encode(wave, fmt, omni.info.sample_rate)),
                                     transcript=text)
         return ChatCompletionResponse(
             id=rid, model=name, usage=run.usage(),
@@ -425,7 +435,7 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
         audio = [v for kind, v in events if kind == "audio"]
         _check_finish(run)
         wave = torch.cat(audio) if audio else torch.zeros(0)
-        return Response(audio_format.encode(wave, fmt, omni.engine.sample_rate),
+        return Response(audio_format.encode(wave, fmt, omni.info.sample_rate),
                         media_type=audio_format.MEDIA_TYPES[fmt])
 
     return app
@@ -454,18 +464,6 @@ async def _collect_unless_gone(run: _Run, raw: Request) -> list[tuple[str, Any]]
             return None
     task.result()
     return items
-
-
-def _chain_step_hook(omni: AsyncOmni, metrics: ServerMetrics) -> None:
-    orch = omni.engine.orchestrator
-    previous = orch.on_step
-
-    def hook(events: Any) -> None:
-        metrics.observe_step(events)
-        if previous is not None:
-            previous(events)
-
-    orch.on_step = hook
 
 
 async def _chat_stream(run: _Run, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -526,7 +524,7 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
     if run.finish_reason == "error":
         yield _sse(APIError(500, "the engine failed while generating this request", "server_error").body())
         return
-    n_in, n_out = len(run.job.prompt_ids), run.num_tokens
+    n_in, n_out = run.job.num_prompt_tokens, run.num_tokens
     yield _sse({"type": "speech.audio.done",
                 "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
 
@@ -534,7 +532,7 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
 DEFAULT_MODEL_NAME = "omnistage-tiny"
 
 
-def serve(model: str | None = None, stage_config: str = "qwen3_omni", host: str = "127.0.0.1", port: int = 8000,
+def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info") -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
@@ -554,7 +552,8 @@ def serve(model: str | None = None, stage_config: str = "qwen3_omni", host: str 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--stage-config", default="qwen3_omni", help="pipeline preset name or YAML path")
+    p.add_argument("--stage-config", default=None,
+                   help="pipeline preset name or YAML path (default: the checkpoint family's preset)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-waiting", type=int, default=None, help="reject (429) beyond this many waiting requests")

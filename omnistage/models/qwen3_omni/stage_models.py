@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from omnistage.attention.backend import AttentionMetadata
+from omnistage.core.request import Request
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.talker import Talker
@@ -26,7 +27,6 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     talker_decode_input,
     talker_text_row,
     text_row_ready,
-    user_rows_mask,
 )
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.runner.outputs import OmniOutput, StepContext
@@ -51,7 +51,7 @@ class ThinkerStageModel:
     def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
         with torch.inference_mode():
             out = self.thinker(input_ids, positions, kv_caches, attn_meta)
-        return OmniOutput(text_hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
+        return OmniOutput(hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -68,18 +68,18 @@ class ThinkerStageModel:
         per-request device syncs or copies in the step.
         """
         picks, owners = [], []
-        for req in ctx.requests:
-            needed = req.extra.get("talker_rows")
+        for req_id, start, state in zip(ctx.req_ids, ctx.num_computed, ctx.states):
+            needed = state.get("talker_rows")
             if needed is None:
                 continue
-            s, e = ctx.spans[req.req_id]
-            pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + (e - s))
+            s, e = ctx.spans[req_id]
+            pos = torch.arange(start, start + (e - s))
             keep = pos >= needed.shape[0]
             keep[~keep] = needed[pos[~keep]]
             rows = torch.nonzero(keep).flatten()
             if rows.numel():
                 picks.append(rows + s)
-                owners.append((req.req_id, pos[rows]))
+                owners.append((req_id, pos[rows]))
         if not picks:
             return {}
         embeds = output.multimodal_outputs["embeds"]
@@ -101,6 +101,8 @@ class TalkerStageModel:
     supports_full_graph_aux_outputs = True
     # transformers penalises only generated codec ids (its talker prompt is embeddings, not ids).
     penalty_includes_prompt = False
+    # The sampled ids are layer-0 codes, not text: clients get whole frames ("codes") instead.
+    emits_token_ids = False
 
     def __init__(self, talker: Talker, ids: TalkerTokenIds, specials: TextSpecials) -> None:
         self.talker = talker
@@ -112,19 +114,7 @@ class TalkerStageModel:
         self.codec_eos_id = talker.codec_eos_id
         self.num_code_groups = talker.num_code_groups
 
-    # ---- input construction (called by the thinker2talker processor) ------------------------------
-    def prompt_rows_needed(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        """[P] bool: prompt rows the Talker reads (user turns + the final assistant header)."""
-        ids = torch.tensor(list(prompt_ids), dtype=torch.long)
-        if ids.numel() < 3 or ids[-3] != self.ids.im_start or ids[-2] != self.ids.assistant:
-            raise ValueError(
-                "speech output needs a chat prompt that ends with the assistant header "
-                "'<|im_start|>assistant\\n' (render it with add_generation_prompt=True)"
-            )
-        needed = user_rows_mask(ids, self.ids)
-        needed[-3:] = True
-        return needed
-
+    # ---- input construction (called by the Thinker -> Talker bridge) --------------------------------
     def build_prefill(
         self, prompt_ids: Sequence[int], rows: Mapping[int, torch.Tensor], first_answer: torch.Tensor,
         speaker_id: int,
@@ -150,7 +140,9 @@ class TalkerStageModel:
         rows = state.get("text_rows")
         return self.specials.pad.new_zeros(0, self.hidden_size) if rows is None else rows
 
-    def text_ready(self, state: Mapping[str, Any], step: int) -> bool:
+    def input_ready(self, state: Mapping[str, Any], request: Request) -> bool:
+        """Whether the next decode step's text row exists (else the stage pauses the request)."""
+        step = request.num_output_tokens - 1
         return text_row_ready(step, self._text_rows(state).shape[0], bool(state.get("text_done", False)))
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -163,9 +155,7 @@ class TalkerStageModel:
         for i, req_id in enumerate(ctx.req_ids):
             st = ctx.states[i]
             s, e = ctx.spans[req_id]
-            # The scheduler advances num_computed_tokens after the step: it is this span's first position
-            # (read on the host, no device sync).
-            lo = ctx.requests[i].num_computed_tokens
+            lo = ctx.num_computed[i]  # this span's first position (host value, no device sync)
             hi = lo + (e - s)
             prefill = st.get("prefill_embeds")
             if prefill is None:
@@ -214,7 +204,7 @@ class TalkerStageModel:
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
         with torch.inference_mode():
             hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta)
-        return OmniOutput(text_hidden_states=hidden, multimodal_outputs={"codes.audio": frames})
+        return OmniOutput(hidden_states=hidden, multimodal_outputs={"codes.audio": frames})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -222,14 +212,14 @@ class TalkerStageModel:
 
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
         """Keep the hidden state the next decode's code predictor starts from."""
-        hidden = output.text_hidden_states
+        hidden = output.hidden_states
         return [
             {"last_hidden": hidden[ctx.spans[r][1] - 1].clone()} if r in sampled else None for r in ctx.req_ids
         ]
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        # One host copy of the step's frames (clients and the chunker read them on the host anyway),
-        # then per-request slices by the real spans.
+    def _frames(self, ctx: StepContext, output: OmniOutput) -> dict[str, torch.Tensor]:
+        """Complete frames of this step per request, [k, Q] host tensors (owned copies)."""
+        # One host copy of the step's frames, then per-request slices by the real spans.
         frames = output.multimodal_outputs["codes.audio"][: ctx.num_tokens_unpadded].cpu()
         out = {}
         for req_id in ctx.req_ids:
@@ -237,8 +227,14 @@ class TalkerStageModel:
             mine = frames[s:e]
             mine = mine[mine[:, 0] >= 0]  # boolean indexing copies: owned, not a view of the step
             if mine.shape[0]:
-                out[req_id] = {"frames": mine}
+                out[req_id] = mine
         return out
+
+    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+        return {r: {"frames": f} for r, f in self._frames(ctx, output).items()}
+
+    def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:
+        return {r: {"codes": f.T.contiguous()} for r, f in self._frames(ctx, output).items()}
 
 
 def _code_predictor_row(row: SamplingRow) -> SamplingRow:
@@ -252,11 +248,13 @@ def _code_predictor_row(row: SamplingRow) -> SamplingRow:
 
 
 class Code2WavStageModel:
+    """Code2Wav as a generation stage model: one batched decode over chunks of different lengths (each
+    chunk carries its own left context, so the stage keeps no per-request state)."""
+
     def __init__(self, code2wav: Code2Wav) -> None:
         self.code2wav = code2wav
-        self.sample_rate = int(code2wav.sample_rate)
 
-    def forward_batch(self, payloads: list[Any]) -> OmniOutput:
+    def forward_batch(self, payloads: list[Any], states: list[Mapping[str, Any]]):
         width = max(p.codes.shape[1] for p in payloads)
         q = payloads[0].codes.shape[0]
         device = self.code2wav.code_embedding.weight.device
@@ -266,4 +264,4 @@ class Code2WavStageModel:
         lengths = torch.tensor([p.codes.shape[1] for p in payloads], device=device)
         context = torch.tensor([p.left_context for p in payloads], device=device)
         wave, wave_lengths = self.code2wav.decode_with_context(codes, lengths, context)
-        return OmniOutput(text_hidden_states=None, multimodal_outputs={"audio": wave, "audio_lengths": wave_lengths})
+        return {"audio": wave, "audio_lengths": wave_lengths}, [None] * len(payloads)
