@@ -28,6 +28,9 @@ Choices worth knowing as a client:
 - Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; schema and JSON errors
   are 400 (not FastAPI's 422); a full waiting queue is 429 with ``Retry-After``; a dead engine is 503.
 - A client that disconnects mid-stream has its request aborted in every stage.
+- ``X-Request-Id`` (1-128 characters of ``[A-Za-z0-9-_.:]``) becomes the engine's request id (and the
+  response ``id``); without it the server makes one. A request the engine fails while serving it (and only
+  that request) gets a 500 ``request_failed`` with the reason, in-band for streams.
 """
 
 from __future__ import annotations
@@ -262,6 +265,7 @@ class _Run:
         self._agen: Any = None
         self._first: Any = None
         self.text = ""  # the answer text released so far (stop strings cut off)
+        self.error: str | None = None  # why the engine failed this request
 
     async def start(self) -> None:
         self._agen = self.omni.generate(self.job.prompt, self.job.modalities, self.job.params,
@@ -304,6 +308,7 @@ class _Run:
                     if tail:
                         yield "text", tail
                     self.finish_reason = "stop" if self.stopper.stopped else d.finish_reason
+                    self.error = d.error
                     done = True
                     return
                 d = await self._agen.__anext__()
@@ -311,6 +316,11 @@ class _Run:
             if not done:
                 await self._agen.aclose()  # aborts the request in every stage
             self.timer.finish(self.finish_reason or "abort", self.omni.info.sample_rate)
+
+    def failure(self) -> APIError:
+        """The error a request that the engine failed gets (its own failure, not the server's)."""
+        return APIError(500, f"the engine failed while generating this request: {self.error or 'unknown error'}",
+                        "server_error", code="request_failed")
 
     def _text_flush(self) -> str:
         piece = self.stopper.flush()
@@ -333,7 +343,7 @@ def _b64(data: bytes) -> str:
 
 def _check_finish(run: _Run) -> None:
     if run.finish_reason == "error":
-        raise APIError(500, "the engine failed while generating this request", "server_error")
+        raise run.failure()
 
 
 # ---- app -------------------------------------------------------------------------------------------
@@ -395,7 +405,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         job, fmt = tr.chat(req)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = _request_id(raw, "chatcmpl")
         run = _Run(omni, job, rid, metrics)
         await run.start()
         if req.stream:
@@ -423,7 +433,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     @app.post("/v1/audio/speech")
     async def speech(req: SpeechRequest, raw: Request) -> Response:
         job, fmt = tr.speech(req)
-        run = _Run(omni, job, f"speech-{uuid.uuid4().hex}", metrics)
+        run = _Run(omni, job, _request_id(raw, "speech"), metrics)
         await run.start()
         if req.stream_format == "sse":
             return StreamingResponse(_speech_sse(run), media_type="text/event-stream")
@@ -439,6 +449,20 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
                         media_type=audio_format.MEDIA_TYPES[fmt])
 
     return app
+
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def _request_id(raw: Request, prefix: str) -> str:
+    """The client's ``X-Request-Id`` (for log correlation and tests), else a fresh ``prefix-<hex>`` id."""
+    given = raw.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not 0 < len(given) <= 128 or not set(given) <= _REQUEST_ID_CHARS:
+        raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9-_.:]", param="X-Request-Id")
+    return given
 
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs say what happened
@@ -493,7 +517,7 @@ async def _chat_stream(run: _Run, model: str, include_usage: bool) -> AsyncItera
         yield "data: [DONE]\n\n"
         return
     if run.finish_reason == "error":
-        yield _sse(APIError(500, "the engine failed while generating this request", "server_error").body())
+        yield _sse(run.failure().body())
         yield "data: [DONE]\n\n"
         return
     if run.job.wants_audio:
@@ -522,7 +546,7 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
         yield _sse(_submit_error(exc).body())
         return
     if run.finish_reason == "error":
-        yield _sse(APIError(500, "the engine failed while generating this request", "server_error").body())
+        yield _sse(run.failure().body())
         return
     n_in, n_out = run.job.num_prompt_tokens, run.num_tokens
     yield _sse({"type": "speech.audio.done",

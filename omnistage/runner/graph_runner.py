@@ -1,4 +1,5 @@
-"""The CUDA-graph AR runner (the seed's "v2"): decode steps over persistent static buffers, full-graph captured per batch bucket.
+"""The CUDA-graph AR runner (the seed's "v2"): decode steps over persistent static buffers, full-graph
+captured per batch bucket.
 
 What runs how:
 - A decode-only step (every scheduled request decodes exactly one token) with at most
@@ -12,7 +13,7 @@ What runs how:
   afterwards; its output is flattened (`flatten_output`, which enforces the aux contract: declared but
   invalid raises) and rebuilt after every replay. An undeclared model runs the static path eagerly and the
   runner logs that choice once.
-- Every other step (prefill, chunked prefill, mixed, larger batches) runs the v1 eager path.
+- Every other step (prefill, chunked prefill, mixed, larger batches) runs the eager path.
 
 The hooks that build per-request results (`postprocess`, `stage_outputs`) are called after the forward with
 this step's live `StepContext`; the captured function only ever sees static buffers. Anything the runner

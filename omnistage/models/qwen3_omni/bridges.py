@@ -35,6 +35,7 @@ class _TextState:
     speaker_id: int
     prompt_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> thinker embed row
     answer_rows: list[torch.Tensor] = field(default_factory=list)  # thinker embeds of fed answer tokens
+    num_answers: int = 0  # answer rows received so far (a recomputing Thinker sends old rows again)
     started: bool = False  # talker prefill handed over
 
 
@@ -60,9 +61,14 @@ class ThinkerToTalker:
         new_answers = []
         for pos, row in zip(payload["positions"].tolist(), payload["embeds"].unbind(0)):
             if pos < num_prompt:
-                st.prompt_rows[pos] = row
-            else:
+                if not st.started:
+                    st.prompt_rows[pos] = row
+            elif pos == num_prompt + st.num_answers:
                 new_answers.append(row)
+                st.num_answers += 1
+            elif pos > num_prompt + st.num_answers:
+                raise ValueError(f"answer row at position {pos} arrived before position {num_prompt + st.num_answers}")
+            # else: a row the Talker already has, sent again by a Thinker recomputing after preemption
         if not new_answers:
             return
         if st.started:
