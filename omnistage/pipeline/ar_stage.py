@@ -16,73 +16,39 @@ from omnistage.core.request import Request
 from omnistage.core.scheduler import ARScheduler
 from omnistage.models.family import Bridge, StageRequest
 from omnistage.pipeline.faults import FaultInjector
-from omnistage.pipeline.stage import PendingEvents, StepEvents, culprit, logger
+from omnistage.pipeline.stage import BridgedStage, StepEvents, culprit, logger
 from omnistage.runner.ar_runner import ARRunner
 
 
-class ARStage:
+class ARStage(BridgedStage):
     def __init__(self, name: str, scheduler: ARScheduler, runner: ARRunner, bridge: Bridge | None = None,
                  faults: FaultInjector | None = None) -> None:
-        self.name = name
-        self.scheduler = scheduler
-        self.runner = runner
+        super().__init__(name, scheduler, runner, bridge, faults or FaultInjector())
         self.model = runner.model
-        self.bridge = bridge
-        self.faults = faults or FaultInjector()
-        self._pending = PendingEvents()
         self._input_ready = getattr(self.model, "input_ready", None)
         self._emits_token_ids = getattr(self.model, "emits_token_ids", True)
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request: StageRequest) -> None:
+    def _register(self, request: StageRequest) -> None:
         waits = request.prompt_token_ids is None
         req = Request(request.req_id, list(request.prompt_token_ids or ()), request.sampling_params,
                       eos_token_ids=request.eos_token_ids)
         self.scheduler.add_request(req, wait_for_input=waits)
-        try:
-            self.runner.add_request(req, request.data)
-            if self.bridge is not None:
-                self.bridge.add_request(request.req_id, request.data)
-        except BaseException:
-            self.scheduler.abort_requests(request.req_id)
-            self._free(request.req_id)
-            raise
 
-    def _alive(self, req_id: str) -> bool:
-        return req_id in self.runner.records
+    def _create_record(self, request: StageRequest) -> None:
+        self.runner.add_request(self.scheduler.get_request(request.req_id), request.data)
 
-    def add_input(self, req_id: str, source: str, payload: Mapping[str, Any]) -> None:
-        if self._alive(req_id):
-            self._guarded(req_id, self.bridge.on_input, req_id, payload, self)
-
-    def end_input(self, req_id: str, source: str) -> None:
-        if self._alive(req_id):
-            self._guarded(req_id, self.bridge.on_end, req_id, self)
-
-    def _guarded(self, req_id: str, fn, *args: Any) -> None:
-        """Run a bridge call for one request: its failure fails that request only."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            logger.exception("stage %r: input for request %r failed", self.name, req_id)
-            self._fail(req_id, str(exc))
-            return
-        if self._alive(req_id) and self.scheduler.is_paused(req_id) and self._ready(req_id):
-            self.scheduler.resume(req_id)
-
-    def abort(self, req_id: str) -> None:
+    def _unregister(self, req_id: str) -> None:
         self.scheduler.abort_requests(req_id)
-        self._pending.finished.pop(req_id, None)
-        self._pending.errors.pop(req_id, None)
-        self._free(req_id)
 
-    def _free(self, req_id: str) -> None:
-        self.runner.free(req_id)
-        if self.bridge is not None:
-            self.bridge.drop(req_id)
+    def _release(self, req_id: str) -> None:
         release = getattr(self.model, "free", None)
         if release is not None:
             release(req_id)
+
+    def _after_input(self, req_id: str) -> None:
+        if self.scheduler.is_paused(req_id) and self._ready(req_id):
+            self.scheduler.resume(req_id)
 
     def _fail(self, req_id: str, message: str) -> None:
         if self.scheduler.finish_request(req_id, "error"):
@@ -163,5 +129,5 @@ class ARStage:
             "kv_blocks": kv.num_blocks,
             "records": len(self.runner.records),
             "batch_size": len(self.runner.batch),
-            "bridge_entries": len(self.bridge) if self.bridge is not None else 0,
+            "bridge_entries": self._bridge_entries(),
         }

@@ -5,66 +5,32 @@ to ``max_num_seqs`` requests."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from omnistage.core.generation_scheduler import GenerationScheduler
 from omnistage.models.family import Bridge, StageRequest
 from omnistage.pipeline.faults import FaultInjector
-from omnistage.pipeline.stage import PendingEvents, StepEvents, culprit, logger
+from omnistage.pipeline.stage import BridgedStage, StepEvents, culprit, logger
 from omnistage.runner.generation_runner import GenerationRunner
 
 
-class GenerationStage:
+class GenerationStage(BridgedStage):
     def __init__(self, name: str, scheduler: GenerationScheduler, runner: GenerationRunner,
                  bridge: Bridge | None = None, faults: FaultInjector | None = None) -> None:
-        self.name = name
-        self.scheduler = scheduler
-        self.runner = runner
-        self.bridge = bridge
-        self.faults = faults or FaultInjector()
-        self._pending = PendingEvents()
+        super().__init__(name, scheduler, runner, bridge, faults or FaultInjector())
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request: StageRequest) -> None:
+    def _register(self, request: StageRequest) -> None:
         self.scheduler.add_request(request.req_id)
-        try:
-            self.runner.add_request(request.req_id)
-            if self.bridge is not None:
-                self.bridge.add_request(request.req_id, request.data)
-        except BaseException:
-            self.scheduler.abort(request.req_id)
-            self._free(request.req_id)
-            raise
 
-    def _alive(self, req_id: str) -> bool:
-        return req_id in self.runner.records
+    def _create_record(self, request: StageRequest) -> None:
+        self.runner.add_request(request.req_id)
 
-    def add_input(self, req_id: str, source: str, payload: Mapping[str, Any]) -> None:
-        if self._alive(req_id):
-            self._guarded(req_id, self.bridge.on_input, req_id, payload, self)
-
-    def end_input(self, req_id: str, source: str) -> None:
-        if self._alive(req_id):
-            self._guarded(req_id, self.bridge.on_end, req_id, self)
-
-    def _guarded(self, req_id: str, fn, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:
-            logger.exception("stage %r: input for request %r failed", self.name, req_id)
-            self._end(req_id, error=str(exc))
-
-    def abort(self, req_id: str) -> None:
+    def _unregister(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
-        self._pending.finished.pop(req_id, None)
-        self._pending.errors.pop(req_id, None)
-        self._free(req_id)
 
-    def _free(self, req_id: str) -> None:
-        self.runner.free(req_id)
-        if self.bridge is not None:
-            self.bridge.drop(req_id)
+    def _fail(self, req_id: str, message: str) -> None:
+        self._end(req_id, error=message)
 
     def _end(self, req_id: str, reason: str = "stop", error: str | None = None) -> None:
         """Leave the stage outside a step (stage-driven finish or failure), reported with the next step."""
@@ -116,5 +82,5 @@ class GenerationStage:
             "waiting": self.scheduler.num_requests,
             "pending_chunks": self.scheduler.num_pending,
             "records": len(self.runner.records),
-            "bridge_entries": len(self.bridge) if self.bridge is not None else 0,
+            "bridge_entries": self._bridge_entries(),
         }

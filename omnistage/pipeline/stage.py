@@ -71,6 +71,91 @@ class PendingEvents:
         return events
 
 
+class BridgedStage:
+    """What AR and generation stages share: upstream input goes through the stage's bridge, a failure while
+    handling one request's input fails that request, and a request leaves through one freeing path.
+
+    Subclasses provide ``_register`` / ``_unregister`` (their scheduler's add and abort), ``_fail`` and
+    optionally ``_after_input`` (e.g. resume a paused request) and ``_release`` (model-held state).
+    """
+
+    def __init__(self, name: str, scheduler: Any, runner: Any, bridge: Any, faults: Any) -> None:
+        self.name = name
+        self.scheduler = scheduler
+        self.runner = runner
+        self.bridge = bridge
+        self.faults = faults
+        self._pending = PendingEvents()
+
+    def add_request(self, request: StageRequest) -> None:
+        self._register(request)
+        try:
+            self._create_record(request)
+            if self.bridge is not None:
+                self.bridge.add_request(request.req_id, request.data)
+        except BaseException:
+            self._unregister(request.req_id)
+            self._free(request.req_id)
+            raise
+
+    def _alive(self, req_id: str) -> bool:
+        return req_id in self.runner.records
+
+    def add_input(self, req_id: str, source: str, payload: Mapping[str, Any]) -> None:
+        if self._alive(req_id):
+            self._guarded(req_id, self.bridge.on_input, req_id, payload, self)
+
+    def end_input(self, req_id: str, source: str) -> None:
+        if self._alive(req_id):
+            self._guarded(req_id, self.bridge.on_end, req_id, self)
+
+    def _guarded(self, req_id: str, fn, *args: Any) -> None:
+        """Run a bridge call for one request: its failure fails that request only."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            logger.exception("stage %r: input for request %r failed", self.name, req_id)
+            self._fail(req_id, str(exc))
+            return
+        if self._alive(req_id):
+            self._after_input(req_id)
+
+    def abort(self, req_id: str) -> None:
+        self._unregister(req_id)
+        self._pending.finished.pop(req_id, None)
+        self._pending.errors.pop(req_id, None)
+        self._free(req_id)
+
+    def _free(self, req_id: str) -> None:
+        """The one place a request's state in this stage is dropped (finish, abort, failure)."""
+        self.runner.free(req_id)
+        if self.bridge is not None:
+            self.bridge.drop(req_id)
+        self._release(req_id)
+
+    # ---- per kind -----------------------------------------------------------------------------------
+    def _register(self, request: StageRequest) -> None:
+        raise NotImplementedError
+
+    def _create_record(self, request: StageRequest) -> None:
+        raise NotImplementedError
+
+    def _unregister(self, req_id: str) -> None:
+        raise NotImplementedError
+
+    def _fail(self, req_id: str, message: str) -> None:
+        raise NotImplementedError
+
+    def _after_input(self, req_id: str) -> None:
+        pass
+
+    def _release(self, req_id: str) -> None:
+        pass
+
+    def _bridge_entries(self) -> int:
+        return len(self.bridge) if self.bridge is not None else 0
+
+
 def culprit(exc: BaseException, scheduled: list[str]) -> str | None:
     """The one request a step failure belongs to, if it can be told: the request a ``RequestError``
     names, or the only request of the step. None: the failure belongs to the whole batch."""
