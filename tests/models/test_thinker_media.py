@@ -298,6 +298,8 @@ def test_bad_media_parts_are_rejected_with_the_part_named(ckpt):
     bad = [{"role": "user", "content": [{"type": "image", "image": np.zeros((4, 4), dtype=np.float32)}]}]
     with pytest.raises(ValueError, match=r"content\[0\].*uint8"):
         engine.render_prompt(bad)
+    with pytest.raises(ValueError, match=r"content\[0\]: audio has 100 samples; at least 400"):
+        engine.render_prompt([{"role": "user", "content": [{"type": "audio", "audio": AUDIO_1S[:100]}]}])
     with pytest.raises(ValueError, match="unknown part type 'smell'"):
         engine.render_prompt([{"role": "user", "content": [{"type": "smell", "smell": 1}]}])
     literal = [{"role": "user", "content": [{"type": "text", "text": "<|image_pad|>"}]}]

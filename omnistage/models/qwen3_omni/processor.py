@@ -133,6 +133,7 @@ class Qwen3OmniInputProcessor:
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(model_dir)
         self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
         self.sampling_rate = int(self.feature_extractor.sampling_rate)
+        self.min_samples = int(self.feature_extractor.n_fft)  # one STFT window
         thinker = config.thinker_config
         vision = thinker.vision_config
         self.n_window = int(thinker.audio_config.n_window)
@@ -184,7 +185,7 @@ class Qwen3OmniInputProcessor:
                         if not isinstance(part.get("text"), str):
                             raise MediaError("a text part needs a string 'text'")
                     elif kind == "audio":
-                        parts.append(_Part("audio", load_audio(_field(part, "audio"), self.sampling_rate)))
+                        parts.append(_Part("audio", self._clip(load_audio(_field(part, "audio"), self.sampling_rate))))
                     elif kind == "image":
                         parts.append(_Part("image", load_image(_field(part, "image"))))
                     elif kind == "video":
@@ -194,12 +195,20 @@ class Qwen3OmniInputProcessor:
                         )
                         if use_audio_in_video and video.audio is None:
                             raise MediaError("use_audio_in_video needs the video's audio track, and it has none")
+                        if use_audio_in_video:
+                            self._clip(video.audio)
                         parts.append(_Part("video", video))
                     else:
                         raise MediaError(f"unknown part type {kind!r} (audio, image, video or text)")
                 except MediaError as e:
                     raise MediaError(f"{where}: {e}") from None
         return parts
+
+    def _clip(self, audio: np.ndarray) -> np.ndarray:
+        if audio.shape[0] < self.min_samples:  # the feature extractor's STFT needs one window
+            raise MediaError(f"audio has {audio.shape[0]} samples; at least {self.min_samples} "
+                             f"({1000 * self.min_samples // self.sampling_rate} ms) are needed")
+        return audio
 
     # ---- per modality ---------------------------------------------------------------------------
     def _audio_features(self, clips: list[np.ndarray]) -> tuple[list[torch.Tensor], int]:
