@@ -122,8 +122,9 @@ class OmniEngine:
         return self.family.tokenizer
 
     # ---- request preparation -----------------------------------------------------------------------
-    def render_prompt(self, prompt: Prompt) -> PreparedPrompt:
-        """A prompt string, chat messages or token ids -> a prepared prompt (validated)."""
+    def render_prompt(self, prompt: Prompt, **options: Any) -> PreparedPrompt:
+        """A prompt string, chat messages or token ids -> a prepared prompt (validated). ``options`` go to
+        the family's prompt rendering (e.g. ``use_audio_in_video``)."""
         if isinstance(prompt, PreparedPrompt):
             prepared = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -132,7 +133,7 @@ class OmniEngine:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             if not messages:
                 raise ValueError("messages must not be empty")
-            prepared = self.family.render_prompt(messages)
+            prepared = self.family.render_prompt(messages, **options)
         ids = prepared.token_ids
         if not ids:
             raise ValueError("prompt is empty")

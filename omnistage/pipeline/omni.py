@@ -98,13 +98,15 @@ class Omni:
         sampling_params: SamplingParams | Mapping[str, SamplingParams] | None = None,
         speaker: str | None = None,
         use_tqdm: bool = False,
+        use_audio_in_video: bool = False,
     ) -> list[OmniRequestOutput]:
+        """``use_audio_in_video``: videos of these prompts bring their audio track (interleaved by time)."""
         if isinstance(prompts, (str, PreparedPrompt)) or (prompts and isinstance(prompts[0], Mapping)):
             prompts = [prompts]
         engine = self.engine
         collectors: dict[str, _Collector] = {}
         # Validate every prompt before submitting any, so one bad prompt does not leave others running.
-        rendered = [engine.render_prompt(p) for p in prompts]
+        rendered = [engine.render_prompt(p, use_audio_in_video=use_audio_in_video) for p in prompts]
         for prepared in rendered:
             rid = engine.add_request(prepared, modalities, sampling_params, speaker)
             collectors[rid] = _Collector(OmniRequestOutput(rid, list(prepared.token_ids)))

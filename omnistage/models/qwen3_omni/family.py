@@ -27,14 +27,18 @@ from omnistage.models.family import (
     StageRequest,
     no_args,
 )
-from omnistage.models.loader import building, load_into, load_weights
+from omnistage.models.loader import building, checkpoint_files, load_into, load_weights
+from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.config import load_config
+from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
+from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor, media_data, thinker_media
 from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel, TalkerStageModel, ThinkerStageModel
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import TalkerTokenIds, talker_prompt_rows, text_specials
 from omnistage.models.qwen3_omni.thinker import Thinker
+from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.registry import register_family
 
 ROLES = ("system", "user", "assistant")
@@ -50,6 +54,26 @@ def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{model_dir}: no eos_token_id in generation_config.json or the tokenizer")
     return (int(tokenizer.eos_token_id),)
+
+
+def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str) -> MediaEncoders:
+    """The Thinker's audio and vision towers, when the checkpoint holds them."""
+    names = checkpoint_files(model_dir)
+    towers: dict[str, Any] = {}
+    # Derived tables (sinusoids, rotary frequencies) are computed here; a checkpoint that stores them anyway
+    # is not an error.
+    for attr, prefix, cls, cfg, derived in (
+        ("audio", "thinker.audio_tower.", AudioEncoder, config.thinker_config.audio_config, "positional_embedding."),
+        ("vision", "thinker.visual.", VisionEncoder, config.thinker_config.vision_config, "rotary_pos_emb."),
+    ):
+        if not any(n.startswith(prefix) for n in names):
+            towers[attr] = None
+            continue
+        with building(dtype, device):
+            tower = cls(cfg)
+        load_into(tower, model_dir, prefix, dtype, skip=(derived,))
+        towers[attr] = tower.eval()
+    return MediaEncoders(towers["audio"], towers["vision"])
 
 
 @register_family
@@ -86,7 +110,8 @@ class Qwen3OmniFamily(ModelFamily):
             with building(ctx.dtype, ctx.device):
                 thinker = Thinker(self.config)
             load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."))
-            return ThinkerStageModel(thinker.eval())
+            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device)
+            return ThinkerStageModel(thinker.eval(), encoders)
         if part == "talker":
             with building(ctx.dtype, ctx.device):
                 talker = Talker(self.config)
@@ -124,16 +149,33 @@ class Qwen3OmniFamily(ModelFamily):
     def vocab_size(self) -> int:
         return int(self.config.thinker_config.text_config.vocab_size)
 
-    def render_prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> PreparedPrompt:
+    @cached_property
+    def input_processor(self) -> Qwen3OmniInputProcessor | None:
+        """Audio/image/video parts -> prompt + media (None: the checkpoint has no preprocessor_config.json)."""
+        if not (self.model_dir / "preprocessor_config.json").is_file():
+            return None
+        return Qwen3OmniInputProcessor(self.model_dir, self.tokenizer, self.config)
+
+    def render_prompt(
+        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, **kwargs: Any
+    ) -> PreparedPrompt:
+        """Messages with string content, or lists of text/audio/image/video parts (``use_audio_in_video``:
+        videos bring their audio track, interleaved by time)."""
+        if kwargs:
+            raise ValueError(f"unknown prompt options {sorted(kwargs)}")
         for m in messages:
             if m.get("role") not in ROLES:
                 raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError("message content must be a string (text parts are joined by the server)")
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return PreparedPrompt(list(ids))
+            if not isinstance(m.get("content"), (str, list, tuple)):
+                raise ValueError("message content must be a string or a list of content parts")
+        if all(isinstance(m["content"], str) for m in messages):
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return PreparedPrompt(list(ids))
+        if self.input_processor is None:
+            raise ValueError(f"{self.model_dir} has no preprocessor_config.json: content parts are not supported")
+        return self.input_processor(messages, use_audio_in_video=use_audio_in_video)
 
     def stage_requests(
         self,
@@ -146,7 +188,15 @@ class Qwen3OmniFamily(ModelFamily):
         ids = list(prompt.token_ids)
         parts = {s.model_part: s.name for s in stages}
         out: dict[str, StageRequest] = {}
-        thinker_data: dict[str, Any] = {}
+        media = thinker_media(prompt.data)
+        if media is not None and media.positions.shape[0] != len(ids):
+            raise ValueError("the prompt's media positions do not cover its token ids; render it again")
+        thinker_data: dict[str, Any] = media_data(media)
+        if "talker" in parts and media is not None:
+            # The Talker's conditioning on media rows (projected accept-layer hidden states, 3-D positions)
+            # is not built yet: refuse rather than speak from the wrong inputs.
+            raise ValueError("spoken answers to prompts with audio/image/video are not supported yet; "
+                             "request modalities ['text']")
         if "talker" in parts:
             if not self.speakers:
                 raise ValueError("this checkpoint has no speakers; request modalities ['text'] only")

@@ -1,7 +1,9 @@
 """Qwen3-Omni's three parts as stage models: what the runners call around each forward.
 
-- ``ThinkerStageModel``: token ids in; hidden states for sampling out; sends the Talker only the rows it
-  uses (embeddings of user-turn rows, of the assistant header and of fed-back answer tokens).
+- ``ThinkerStageModel``: token ids (and a request's media) in; hidden states for sampling out; runs the audio
+  and vision encoders for the media rows a prefill chunk reaches and gives every row its 3-D position; sends
+  the Talker only the rows it uses (embeddings of user-turn rows, of the assistant header and of fed-back
+  answer tokens).
 - ``TalkerStageModel``: builds each row's input from the request's intermediate state (prefill rows,
   decode rows = code-predictor frame embedding + text row), runs the code predictor batched over every
   request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
@@ -19,6 +21,8 @@ from omnistage.attention.backend import AttentionMetadata
 from omnistage.core.request import Request
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders, item_span
+from omnistage.models.qwen3_omni.processor import MediaItem, thinker_media
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import (
     TalkerTokenIds,
@@ -36,21 +40,99 @@ _NO_UPDATES = None
 
 
 class ThinkerStageModel:
+    """The Thinker as a stage model.
+
+    Media (the request state's ``media``, see ``processor.thinker_media``): in each step, the prompt rows
+    [lo, hi) a request's chunk covers pick their encoder rows (items encoded on first need, batched across the
+    step's requests, cached by content key in ``encoders``: see ``encoder_cache``) and their 3-D positions
+    from the request's precomputed table; a chunk may cut through any span. Rows past the prompt (decode) sit
+    at ``index + rope_delta``. ``free(req_id)`` (called by the stage on finish/abort/failure) lets go of a
+    request's encoder outputs; they are let go by themselves once its prompt is fully prefilled.
+    """
+
     # Row-aligned aux outputs only (embeds): safe to rebuild after a graph replay.
     supports_full_graph_aux_outputs = True
 
-    def __init__(self, thinker: Thinker) -> None:
+    def __init__(self, thinker: Thinker, encoders: MediaEncoders | None = None) -> None:
         self.thinker = thinker
+        self.encoders = encoders if encoders is not None else MediaEncoders(None, None)
         cfg = thinker.cfg
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self.hidden_size = cfg.hidden_size
 
-    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
-        return {"input_ids": input_ids, "positions": positions}, [_NO_UPDATES] * len(ctx.req_ids)
+    def free(self, req_id: str) -> None:
+        self.encoders.release(req_id)
 
-    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
+    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Positions become float (decode rows of media requests sit at fractional ids after a video):
+        ``[N]`` when every row is text-like, ``[N, 3]`` when a chunk covers prompt rows of an image/video
+        request; media rows and deepstack rows are added for prefill chunks that reach them."""
+        n = ctx.num_tokens_unpadded
+        pos = positions.float()
+        media = [thinker_media(state) for state in ctx.states]
+        if not any(m is not None for m in media):
+            return {"input_ids": input_ids, "positions": pos}, [_NO_UPDATES] * len(ctx.req_ids)
+        # Host-side bookkeeping, one tensor op per request; device copies happen once at the end.
+        spans = [ctx.spans[r] for r in ctx.req_ids]
+        deltas = torch.tensor([0.0 if m is None else m.rope_delta for m in media], dtype=torch.float32)
+        lens = torch.tensor([e - s for s, e in spans])
+        row_delta = torch.zeros(pos.shape[0], dtype=torch.float32)
+        row_delta[:n] = torch.repeat_interleave(deltas, lens)
+        needs: list[tuple[str, MediaItem]] = []
+        picks: list[tuple[MediaItem, int, int, torch.Tensor]] = []  # item, [o1, o2), step rows
+        table_rows: list[tuple[int, int, int, int]] = []  # batch index, step row, prompt [a, b)
+        done: list[str] = []
+        for i, (req_id, lo, m) in enumerate(zip(ctx.req_ids, ctx.num_computed, media)):
+            if m is None:
+                continue
+            s, e = spans[i]
+            num_prompt = m.positions.shape[0]
+            a, b = lo, min(lo + (e - s), num_prompt)
+            if a >= b:
+                continue
+            if not m.flat:
+                table_rows.append((i, s, a, b))
+            row_delta[s : s + b - a] = 0.0  # prompt rows take their ids from the table (or are plain)
+            for item in m.items:
+                o1, o2 = item_span(item, a, b)
+                if o1 < o2:
+                    needs.append((req_id, item))
+                    picks.append((item, o1, o2, item.rows[o1:o2] - a + s))
+            if b == num_prompt:
+                done.append(req_id)
+        if table_rows:
+            # Built on the host from the spans (no device read): index + delta, then the tables' rows.
+            base = torch.zeros(pos.shape[0], dtype=torch.float32)
+            for lo, (s, e) in zip(ctx.num_computed, spans):
+                base[s:e] = torch.arange(lo, lo + e - s)
+            pos3 = (base + row_delta)[:, None].expand(-1, 3).contiguous()
+            for i, s, a, b in table_rows:
+                pos3[s : s + b - a] = media[i].positions[a:b]
+            kwargs = {"input_ids": input_ids, "positions": pos3.to(positions.device)}
+        else:
+            kwargs = {"input_ids": input_ids, "positions": pos + row_delta.to(positions.device)}
+        if picks:
+            self.encoders.acquire(needs)
+            kwargs.update(self._media_rows(picks, positions.device))
+        for req_id in done:
+            self.encoders.release(req_id)
+        return kwargs, [_NO_UPDATES] * len(ctx.req_ids)
+
+    def _media_rows(self, picks: list[tuple[MediaItem, int, int, torch.Tensor]], device: torch.device) -> dict:
+        entries = [self.encoders.entries[item.key] for item, _, _, _ in picks]
+        out = {
+            "mm_rows": torch.cat([rows for _, _, _, rows in picks]).to(device),
+            "mm_embeds": torch.cat([en.embeds[o1:o2] for en, (_, o1, o2, _) in zip(entries, picks)]),
+        }
+        visual = [(en, p) for en, p in zip(entries, picks) if p[0].is_visual and en.deepstack is not None]
+        if visual:
+            out["deepstack_rows"] = torch.cat([p[3] for _, p in visual]).to(device)
+            out["deepstack"] = torch.cat([en.deepstack[:, p[1] : p[2]] for en, p in visual], dim=1)
+        return out
+
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions, **media) -> OmniOutput:
         with torch.inference_mode():
-            out = self.thinker(input_ids, positions, kv_caches, attn_meta)
+            out = self.thinker(input_ids, positions, kv_caches, attn_meta, **media)
         return OmniOutput(hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
