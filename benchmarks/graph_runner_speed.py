@@ -1,6 +1,6 @@
-"""Decode speed of the v2 graph runner vs the v1 eager runner (Thinker, text only), same run, same tokens.
+"""Decode speed of the CUDA-graph runner vs the eager runner (Thinker, text only), same run, same tokens.
 
-On CUDA v2 captures decode steps as CUDA graphs; on CPU it runs the same static-buffer path eagerly (a
+On CUDA the graph runner captures decode steps as CUDA graphs; on CPU it runs the same static-buffer path eagerly (a
 correctness path, expected slower). Prints tok/s per batch size and checks both runners produce identical
 greedy tokens.
 
@@ -29,16 +29,16 @@ def main() -> None:
 
     from benchmarks.thinker_throughput import prompts, resolve_model
     from omnistage import Omni, SamplingParams
-    from omnistage.config import load_pipeline_config
+    from omnistage.models.registry import load_pipeline_config
 
     model = resolve_model(args.model, args.preset)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens)
     results: dict[tuple[str, int], tuple[float, list]] = {}
-    for runner in ("v1", "v2"):
+    for runner in ("eager", "cuda_graph"):
         pipeline = load_pipeline_config("qwen3_omni", {"runner": runner, "stages": {"thinker": {"scheduler": {
             "max_num_seqs": max(args.batch), "max_model_len": args.max_model_len}}}})
         omni = Omni(model, pipeline=pipeline, device=args.device)
-        omni.generate(prompts(2), sampling_params=params)  # warm-up (and graph capture for v2)
+        omni.generate(prompts(2), sampling_params=params)  # warm-up (and graph capture)
         for n in args.batch:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -50,9 +50,9 @@ def main() -> None:
     print(f"device={args.device} threads={args.threads} max_tokens={args.max_tokens} "
           f"max_model_len={args.max_model_len}")
     for n in args.batch:
-        v1, v2 = results[("v1", n)], results[("v2", n)]
-        print(f"batch {n:>3}: v1 {v1[0]:8.1f} tok/s   v2 {v2[0]:8.1f} tok/s   v2/v1 {v2[0] / v1[0]:5.2f}   "
-              f"identical tokens: {v1[1] == v2[1]}", flush=True)
+        eager, graph = results[("eager", n)], results[("cuda_graph", n)]
+        print(f"batch {n:>3}: eager {eager[0]:8.1f} tok/s   cuda_graph {graph[0]:8.1f} tok/s   "
+              f"ratio {graph[0] / eager[0]:5.2f}   identical tokens: {eager[1] == graph[1]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
-    from omnistage.config import load_pipeline_config
+    from omnistage.models.registry import load_pipeline_config
     from omnistage.pipeline.engine import EngineArgs, OmniEngine
 
     model = resolve_model(args.model, args.preset)
@@ -88,7 +88,7 @@ def main() -> None:
     run_omnistage(engine, prompts(1), 4, 8)  # warm-up
 
     print(f"threads={args.threads} model={Path(model).name} thinker_tokens={args.thinker_tokens} "
-          f"talker_tokens={args.talker_tokens} (first audio chunk: {dict(pipeline.stage('code2wav').processor_args)})")
+          f"talker_tokens={args.talker_tokens} (first audio chunk: {dict(pipeline.stage('code2wav').bridge_args)})")
     print(f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} | "
           f"{'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} | {'x thru':>6} {'TTFA/E2E':>8}")
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,

@@ -107,7 +107,7 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from omnistage import Omni
-    from omnistage.config import load_pipeline_config
+    from omnistage.models.registry import load_pipeline_config
 
     model = resolve_model(args.model, args.preset)
     top = max(args.concurrency)

@@ -1,11 +1,14 @@
-"""Load a pipeline config from a packaged preset name or a user YAML file, with optional overrides."""
+"""Read a pipeline config from YAML (a user file or a family's packaged preset text), with overrides.
+
+Preset *names* belong to model families: ``omnistage.models.registry.load_pipeline_config`` resolves a name
+or a path and calls into this module.
+"""
 
 from __future__ import annotations
 
 import copy
 import os
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -14,33 +17,15 @@ import yaml
 from omnistage.config.errors import ConfigError
 from omnistage.config.stage_config import PipelineConfig
 
-_PRESET_PACKAGE = "omnistage.config"
-_PRESET_DIR = "presets"
 
-
-def available_presets() -> tuple[str, ...]:
-    root = resources.files(_PRESET_PACKAGE).joinpath(_PRESET_DIR)
-    return tuple(sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml")))
-
-
-def _read_source(path_or_preset: str | os.PathLike[str]) -> tuple[str, str]:
-    """Returns (yaml text, description for error messages)."""
-    text_path = os.fspath(path_or_preset)
-    looks_like_path = (
-        isinstance(path_or_preset, os.PathLike)
-        or text_path.endswith((".yaml", ".yml"))
-        or os.sep in text_path
-        or (os.altsep is not None and os.altsep in text_path)
+def looks_like_path(source: str | os.PathLike[str]) -> bool:
+    text = os.fspath(source)
+    return (
+        isinstance(source, os.PathLike)
+        or text.endswith((".yaml", ".yml"))
+        or os.sep in text
+        or (os.altsep is not None and os.altsep in text)
     )
-    if looks_like_path:
-        path = Path(text_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {text_path!r} does not exist")
-        return path.read_text(encoding="utf-8"), text_path
-    resource = resources.files(_PRESET_PACKAGE).joinpath(_PRESET_DIR, f"{text_path}.yaml")
-    if not resource.is_file():
-        raise ConfigError(f"unknown preset {text_path!r}; presets: {list(available_presets())}")
-    return resource.read_text(encoding="utf-8"), f"preset {text_path!r}"
 
 
 def _deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
@@ -77,15 +62,21 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
     return result
 
 
-def load_pipeline_config(
-    path_or_preset: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
+def read_pipeline_file(
+    path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
 ) -> PipelineConfig:
-    """Load and validate a pipeline config.
+    """Load and validate a pipeline config from a YAML file (see ``parse_pipeline_yaml``)."""
+    path = Path(os.fspath(path))
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    return parse_pipeline_yaml(path.read_text(encoding="utf-8"), str(path), overrides)
 
-    `path_or_preset` is a packaged preset name (e.g. "qwen3_omni") or a path to a YAML file.
-    `overrides` example: {"runner": "v2", "stages": {"talker": {"sampling": {"temperature": 0.0}}}}.
+
+def parse_pipeline_yaml(text: str, source: str, overrides: Mapping[str, Any] | None = None) -> PipelineConfig:
+    """Validate a pipeline config given as YAML text; ``source`` names it in error messages.
+
+    `overrides` example: {"runner": "cuda_graph", "stages": {"talker": {"sampling": {"temperature": 0.0}}}}.
     """
-    text, source = _read_source(path_or_preset)
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:

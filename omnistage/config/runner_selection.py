@@ -1,7 +1,7 @@
 """Per-stage runner selection and the config-time check of runner/model/session combinations.
 
-A stage may pick its runner version (so stages can move to v2 one at a time); otherwise it uses the
-deployment default. Choosing a runner and the model declaring a capability are separate facts that must
+A stage may pick its runner ("eager" or "cuda_graph"; the seed's "v1"/"v2"), so stages can move to graphs
+one at a time; otherwise it uses the deployment default. Choosing a runner and the model declaring a capability are separate facts that must
 hold together, so `validate_pipeline` checks them when the pipeline is built, before any request, rather
 than letting a request hang halfway waiting for input that never arrives.
 """
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from omnistage.config.errors import UnsupportedConfigError
-from omnistage.config.stage_config import RUNNER_VERSIONS, PipelineConfig, StageConfig
+from omnistage.config.stage_config import PipelineConfig, StageConfig
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class ModelCapabilities:
     # Returns a valid auxiliary-output tree (non-empty, tensor leaves on the token axis, stable
     # structure), so full-graph capture may keep and rebuild it. Undeclared => no full-graph capture.
     supports_full_graph_aux_outputs: bool = False
-    # Can hand data to / take data from neighbouring stages over the v2 runner's native data plane.
+    # Can hand data to / take data from neighbouring stages over the CUDA-graph runner's native data plane.
     supports_native_data_plane: bool = False
 
     def __post_init__(self) -> None:
@@ -32,7 +32,7 @@ class ModelCapabilities:
 
 
 def resolve_stage_runner(stage: StageConfig, pipeline: PipelineConfig) -> str:
-    """The stage's own runner version, else the deployment default."""
+    """The stage's own runner, else the deployment default."""
     return stage.runner if stage.runner is not None else pipeline.runner
 
 
@@ -48,9 +48,6 @@ def validate_pipeline(
         def reject(field_name: str, reason: str, stage_name: str = name) -> UnsupportedConfigError:
             return UnsupportedConfigError(reason, stage=stage_name, field=field_name)
 
-        if runner not in RUNNER_VERSIONS:
-            field_name = "runner" if stage.runner is not None else "pipeline.runner"
-            raise reject(field_name, f"unknown runner version {runner!r}; known: {list(RUNNER_VERSIONS)}")
         caps = capabilities.get(stage.model_part)
         if caps is None:
             raise reject("model_part", f"no capabilities declared for model part {stage.model_part!r}")
@@ -58,22 +55,22 @@ def validate_pipeline(
             raise reject("model_part", f"capabilities must be ModelCapabilities, got {type(caps).__name__}")
 
         if stage.data_plane == "native":
-            if runner != "v2":
+            if runner != "cuda_graph":
                 raise reject(
                     "data_plane",
-                    f"the native data plane exists only in runner v2; this stage resolves to {runner!r}",
+                    f"the native data plane exists only in the cuda_graph runner; this stage resolves to {runner!r}",
                 )
             if not caps.supports_native_data_plane:
                 raise reject(
                     "data_plane",
                     f"model part {stage.model_part!r} does not declare supports_native_data_plane",
                 )
-            # A native v2 stage that receives upstream input is bound to single-turn sessions: in other
+            # A native-data-plane stage that receives upstream input is bound to single-turn sessions: in other
             # modes the next turn's input would never be delivered and the request would wait forever.
             if stage.inputs and stage.session_mode != "single_turn":
                 raise reject(
                     "session_mode",
-                    f"a v2 stage with a native data plane that receives upstream input {list(stage.inputs)} "
+                    f"a stage with a native data plane that receives upstream input {list(stage.inputs)} "
                     f"supports only session_mode 'single_turn', got {stage.session_mode!r}",
                 )
         resolved[name] = runner

@@ -1,48 +1,35 @@
 """Stage and pipeline configuration: frozen dataclasses that validate themselves on construction.
 
-A pipeline is a DAG of stages. Each stage names the model part it runs, its execution type (which picks
-the scheduler + runner classes), its upstream stages and the processor that turns upstream outputs into
-its inputs. Everything a typo could break is checked here, before any request runs.
+A pipeline is a DAG of stages. Each stage names the model part it runs (of the pipeline's model family),
+its execution type (which picks the scheduler + runner classes), its upstream stages and the bridge that
+turns upstream outputs into its inputs. Everything a typo could break is checked here, before any model is
+loaded; what only the family knows (its parts, its bridges and their arguments, capabilities) is checked
+against the family when the engine is built (``runner_selection.validate_pipeline``), still before any
+request runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from omnistage.config.errors import ConfigError
-from omnistage.config.input_processors import get_input_processor_spec
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.core.scheduler_config import SchedulerConfig
 
-RUNNER_VERSIONS: tuple[str, ...] = ("v1", "v2")
+# Runner kinds: "eager" (plain torch every step) and "cuda_graph" (decode steps captured per batch bucket).
+# The seed's names "v1" / "v2" are accepted as aliases.
+RUNNERS: tuple[str, ...] = ("eager", "cuda_graph")
+RUNNER_ALIASES: Mapping[str, str] = MappingProxyType({"v1": "eager", "v2": "cuda_graph"})
 FINAL_OUTPUTS: tuple[str, ...] = ("text", "audio")
 DATA_PLANES: tuple[str, ...] = ("inproc", "native")
 SESSION_MODES: tuple[str, ...] = ("single_turn", "multi_turn")
-
-# Model parts each architecture provides; register more with register_model_arch().
-_MODEL_ARCH_PARTS: dict[str, tuple[str, ...]] = {"qwen3_omni": ("thinker", "talker", "code2wav")}
-
-
-def register_model_arch(name: str, parts: tuple[str, ...], *, replace: bool = False) -> None:
-    if name in _MODEL_ARCH_PARTS and not replace:
-        raise ValueError(f"model arch {name!r} is already registered")
-    if not parts or not all(isinstance(p, str) and p for p in parts):
-        raise ValueError(f"model arch {name!r}: parts must be non-empty strings")
-    _MODEL_ARCH_PARTS[name] = tuple(parts)
-
-
-def model_arch_parts(name: str) -> tuple[str, ...]:
-    try:
-        return _MODEL_ARCH_PARTS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown model arch {name!r}; known: {sorted(_MODEL_ARCH_PARTS)}", field="model_arch"
-        ) from None
+# Older key names still read from YAML files.
+_STAGE_KEY_ALIASES = {"input_processor": "bridge", "processor_args": "bridge_args"}
 
 
 class ExecutionType(enum.Enum):
@@ -60,66 +47,30 @@ class ExecutionType(enum.Enum):
         raise ValueError(f"must be one of {[m.value for m in cls]}, got {value!r}")
 
 
-def _positive_int(value: object, *, stage: str | None, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"must be a positive int, got {value!r}", stage=stage, field=name)
+def canonical_runner(value: str) -> str:
+    """'eager' | 'cuda_graph' (aliases 'v1' | 'v2')."""
+    if isinstance(value, str):
+        value = RUNNER_ALIASES.get(value, value)
+        if value in RUNNERS:
+            return value
+    raise ValueError(f"unknown runner {value!r}; known: {list(RUNNERS)} (aliases {dict(RUNNER_ALIASES)})")
 
 
 def _reject_unknown_keys(data: Mapping[str, Any], cls: type, *, stage: str | None, what: str) -> None:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{what} must be a mapping, got {type(data).__name__}", stage=stage)
-    allowed = {f.name for f in dataclasses.fields(cls)}
+    allowed = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(str(k) for k in data if k not in allowed)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in {what}; allowed: {sorted(allowed)}", stage=stage)
 
 
-@dataclass(frozen=True)
-class StageSchedulerConfig:
-    """Batch limits of one stage. A GENERATION stage only uses max_num_seqs."""
-
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    block_size: int = 16
-    num_blocks: int | None = None  # explicit KV pool size; wins over kv_cache_bytes
-    kv_cache_bytes: int | None = None  # KV pool budget in bytes, turned into blocks by the runner
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            _positive_int(getattr(self, name), stage=None, name=f"scheduler.{name}")
-        for name in ("num_blocks", "kv_cache_bytes"):
-            if getattr(self, name) is not None:
-                _positive_int(getattr(self, name), stage=None, name=f"scheduler.{name}")
-        if self.num_blocks is not None and self.kv_cache_bytes is not None:
-            raise ConfigError("set num_blocks or kv_cache_bytes, not both", field="scheduler")
-
-    def blocks_per_seq(self) -> int:
-        return math.ceil(self.max_model_len / self.block_size)
-
-    def resolve_num_blocks(self, bytes_per_block: int) -> int:
-        """KV pool size: explicit count, else the byte budget, else enough for max_num_seqs full sequences."""
-        if self.num_blocks is not None:
-            return self.num_blocks
-        if self.kv_cache_bytes is not None:
-            _positive_int(bytes_per_block, stage=None, name="bytes_per_block")
-            blocks = self.kv_cache_bytes // bytes_per_block
-            if blocks < self.blocks_per_seq():
-                raise ConfigError(
-                    f"kv_cache_bytes={self.kv_cache_bytes} gives {blocks} blocks, fewer than one "
-                    f"max_model_len sequence needs ({self.blocks_per_seq()})",
-                    field="scheduler.kv_cache_bytes",
-                )
-            return blocks
-        return self.blocks_per_seq() * self.max_num_seqs
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, stage: str | None = None) -> StageSchedulerConfig:
-        _reject_unknown_keys(data, cls, stage=stage, what="scheduler")
-        try:
-            return cls(**data)
-        except ConfigError as exc:
-            raise exc.with_stage(stage) from None
+def _build(cls: type, data: Mapping[str, Any], *, stage: str | None, what: str) -> Any:
+    _reject_unknown_keys(data, cls, stage=stage, what=what)
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        raise ConfigError(str(exc), stage=stage, field=what) from None
 
 
 @dataclass(frozen=True)
@@ -128,13 +79,13 @@ class StageConfig:
     execution: ExecutionType
     model_part: str
     inputs: tuple[str, ...] = ()  # upstream stage names; empty => the request prompt
-    input_processor: str | None = None
+    bridge: str | None = None  # the family's bridge for the incoming edge(s)
     final_output: str | None = None  # "text" | "audio" | None (intermediate stage)
     runner: str | None = None  # None => the pipeline's deployment default
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    scheduler: StageSchedulerConfig = field(default_factory=StageSchedulerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Compared but not hashed: a mapping proxy is unhashable, and configs are usable as dict keys.
-    processor_args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    bridge_args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     data_plane: str = "inproc"
     session_mode: str = "single_turn"
 
@@ -165,46 +116,35 @@ class StageConfig:
             raise fail("inputs", "a stage cannot consume its own output")
         object.__setattr__(self, "inputs", inputs)
 
-        args = self.processor_args if self.processor_args is not None else {}
+        args = self.bridge_args if self.bridge_args is not None else {}
         if not isinstance(args, Mapping):
-            raise fail("processor_args", f"must be a mapping, got {type(args).__name__}")
-        if self.input_processor is None:
+            raise fail("bridge_args", f"must be a mapping, got {type(args).__name__}")
+        if self.bridge is None:
             if inputs:
-                raise fail("input_processor", f"a stage with inputs {list(inputs)} needs an input processor")
+                raise fail("bridge", f"a stage with inputs {list(inputs)} needs a bridge")
             if args:
-                raise fail("processor_args", "given without an input_processor")
-            object.__setattr__(self, "processor_args", MappingProxyType({}))
-        else:
-            if not inputs:
-                raise fail("input_processor", "set on a stage without inputs (it reads the request prompt)")
-            try:
-                spec = get_input_processor_spec(self.input_processor)
-                if spec.num_inputs is not None and len(inputs) != spec.num_inputs:
-                    raise fail(
-                        "inputs",
-                        f"processor {spec.name!r} takes {spec.num_inputs} upstream stage(s), got {list(inputs)}",
-                    )
-                normalised = spec.validate_args(dict(args))
-            except ConfigError as exc:
-                raise exc.with_stage(stage) from None
-            except ValueError as exc:
-                raise fail("processor_args", str(exc)) from None
-            object.__setattr__(self, "processor_args", MappingProxyType(dict(normalised)))
+                raise fail("bridge_args", "given without a bridge")
+        elif not isinstance(self.bridge, str) or not self.bridge:
+            raise fail("bridge", f"must be a non-empty str, got {self.bridge!r}")
+        elif not inputs:
+            raise fail("bridge", "set on a stage without inputs (it reads the request prompt)")
+        object.__setattr__(self, "bridge_args", MappingProxyType(dict(args)))
 
         if self.final_output is not None and self.final_output not in FINAL_OUTPUTS:
-            raise fail(
-                "final_output", f"must be one of {list(FINAL_OUTPUTS)} or null, got {self.final_output!r}"
-            )
-        if self.runner is not None and self.runner not in RUNNER_VERSIONS:
-            raise fail("runner", f"unknown runner version {self.runner!r}; known: {list(RUNNER_VERSIONS)}")
+            raise fail("final_output", f"must be one of {list(FINAL_OUTPUTS)} or null, got {self.final_output!r}")
+        if self.runner is not None:
+            try:
+                object.__setattr__(self, "runner", canonical_runner(self.runner))
+            except ValueError as exc:
+                raise fail("runner", str(exc)) from None
         if self.data_plane not in DATA_PLANES:
             raise fail("data_plane", f"must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
         if self.session_mode not in SESSION_MODES:
             raise fail("session_mode", f"must be one of {list(SESSION_MODES)}, got {self.session_mode!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise fail("sampling", f"must be SamplingParams, got {type(self.sampling).__name__}")
-        if not isinstance(self.scheduler, StageSchedulerConfig):
-            raise fail("scheduler", f"must be StageSchedulerConfig, got {type(self.scheduler).__name__}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise fail("scheduler", f"must be SchedulerConfig, got {type(self.scheduler).__name__}")
 
         if self.execution is ExecutionType.AR:
             sched = self.scheduler
@@ -230,6 +170,8 @@ class StageConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> StageConfig:
         stage = data.get("name") if isinstance(data, Mapping) else None
         stage = stage if isinstance(stage, str) else None
+        if isinstance(data, Mapping):
+            data = {_STAGE_KEY_ALIASES.get(k, k): v for k, v in data.items()}
         _reject_unknown_keys(data, cls, stage=stage, what="stage")
         for required in ("name", "execution", "model_part"):
             if required not in data:
@@ -237,38 +179,31 @@ class StageConfig:
         kwargs = dict(data)
         if kwargs.get("inputs") is None:
             kwargs["inputs"] = ()
-        if kwargs.get("processor_args") is None:
-            kwargs["processor_args"] = {}
+        if kwargs.get("bridge_args") is None:
+            kwargs["bridge_args"] = {}
         sampling = kwargs.get("sampling") or {}
         if not isinstance(sampling, SamplingParams):
-            kwargs["sampling"] = _parse_sampling(sampling, stage=stage)
+            kwargs["sampling"] = _build(SamplingParams, sampling, stage=stage, what="sampling")
         scheduler = kwargs.get("scheduler") or {}
-        if not isinstance(scheduler, StageSchedulerConfig):
-            kwargs["scheduler"] = StageSchedulerConfig.from_dict(scheduler, stage=stage)
+        if not isinstance(scheduler, SchedulerConfig):
+            kwargs["scheduler"] = _build(SchedulerConfig, scheduler, stage=stage, what="scheduler")
         return cls(**kwargs)
-
-
-def _parse_sampling(data: Mapping[str, Any], *, stage: str | None) -> SamplingParams:
-    _reject_unknown_keys(data, SamplingParams, stage=stage, what="sampling")
-    try:
-        return SamplingParams(**data)
-    except ValueError as exc:
-        raise ConfigError(str(exc), stage=stage, field="sampling") from None
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    model_arch: str
+    family: str  # the model family whose parts the stages run (e.g. the one config.json names)
     stages: tuple[StageConfig, ...]
-    runner: str = "v1"  # deployment default for stages that do not choose one
+    runner: str = "eager"  # deployment default for stages that do not choose one
     order: tuple[str, ...] = field(init=False, default=())  # stage names, upstream before downstream
 
     def __post_init__(self) -> None:
-        parts = model_arch_parts(self.model_arch)
-        if self.runner not in RUNNER_VERSIONS:
-            raise ConfigError(
-                f"unknown runner version {self.runner!r}; known: {list(RUNNER_VERSIONS)}", field="runner"
-            )
+        if not isinstance(self.family, str) or not self.family:
+            raise ConfigError(f"must be a non-empty str, got {self.family!r}", field="family")
+        try:
+            object.__setattr__(self, "runner", canonical_runner(self.runner))
+        except ValueError as exc:
+            raise ConfigError(str(exc), field="runner") from None
         stages = self.stages
         if isinstance(stages, StageConfig) or not isinstance(stages, (list, tuple)):
             raise ConfigError(f"must be a list of stages, got {type(stages).__name__}", field="stages")
@@ -287,12 +222,6 @@ class PipelineConfig:
                 raise ConfigError("duplicate stage name", stage=name, field="name")
             seen.add(name)
         for s in stages:
-            if s.model_part not in parts:
-                raise ConfigError(
-                    f"model arch {self.model_arch!r} has no part {s.model_part!r}; known: {list(parts)}",
-                    stage=s.name,
-                    field="model_part",
-                )
             for upstream in s.inputs:
                 if upstream not in seen:
                     raise ConfigError(
@@ -300,10 +229,11 @@ class PipelineConfig:
                         stage=s.name,
                         field="inputs",
                     )
-        if not any(s.final_output is not None for s in stages):
-            raise ConfigError(
-                "no stage has a final_output; the pipeline would return nothing", field="stages"
-            )
+        outputs = [s.final_output for s in stages if s.final_output is not None]
+        if not outputs:
+            raise ConfigError("no stage has a final_output; the pipeline would return nothing", field="stages")
+        if len(set(outputs)) != len(outputs):
+            raise ConfigError(f"two stages produce the same final output: {outputs}", field="final_output")
         object.__setattr__(self, "order", _topological_order(stages))
 
     def stage(self, name: str) -> StageConfig:
@@ -317,6 +247,24 @@ class PipelineConfig:
         self.stage(name)
         return tuple(n for n in self.order if name in self.stage(n).inputs)
 
+    def upstream_closure(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """``names`` and every stage they depend on, in topological order."""
+        needed: set[str] = set()
+        todo = list(names)
+        while todo:
+            n = todo.pop()
+            if n not in needed:
+                needed.add(n)
+                todo.extend(self.stage(n).inputs)
+        return tuple(n for n in self.order if n in needed)
+
+    def final_stage(self, output: str) -> StageConfig | None:
+        """The stage whose final output is ``output`` ("text" / "audio"), if any."""
+        for s in self.stages:
+            if s.final_output == output:
+                return s
+        return None
+
     @property
     def final_stages(self) -> tuple[StageConfig, ...]:
         return tuple(self.stage(n) for n in self.order if self.stage(n).final_output is not None)
@@ -325,17 +273,20 @@ class PipelineConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"a pipeline config must be a mapping, got {type(data).__name__}")
-        allowed = {"model_arch", "runner", "stages"}
+        data = dict(data)
+        if "model_arch" in data and "family" not in data:  # older name of the key
+            data["family"] = data.pop("model_arch")
+        allowed = {"family", "runner", "stages"}
         unknown = sorted(str(k) for k in data if k not in allowed)
         if unknown:
             raise ConfigError(f"unknown key(s) {unknown} in pipeline config; allowed: {sorted(allowed)}")
-        if "model_arch" not in data:
-            raise ConfigError("is required", field="model_arch")
+        if "family" not in data:
+            raise ConfigError("is required", field="family")
         raw_stages = data.get("stages")
         if not isinstance(raw_stages, (list, tuple)):
             raise ConfigError(f"must be a list of stages, got {type(raw_stages).__name__}", field="stages")
         stages = tuple(StageConfig.from_dict(s) for s in raw_stages)
-        kwargs: dict[str, Any] = {"model_arch": data["model_arch"], "stages": stages}
+        kwargs: dict[str, Any] = {"family": data["family"], "stages": stages}
         if data.get("runner") is not None:
             kwargs["runner"] = data["runner"]
         return cls(**kwargs)

@@ -2,20 +2,19 @@
 
 from omnistage.core.generation_scheduler import GenerationScheduler, GenerationSchedulerOutput
 from omnistage.core.kv_cache import BlockPool, KVCacheManager, KVCacheStats
-from omnistage.core.request import Request, RequestStatus, finished_status_for, is_finished
+from omnistage.core.request import Request, RequestStatus, finished_status_for
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.core.sched_output import CachedRequestData, NewRequestData, Phase, SchedulerOutput
-from omnistage.core.scheduler import ARScheduler, RequestUpdate, SchedulerConfig
+from omnistage.core.sched_output import Phase, SchedulerOutput
+from omnistage.core.scheduler import ARScheduler, RequestUpdate
+from omnistage.core.scheduler_config import SchedulerConfig
 
 __all__ = [
     "ARScheduler",
     "BlockPool",
-    "CachedRequestData",
     "GenerationScheduler",
     "GenerationSchedulerOutput",
     "KVCacheManager",
     "KVCacheStats",
-    "NewRequestData",
     "Phase",
     "Request",
     "RequestStatus",
@@ -24,5 +23,4 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "finished_status_for",
-    "is_finished",
 ]

@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from omnistage.core.validation import check_positive_int
+
 
 @dataclass
 class GenerationSchedulerOutput:
     req_ids: list[str] = field(default_factory=list)  # batch order
     payloads: dict[str, object] = field(default_factory=dict)
-    # Finished or aborted since the previous schedule(): drop per-request state for them.
+    # Finished or aborted since the previous schedule() (informational: the stage frees on its own path).
     finished_req_ids: set[str] = field(default_factory=set)
-    # Added: True for the request's last payload (input finished and nothing else queued).
-    is_last_payload: dict[str, bool] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -33,8 +33,7 @@ class _GenState:
 
 class GenerationScheduler:
     def __init__(self, max_num_seqs: int) -> None:
-        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+        check_positive_int(max_num_seqs, "max_num_seqs")
         self.max_num_seqs = max_num_seqs
         # Service order: arrival order at first, then each served request moves to the back.
         self._states: OrderedDict[str, _GenState] = OrderedDict()
@@ -74,11 +73,19 @@ class GenerationScheduler:
                 continue
             out.req_ids.append(req_id)
             out.payloads[req_id] = state.payloads.popleft()
-            out.is_last_payload[req_id] = state.input_finished and not state.payloads
             state.in_flight = True
         for req_id in out.req_ids:
             self._states.move_to_end(req_id)
         return out
+
+    def cancel_step(self, out: GenerationSchedulerOutput) -> None:
+        """Put back the payloads of a step that did not run, at the front of their queues (same order next
+        time)."""
+        for req_id in out.req_ids:
+            state = self._states.get(req_id)
+            if state is not None:
+                state.payloads.appendleft(out.payloads[req_id])
+                state.in_flight = False
 
     def update_from_output(self, out: GenerationSchedulerOutput) -> list[str]:
         """Close the step; returns requests that are now finished (input finished, nothing pending).
@@ -99,6 +106,12 @@ class GenerationScheduler:
             del self._states[req_id]
             self._finished.add(req_id)
         return done
+
+    def has_work(self) -> bool:
+        """A payload to run, a request whose input ended (to be finished), or finishes to report."""
+        return bool(self._finished) or any(
+            st.payloads or (st.input_finished and not st.in_flight) for st in self._states.values()
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self._states)

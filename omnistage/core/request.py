@@ -6,7 +6,6 @@ import enum
 import operator
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from omnistage.core.sampling_params import SamplingParams
 
@@ -19,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # failed while being served; only this request is affected
 
     @property
     def is_finished(self) -> bool:
@@ -29,23 +29,18 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-)
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+_FINISHED = frozenset(_FINISH_REASONS)
 _STATUS_FOR_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
-def is_finished(status: RequestStatus) -> bool:
-    return status.is_finished
-
-
 def finished_status_for(reason: str) -> RequestStatus:
-    """Map a finish reason ("stop" | "length" | "abort") to its terminal status."""
+    """Map a finish reason ("stop" | "length" | "abort" | "error") to its terminal status."""
     try:
         return _STATUS_FOR_REASON[reason]
     except KeyError:
@@ -69,7 +64,6 @@ class Request:
         eos_token_ids: Iterable[int] | int | None = (),
         arrival_time: float | None = None,
         input_finished: bool = True,
-        extra: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
@@ -88,7 +82,6 @@ class Request:
         self.input_finished = bool(input_finished)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.extra: dict[str, Any] = {} if extra is None else extra
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
 
     @property

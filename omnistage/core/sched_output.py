@@ -1,11 +1,14 @@
-"""What an AR scheduler hands the runner for one step."""
+"""What an AR scheduler hands the runner for one step: ``{req_id: num_tokens}`` plus what the runner needs
+to place those tokens (context length, block table, phase) and the requests that left.
+
+The scheduler and the runner of a stage always live in the same process, so the output carries whole block
+tables rather than deltas: the runner keeps no copy of scheduler state between steps.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-from omnistage.core.request import Request
 
 
 class Phase(enum.Enum):
@@ -14,42 +17,22 @@ class Phase(enum.Enum):
 
 
 @dataclass
-class NewRequestData:
-    """A request the runner has no state for: first schedule, or re-schedule after preemption."""
-
-    request: Request
-    block_ids: list[int]  # the whole block table
-    num_computed_tokens: int
-    resumed_from_preemption: bool = False  # added: True when this is a recompute after preemption
-
-
-@dataclass
-class CachedRequestData:
-    """A request the runner already holds; only the delta since its last schedule."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-    # Preempted requests come back through new_reqs, so with this scheduler this is always False.
-    resumed_from_preemption: bool = False
-
-
-@dataclass
 class SchedulerOutput:
-    new_reqs: list[NewRequestData] = field(default_factory=list)
-    cached_reqs: list[CachedRequestData] = field(default_factory=list)
     # Insertion order = scheduling order (decodes, then running prefills, then new admissions).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    # Per scheduled request: tokens already in its KV cache (the first scheduled position) and its whole
+    # block table (a copy).
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
     phases: dict[str, Phase] = field(default_factory=dict)
     sample_req_ids: set[str] = field(default_factory=set)
-    # Finished, aborted or preempted since the previous schedule(); may name requests the runner never
-    # saw (aborted while queued) so per-request buffers filled before scheduling can be dropped too.
-    finished_req_ids: set[str] = field(default_factory=set)
-    # Added: the subset of finished_req_ids that was preempted, not finished: drop its batch/KV state
-    # but keep long-lived per-request data (e.g. the intermediate buffer); it returns in new_reqs.
+    # Admitted this step (first time, or again after preemption: recomputed from position 0).
+    new_req_ids: set[str] = field(default_factory=set)
+    # Preempted since the previous schedule(): they leave the batch and lose their KV, but live on.
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Added: id of this step, so update_from_output can refuse a stale output.
+    # Finished or aborted since the previous schedule() (never a preempted one).
+    finished_req_ids: set[str] = field(default_factory=set)
     step_id: int = 0
 
     @property

@@ -13,37 +13,9 @@ from dataclasses import dataclass
 
 from omnistage.core.kv_cache import KVCacheManager, KVCacheStats
 from omnistage.core.request import Request, RequestStatus, finished_status_for
-from omnistage.core.sched_output import CachedRequestData, NewRequestData, Phase, SchedulerOutput
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    num_blocks: int = 2048
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.enable_chunked_prefill, bool):
-            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
-        # A request of max_model_len tokens must fit in the pool on its own, or it would preempt forever.
-        if self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"num_blocks * block_size ({self.num_blocks} * {self.block_size}) must cover "
-                f"max_model_len ({self.max_model_len})"
-            )
-        # Without chunking a whole prompt must fit in one step's budget.
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when enable_chunked_prefill is False"
-            )
+from omnistage.core.sched_output import Phase, SchedulerOutput
+from omnistage.core.scheduler_config import SchedulerConfig
+from omnistage.core.validation import check_positive_int
 
 
 @dataclass(frozen=True)
@@ -55,9 +27,21 @@ class RequestUpdate:
 
 
 class ARScheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int | None = None) -> None:
+        """``num_blocks``: the KV pool size (``config.resolve_num_blocks`` for a byte budget); defaults to
+        ``config.num_blocks``."""
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size)
+        num_blocks = config.num_blocks if num_blocks is None else num_blocks
+        if num_blocks is None:
+            raise ValueError("the KV pool size is unknown: pass num_blocks or set config.num_blocks")
+        check_positive_int(num_blocks, "num_blocks")
+        if num_blocks < config.blocks_per_seq:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {config.block_size} tokens cannot hold one request of max_model_len "
+                f"{config.max_model_len}"
+            )
+        self.num_blocks = num_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()  # not admitted, schedulable (+ finished ones until purged)
         self._running: dict[str, Request] = {}  # admitted (hold KV blocks), in admission order
@@ -178,7 +162,6 @@ class ARScheduler:
 
         budget = cfg.max_num_batched_tokens
         scheduled: dict[str, int] = {}
-        added_blocks: dict[str, list[int]] = {}
         preempted_now: list[Request] = []
 
         # Running requests: one token for each decode first, then continue partial prefills.
@@ -214,23 +197,19 @@ class ARScheduler:
                     break
                 victim = self._pick_victim()
                 budget += scheduled.pop(victim.req_id, 0)
-                added_blocks.pop(victim.req_id, None)
                 self._preempt(victim)
                 preempted_now.append(victim)
-                finished_ids.add(victim.req_id)
                 if victim is request:
                     break
             if new_blocks is None:
                 continue
             scheduled[request.req_id] = n
-            added_blocks[request.req_id] = new_blocks
             budget -= n
 
         # Admit waiting requests FCFS (preempted ones sit at the front). Never after a preemption in
         # this step: the freed blocks are for the running requests, and a request must not be both
         # dropped and re-added in one output.
         new_ids: set[str] = set()
-        new_reqs: list[NewRequestData] = []
         if not preempted_now:
             while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
                 request = self._waiting[0]
@@ -248,22 +227,13 @@ class ARScheduler:
                 self._waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self._running[request.req_id] = request
-                resumed = request.req_id in self._preempted
                 self._preempted.discard(request.req_id)
                 scheduled[request.req_id] = n
                 budget -= n
                 new_ids.add(request.req_id)
-                new_reqs.append(
-                    NewRequestData(
-                        request=request,
-                        block_ids=self.kv.block_ids(request.req_id),
-                        num_computed_tokens=request.num_computed_tokens,
-                        resumed_from_preemption=resumed,
-                    )
-                )
 
         out = SchedulerOutput(
-            new_reqs=new_reqs,
+            new_req_ids=new_ids,
             finished_req_ids=finished_ids,
             preempted_req_ids={r.req_id for r in preempted_now},
             step_id=self._step,
@@ -279,13 +249,9 @@ class ARScheduler:
             out.phases[req_id] = Phase.DECODE if is_decode else Phase.PREFILL
             if is_last and request.input_finished:
                 out.sample_req_ids.add(req_id)
-            if req_id not in new_ids:
-                out.cached_reqs.append(
-                    CachedRequestData(
-                        req_id=req_id, new_block_ids=added_blocks[req_id], num_computed_tokens=start
-                    )
-                )
             out.num_scheduled_tokens[req_id] = n
+            out.num_computed_tokens[req_id] = start
+            out.block_tables[req_id] = self.kv.block_ids(req_id)
         out.total_num_scheduled_tokens = sum(scheduled.values())
         if not out.is_empty:
             self._pending_step = out.step_id
@@ -365,6 +331,14 @@ class ARScheduler:
                 )
             )
         return updates
+
+    def cancel_step(self, sched_out: SchedulerOutput) -> None:
+        """Forget a scheduled step that did not run (it failed before any result): nothing advances, so the
+        same tokens are scheduled again next step. Admissions, block allocations and preemptions made by
+        schedule() stay (they are consistent on their own)."""
+        if self._pending_step != sched_out.step_id:
+            raise RuntimeError(f"cancel_step() got step {sched_out.step_id}, expected step {self._pending_step}")
+        self._pending_step = None
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

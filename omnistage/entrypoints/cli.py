@@ -33,14 +33,16 @@ def _generate(args: argparse.Namespace) -> int:
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device)
     modalities = ["text", "audio"] if args.audio else ["text"]
-    params = {"thinker": SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
-    talker = omni.engine.stage_configs.get("talker")
-    if args.audio and talker is not None and args.seed is not None:
+    info = omni.info
+    params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
+    if args.audio and args.seed is not None:
         # --seed makes the spoken answer reproducible too (the Talker samples by default).
-        params[talker.name] = talker.sampling.replace(seed=args.seed)
-    prompts = args.prompt
+        for name, defaults in info.stage_sampling.items():
+            if name != info.text_stage:
+                params[name] = defaults.replace(seed=args.seed)
+    prompts = [_with_media(text, args) for text in args.prompt]
     outs = omni.generate(prompts, modalities=modalities, sampling_params=params, speaker=args.voice,
-                         use_tqdm=len(prompts) > 1)
+                         use_tqdm=len(prompts) > 1, use_audio_in_video=args.use_audio_in_video)
     for i, out in enumerate(outs):
         print(out.text)
         if args.audio:
@@ -51,6 +53,16 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"wrote {path} ({out.audio.numel() / out.sample_rate:.2f} s at {out.sample_rate} Hz)",
                   file=sys.stderr)
     return 0
+
+
+def _with_media(text: str, args: argparse.Namespace):
+    """A prompt string, or one user message whose media parts (files, in flag order) precede the text."""
+    parts = [{"type": "audio", "audio": f} for f in args.audio_in or []]
+    parts += [{"type": "image", "image": f} for f in args.image or []]
+    parts += [{"type": "video", "video": f} for f in args.video or []]
+    if not parts:
+        return text
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -80,8 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="answer prompts offline (text, and speech with --audio)")
     p.add_argument("prompt", nargs="+")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--stage-config", default="qwen3_omni")
+    p.add_argument("--stage-config", default=None, help="pipeline preset name or YAML path")
     p.add_argument("--audio", metavar="OUT.wav", help="also speak the answer and write it here")
+    p.add_argument("--audio-in", metavar="FILE", action="append", help="audio the prompt is about (repeatable)")
+    p.add_argument("--image", metavar="FILE", action="append", help="image the prompt is about (repeatable)")
+    p.add_argument("--video", metavar="FILE", action="append", help="video the prompt is about (repeatable)")
+    p.add_argument("--use-audio-in-video", action="store_true", help="videos bring their audio track")
     p.add_argument("--voice", default=None)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

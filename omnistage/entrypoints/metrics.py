@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (its own ``CollectorRegistry``, so several apps can share a process).
 
-Gauges (queue depths, KV usage, pending payloads) are refreshed from ``AsyncOmni.resource_stats()`` at
-scrape time; counters and histograms are fed by the server per request and by the engine's ``on_step``
+Gauges (queue depths, KV usage, per-request records and bridge states per stage) are refreshed from the
+engine client's ``resource_stats()`` at scrape time; counters and histograms are fed by the server per request and by the engine's ``on_step``
 hook per stage step (the hook runs on the engine thread; prometheus_client is thread-safe).
 """
 
@@ -17,7 +17,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _RTF_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
-_PENDING_KEYS = ("connector_pending", "thinker2talker_pending", "talker2code2wav_pending")
 
 
 class ServerMetrics:
@@ -27,11 +26,12 @@ class ServerMetrics:
         self.running = Gauge("omnistage_num_requests_running", "Requests running in a stage", ["stage"], registry=r)
         self.waiting = Gauge("omnistage_num_requests_waiting", "Requests waiting in a stage", ["stage"], registry=r)
         self.kv_usage = Gauge("omnistage_kv_cache_usage_ratio", "Fraction of KV blocks in use", ["stage"], registry=r)
-        self.buffer_entries = Gauge(
-            "omnistage_intermediate_buffer_entries", "Per-request intermediate buffer entries", ["stage"], registry=r
-        )
-        self.pending = Gauge("omnistage_pending_payloads", "Inter-stage payloads not yet consumed", ["queue"],
+        self.records = Gauge("omnistage_request_records", "Per-request runner records held by a stage", ["stage"],
                              registry=r)
+        self.bridge_entries = Gauge("omnistage_bridge_entries", "Per-request states held by a stage's input bridge",
+                                    ["stage"], registry=r)
+        self.pending = Gauge("omnistage_pending_payloads", "Upstream payloads queued in a stage, not yet run",
+                             ["stage"], registry=r)
         self.in_flight = Gauge("omnistage_requests_in_flight", "Requests tracked by the orchestrator", registry=r)
         self.prompt_tokens = Counter("omnistage_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("omnistage_generation_tokens", "Text tokens generated", registry=r)
@@ -60,19 +60,17 @@ class ServerMetrics:
 
     # ---- scrape ------------------------------------------------------------------------------------
     def update_resources(self, stats: Mapping[str, Any]) -> None:
-        for stage in ("thinker", "talker", "code2wav"):
-            s = stats.get(stage)
+        for stage, s in stats.items():
             if not isinstance(s, Mapping):
                 continue
             self.running.labels(stage).set(s.get("running", 0))
             self.waiting.labels(stage).set(s.get("waiting", 0))
             if "kv_usage" in s:
                 self.kv_usage.labels(stage).set(s["kv_usage"])
-            if "buffer_entries" in s:
-                self.buffer_entries.labels(stage).set(s["buffer_entries"])
-        for key in _PENDING_KEYS:
-            if key in stats:
-                self.pending.labels(key.removesuffix("_pending")).set(stats[key])
+            self.records.labels(stage).set(s.get("records", 0))
+            self.bridge_entries.labels(stage).set(s.get("bridge_entries", 0))
+            if "pending_chunks" in s:
+                self.pending.labels(stage).set(s["pending_chunks"])
         self.in_flight.set(stats.get("requests", 0))
 
     def render(self) -> bytes:

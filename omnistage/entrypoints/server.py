@@ -31,6 +31,8 @@ Choices worth knowing as a client:
   in one piece once complete (their headers carry exact sizes). ``stream_format="sse"`` sends
   ``speech.audio.delta`` events with base64 pcm and needs ``response_format="pcm"``.
 - A client that disconnects mid-stream has its request aborted in every stage.
+- ``X-Request-Id`` (1-128 characters of ``[A-Za-z0-9-_.:]``) becomes the engine's request id (and the
+  response ``id``); without it the server makes one.
 
 Validation before admission (nothing reaches the engine unless all of it passes). Every rejection is a
 400 with OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` whose ``param`` names the field
@@ -51,7 +53,8 @@ Validation before admission (nothing reaches the engine unless all of it passes)
   rejected (``SamplingParams.greedy``).
 - Length: ``max_tokens`` / ``max_completion_tokens`` >= 1 and prompt + maximum <= the context length
   (400 naming that field, code ``context_length_exceeded``, OpenAI's wording); ``talker.max_tokens`` <= the
-  Talker's context length. The prompt's messages and characters are counted before rendering and
+  Talker's configured ``max_tokens`` (the deployment's cap: a client may shorten the audio, not lengthen
+  it beyond what the operator allows). The prompt's messages and characters are counted before rendering and
   tokenizing (at most one message per token of context; ``max_prompt_chars``, default 16 per token) and its
   tokens after; any over -> 400 ``context_length_exceeded`` on ``messages`` / ``input``. Speech ``input``
   holds at most 4096 characters (OpenAI's limit).
@@ -69,10 +72,12 @@ prompt rendering, tokenization and audio encoding run in a small thread pool, ne
 ``/health`` and streaming clients keep being served while a huge request is being rejected; after a big
 body, freed heap pages are handed back to the OS (``malloc_trim``).
 
-Errors: a full waiting queue is 429 with ``Retry-After``; a dead engine is 503. Every error, including an
-unexpected exception (500, logged with its traceback), is an ordinary complete response, so the keep-alive
-connection stays usable. Once a stream has started the status line is gone: the error is sent in-band
-(SSE) or, for raw pcm, the stream ends without its terminating chunk and the connection is closed.
+Errors: a full waiting queue is 429 with ``Retry-After``; a dead engine is 503; a request the engine fails
+while serving it (and only that request) gets a 500 ``request_failed`` with the reason. Every error,
+including an unexpected exception (500, logged with its traceback), is an ordinary complete response, so
+the keep-alive connection stays usable. Once a stream has started the status line is gone: the error is
+sent in-band (SSE) or, for raw pcm, the stream ends without its terminating chunk and the connection is
+closed.
 """
 
 from __future__ import annotations
@@ -119,6 +124,8 @@ from omnistage.entrypoints.protocol import (
     Usage,
     error_param,
 )
+from omnistage.models.family import PreparedPrompt
+from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError, QueueFullError
 
 logger = logging.getLogger("omnistage.server")
@@ -303,7 +310,7 @@ def _translate(fn: Callable[[bytearray], Any], box: list[bytearray]) -> tuple[An
 # ---- request translation ---------------------------------------------------------------------------
 @dataclass
 class _Job:
-    prompt_ids: list[int]
+    prompt: PreparedPrompt
     modalities: tuple[str, ...]
     params: dict[str, SamplingParams]  # by stage name
     speaker: str | None
@@ -314,28 +321,23 @@ class _Job:
     def wants_audio(self) -> bool:
         return "audio" in self.modalities
 
-
-def _vocab_size(engine: Any) -> int:
-    """Token ids a request may name (``logit_bias``): the tokenizer's ids that the model's logits have."""
-    sizes = []
-    with contextlib.suppress(TypeError):
-        sizes.append(len(engine.tokenizer))
-    cfg = getattr(engine, "hf_config", None)
-    if cfg is not None:
-        sizes.append(int(cfg.thinker_config.text_config.vocab_size))
-    return min(sizes)
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
 
 
 class _Translator:
     """Turns API request bodies into engine inputs, validating everything that can be checked up front.
     Its entry points (``chat``, ``speech``) run in the preprocessing thread pool."""
 
-    def __init__(self, omni: AsyncOmni, served_model_name: str, limits: ServerLimits) -> None:
+    def __init__(self, omni: EngineClient, served_model_name: str, limits: ServerLimits) -> None:
         self.omni = omni
-        self.engine = omni.engine
+        self.info = omni.info
         self.served_model_name = served_model_name
-        self.max_prompt_chars = limits.prompt_chars(self.engine.max_model_len)
-        self.vocab_size = _vocab_size(self.engine)
+        self.max_prompt_chars = limits.prompt_chars(self.info.max_model_len)
+        # Token ids a request may name (logit_bias): the tokenizer's. An id the model's logits lack would be
+        # ignored by the sampler.
+        self.vocab_size = len(omni.tokenizer)
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
@@ -343,37 +345,37 @@ class _Translator:
                                 f"{self.served_model_name!r}", param="model", code="model_not_found")
 
     def voice(self, voice: str | None, param: str) -> str | None:
-        if not self.engine.speakers:
+        if "audio" not in self.info.output_modalities or not self.info.voices:
             raise APIError(400, "this server has no audio stages; request modalities ['text'] only",
                            param="modalities")
-        name = (voice or self.engine.default_speaker or "").lower()
-        if name not in self.engine.speakers:
-            raise APIError(400, f"unknown voice {voice!r}; available: {sorted(self.engine.speakers)}",
+        name = (voice or self.info.default_voice or "").lower()
+        if name not in self.info.voices:
+            raise APIError(400, f"unknown voice {voice!r}; available: {sorted(self.info.voices)}",
                            param=param, code="invalid_voice")
         return name
 
-    def prompt(self, messages: list[dict[str, str]], param: str) -> list[int]:
+    def prompt(self, messages: list[dict[str, str]], param: str) -> PreparedPrompt:
         if not messages:
             raise APIError(400, "messages must not be empty", param=param)
-        if len(messages) >= self.engine.max_model_len:  # each message costs at least one token
+        if len(messages) >= self.info.max_model_len:  # each message costs at least one token
             raise APIError(400, f"{len(messages)} messages cannot fit in this model's context of "
-                                f"{self.engine.max_model_len} tokens", param=param, code="context_length_exceeded")
+                                f"{self.info.max_model_len} tokens", param=param, code="context_length_exceeded")
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:  # before tokenizing: the tokenizer's work is bounded by this
             raise APIError(400, f"The prompt has {chars} characters; this server accepts at most "
                                 f"{self.max_prompt_chars}", param=param, code="context_length_exceeded")
         try:
-            ids = self.engine.render_prompt(messages)
+            prepared = self.omni.render_prompt(messages)
         except ValueError as exc:
+            limit = self.info.max_model_len - 1
+            if "at most" in str(exc):
+                raise APIError(400, f"This model's maximum context length is {limit} tokens; {exc}", param=param,
+                               code="context_length_exceeded") from exc
             raise APIError(400, str(exc), param=param) from exc
-        limit = self.engine.max_model_len - 1
-        if len(ids) > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                                f"{len(ids)} tokens", param=param, code="context_length_exceeded")
-        return ids
+        return prepared
 
     def check_context(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
-        limit = self.engine.max_model_len
+        limit = self.info.max_model_len
         if max_tokens is not None and num_prompt + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in "
@@ -394,14 +396,18 @@ class _Translator:
 
     def params(self, thinker: dict[str, Any], talker: StageSamplingParams | None, greedy: bool,
                seed: int | None) -> dict[str, SamplingParams]:
-        base = self.engine.stage_params(None)  # by model part
-        names = {part: cfg.name for part, cfg in self.engine.stage_configs.items()}
+        base = self.info.stage_sampling  # by stage name
+        text = self.info.text_stage
         thinker = {k: v for k, v in thinker.items() if v is not None}
-        _check_min_tokens(thinker, base["thinker"], "min_tokens")
+        _check_min_tokens(thinker, base[text], "min_tokens")
         out: dict[str, SamplingParams] = {}
         try:
-            out[names["thinker"]] = base["thinker"].replace(**thinker)
-            if "talker" in base:
+            out[text] = base[text].replace(**thinker)
+            # Every other sampling stage (the Talker) follows the request's determinism: a greedy temperature
+            # makes it greedy too, seed seeds it; the `talker` extension object overrides it field by field.
+            for name, defaults in base.items():
+                if name == text:
+                    continue
                 t: dict[str, Any] = {}
                 if greedy:
                     t["temperature"] = 0.0
@@ -409,18 +415,14 @@ class _Translator:
                     t["seed"] = seed
                 if talker is not None:
                     t.update({k: getattr(talker, k) for k in _STAGE_FIELDS if getattr(talker, k) is not None})
-                    self.check_talker_length(t)
-                _check_min_tokens(t, base["talker"], "talker.min_tokens")
-                out[names["talker"]] = base["talker"].replace(**t)
+                if t.get("max_tokens", 0) > defaults.max_tokens:  # the deployment's cap (pipeline config)
+                    raise APIError(400, f"talker.max_tokens is {t['max_tokens']}; this server allows at most "
+                                        f"{defaults.max_tokens}", param="talker.max_tokens")
+                _check_min_tokens(t, defaults, "talker.min_tokens")
+                out[name] = defaults.replace(**t)
         except ValueError as exc:
             raise APIError(400, f"invalid sampling parameters: {exc}") from exc
         return out
-
-    def check_talker_length(self, talker: dict[str, Any]) -> None:
-        limit = self.engine.stage_configs["talker"].scheduler.max_model_len
-        if talker.get("max_tokens", 0) > limit:
-            raise APIError(400, f"talker.max_tokens is {talker['max_tokens']}; the Talker's context length is "
-                                f"{limit} frames", param="talker.max_tokens", code="context_length_exceeded")
 
     def messages(self, messages: list[ChatMessage]) -> list[dict[str, str]]:
         out = []
@@ -498,12 +500,12 @@ class _Translator:
                 raise APIError(400, str(exc), param="audio.format") from exc
         messages = self.messages(req.messages)
         stops = self.stops(req.stop)
-        prompt_ids = self.prompt(messages, "messages")
+        prompt = self.prompt(messages, "messages")
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
-        self.check_context(len(prompt_ids), max_tokens, max_param)
+        self.check_context(len(prompt.token_ids), max_tokens, max_param)
         stop_ids = self.single_token_stops(stops)
         thinker = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                    "repetition_penalty": req.repetition_penalty, "frequency_penalty": req.frequency_penalty,
@@ -513,14 +515,14 @@ class _Translator:
         if stop_ids:
             thinker["stop_token_ids"] = tuple(sorted(stop_ids))
         params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
-        job = _Job(prompt_ids, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
+        job = _Job(prompt, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
                    stops, frozenset(stop_ids))
         return req, job, fmt
 
     def single_token_stops(self, stops: list[str]) -> set[int]:
         out = set()
         for s in stops:
-            ids = self.engine.tokenizer.encode(s, add_special_tokens=False)
+            ids = self.omni.tokenizer.encode(s, add_special_tokens=False)
             if len(ids) == 1:
                 out.add(int(ids[0]))
         return out
@@ -546,11 +548,11 @@ class _Translator:
             raise APIError(400, "stream_format 'sse' sends pcm chunks; use response_format 'pcm'",
                            param="response_format")
         speaker = self.voice(req.voice, "voice")
-        prompt_ids = self.prompt([{"role": "user", "content": req.input}], "input")
-        self.check_context(len(prompt_ids), req.max_tokens, "max_tokens")
+        prompt = self.prompt([{"role": "user", "content": req.input}], "input")
+        self.check_context(len(prompt.token_ids), req.max_tokens, "max_tokens")
         thinker = {"temperature": req.temperature, "seed": req.seed, "max_tokens": req.max_tokens}
         params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
-        return req, _Job(prompt_ids, ("text", "audio"), params, speaker), fmt
+        return req, _Job(prompt, ("text", "audio"), params, speaker), fmt
 
 
 def _greedy(temperature: float | None) -> bool:
@@ -572,9 +574,9 @@ class _Run:
     stream, which aborts the request in every stage.
     """
 
-    def __init__(self, omni: AsyncOmni, job: _Job, request_id: str, metrics: ServerMetrics) -> None:
+    def __init__(self, omni: EngineClient, job: _Job, request_id: str, metrics: ServerMetrics) -> None:
         self.omni, self.job, self.request_id = omni, job, request_id
-        self.detok = IncrementalDetokenizer(omni.engine.tokenizer)
+        self.detok = IncrementalDetokenizer(omni.tokenizer)
         self.stopper = StopStringMatcher(job.stops)
         self.metrics = metrics
         self.timer: RequestTimer | None = None
@@ -584,9 +586,10 @@ class _Run:
         self._agen: Any = None
         self._first: Any = None
         self.text = ""  # the answer text released so far (stop strings cut off)
+        self.error: str | None = None  # why the engine failed this request
 
     async def start(self) -> None:
-        self._agen = self.omni.generate(self.job.prompt_ids, self.job.modalities, self.job.params,
+        self._agen = self.omni.generate(self.job.prompt, self.job.modalities, self.job.params,
                                         self.job.speaker, self.request_id)
         try:
             self._first = await self._agen.__anext__()
@@ -594,7 +597,7 @@ class _Run:
             raise APIError(500, "engine returned no output", "server_error") from exc
         except Exception as exc:
             raise _submit_error(exc) from exc
-        self.timer = RequestTimer(self.metrics, len(self.job.prompt_ids))
+        self.timer = RequestTimer(self.metrics, self.job.num_prompt_tokens)
 
     def _text(self, piece: str) -> str:
         piece = self.stopper.feed(piece)
@@ -626,13 +629,19 @@ class _Run:
                     if tail:
                         yield "text", tail
                     self.finish_reason = "stop" if self.stopper.stopped else d.finish_reason
+                    self.error = d.error
                     done = True
                     return
                 d = await self._agen.__anext__()
         finally:
             if not done:
                 await self._agen.aclose()  # aborts the request in every stage
-            self.timer.finish(self.finish_reason or "abort", getattr(self.omni.engine, "sample_rate", None))
+            self.timer.finish(self.finish_reason or "abort", self.omni.info.sample_rate)
+
+    def failure(self) -> APIError:
+        """The error a request that the engine failed gets (its own failure, not the server's)."""
+        return APIError(500, f"the engine failed while generating this request: {self.error or 'unknown error'}",
+                        "server_error", code="request_failed")
 
     def _text_flush(self) -> str:
         piece = self.stopper.flush()
@@ -641,8 +650,8 @@ class _Run:
 
     def usage(self) -> Usage:
         details = {"audio_tokens": self.num_frames} if self.job.wants_audio else None
-        return Usage(prompt_tokens=len(self.job.prompt_ids), completion_tokens=self.num_tokens,
-                     total_tokens=len(self.job.prompt_ids) + self.num_tokens, completion_tokens_details=details)
+        n = self.job.num_prompt_tokens
+        return Usage(prompt_tokens=n, completion_tokens=self.num_tokens, total_tokens=n + self.num_tokens, completion_tokens_details=details)
 
 
 def _sse(obj: Any) -> str:
@@ -655,7 +664,7 @@ def _b64(data: bytes) -> str:
 
 def _check_finish(run: _Run) -> None:
     if run.finish_reason == "error":
-        raise APIError(500, "the engine failed while generating this request", "server_error")
+        raise run.failure()
 
 
 # ---- app -------------------------------------------------------------------------------------------
@@ -679,17 +688,17 @@ class _GuardedRoute(APIRoute):
         return guarded
 
 
-def create_app(omni: AsyncOmni, served_model_name: str | None = None,
+def create_app(omni: EngineClient, served_model_name: str | None = None,
                metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
-    """The FastAPI app serving ``omni``. Pass ``metrics`` when its ``observe_step`` is already the engine's
-    ``on_step`` hook; otherwise a fresh ``ServerMetrics`` is created and chained onto the engine's hook."""
-    name = served_model_name or omni.engine.model_name
+    """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
+    listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
+    name = served_model_name or omni.info.name
     limits = limits or ServerLimits()
     if metrics is None:
         metrics = ServerMetrics()
-        _chain_step_hook(omni, metrics)
+        omni.add_step_listener(metrics.observe_step)
     tr = _Translator(omni, name, limits)
-    max_body_bytes = limits.body_bytes(omni.engine.max_model_len)
+    max_body_bytes = limits.body_bytes(omni.info.max_model_len)
     pool = ThreadPoolExecutor(limits.preprocess_threads, thread_name_prefix="omnistage-preprocess")
 
     @contextlib.asynccontextmanager
@@ -714,7 +723,7 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
 
     def encode_audio(chunks: list[torch.Tensor], fmt: str) -> bytes:
         wave = torch.cat(chunks) if chunks else torch.zeros(0)
-        return audio_format.encode(wave, fmt, omni.engine.sample_rate)
+        return audio_format.encode(wave, fmt, omni.info.sample_rate)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -755,8 +764,8 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Any:
+        rid = _request_id(raw, "chatcmpl")
         req, job, fmt = await translate(tr.chat, raw)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = _Run(omni, job, rid, metrics)
         await run.start()
         if req.stream:
@@ -782,8 +791,9 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
 
     @app.post("/v1/audio/speech")
     async def speech(raw: Request) -> Response:
+        rid = _request_id(raw, "speech")
         req, job, fmt = await translate(tr.speech, raw)
-        run = _Run(omni, job, f"speech-{uuid.uuid4().hex}", metrics)
+        run = _Run(omni, job, rid, metrics)
         await run.start()
         if req.stream_format == "sse":
             return StreamingResponse(_speech_sse(run), media_type="text/event-stream")
@@ -797,6 +807,20 @@ def create_app(omni: AsyncOmni, served_model_name: str | None = None,
         return Response(await off_loop(encode_audio, audio, fmt), media_type=audio_format.MEDIA_TYPES[fmt])
 
     return app
+
+
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+
+
+def _request_id(raw: Request, prefix: str) -> str:
+    """The client's ``X-Request-Id`` (for log correlation and tests), else a fresh ``prefix-<hex>`` id."""
+    given = raw.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not 0 < len(given) <= 128 or not set(given) <= _REQUEST_ID_CHARS:
+        raise APIError(400, "X-Request-Id must be 1-128 characters of [A-Za-z0-9-_.:]", param="X-Request-Id")
+    return given
 
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs say what happened
@@ -822,18 +846,6 @@ async def _collect_unless_gone(run: _Run, raw: Request) -> list[tuple[str, Any]]
             return None
     task.result()
     return items
-
-
-def _chain_step_hook(omni: AsyncOmni, metrics: ServerMetrics) -> None:
-    orch = omni.engine.orchestrator
-    previous = orch.on_step
-
-    def hook(events: Any) -> None:
-        metrics.observe_step(events)
-        if previous is not None:
-            previous(events)
-
-    orch.on_step = hook
 
 
 async def _chat_stream(run: _Run, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -863,7 +875,7 @@ async def _chat_stream(run: _Run, model: str, include_usage: bool) -> AsyncItera
         yield "data: [DONE]\n\n"
         return
     if run.finish_reason == "error":
-        yield _sse(APIError(500, "the engine failed while generating this request", "server_error").body())
+        yield _sse(run.failure().body())
         yield "data: [DONE]\n\n"
         return
     if run.job.wants_audio:
@@ -892,9 +904,9 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
         yield _sse(_submit_error(exc).body())
         return
     if run.finish_reason == "error":
-        yield _sse(APIError(500, "the engine failed while generating this request", "server_error").body())
+        yield _sse(run.failure().body())
         return
-    n_in, n_out = len(run.job.prompt_ids), run.num_tokens
+    n_in, n_out = run.job.num_prompt_tokens, run.num_tokens
     yield _sse({"type": "speech.audio.done",
                 "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
 
@@ -902,7 +914,7 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
 DEFAULT_MODEL_NAME = "omnistage-tiny"
 
 
-def serve(model: str | None = None, stage_config: str = "qwen3_omni", host: str = "127.0.0.1", port: int = 8000,
+def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
@@ -922,7 +934,8 @@ def serve(model: str | None = None, stage_config: str = "qwen3_omni", host: str 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--stage-config", default="qwen3_omni", help="pipeline preset name or YAML path")
+    p.add_argument("--stage-config", default=None,
+                   help="pipeline preset name or YAML path (default: the checkpoint family's preset)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-waiting", type=int, default=None, help="reject (429) beyond this many waiting requests")

@@ -1,53 +1,33 @@
-"""Read Qwen3-Omni checkpoints in the Hugging Face format: config and safetensors weights."""
+"""Read Hugging Face checkpoint weights (single-file, sharded or globbed safetensors) into modules, strictly,
+without a second full copy; build modules directly in their serving dtype and device."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import Qwen3OmniMoeConfig
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def load_config(model_dir: str | Path) -> Qwen3OmniMoeConfig:
-    """Load `config.json`, filling in the fields transformers 5.x reads but does not declare.
-
-    Missing `talker_config.spatial_merge_size` takes the vision tower's value,
-    `talker_config.text_config.shared_expert_intermediate_size` the talker's `intermediate_size`, and
-    `thinker_config.vision_start_token_id` the talker config's value (None when neither has it; only
-    image/video position ids need it).
-    """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{model_dir} has no config.json; is it a Qwen3-Omni checkpoint directory?")
-    raw = json.loads(path.read_text(encoding="utf-8"))
-    thinker = raw.setdefault("thinker_config", {})
-    talker = raw.setdefault("talker_config", {})
-    talker_text = talker.setdefault("text_config", {})
-    vision = thinker.get("vision_config", {})
-    talker.setdefault("spatial_merge_size", vision.get("spatial_merge_size", 2))
-    if "intermediate_size" in talker_text:
-        talker_text.setdefault("shared_expert_intermediate_size", talker_text["intermediate_size"])
-    thinker.setdefault("vision_start_token_id", talker.get("vision_start_token_id"))
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # mrope keys in rope_parameters draw a spurious "unrecognized keys" warning
+@contextlib.contextmanager
+def building(dtype: torch.dtype, device: str | torch.device) -> Iterator[None]:
+    """Create a model's tensors directly in its serving dtype and on its device: a 30B checkpoint must not
+    first materialise as float32 on the host."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
     try:
-        config = Qwen3OmniMoeConfig.from_dict(raw)
+        with torch.device(device):
+            yield
     finally:
-        hf_logging.set_verbosity(level)
-    config._name_or_path = str(model_dir)
-    text = config.talker_config.text_config
-    if not hasattr(text, "shared_expert_intermediate_size"):  # no intermediate_size in the file either
-        text.shared_expert_intermediate_size = text.intermediate_size
-    return config
+        torch.set_default_dtype(previous)
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:

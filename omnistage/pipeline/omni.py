@@ -9,12 +9,13 @@ request's deltas come back through its own asyncio queue.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import logging
 import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,11 @@ from typing import Any
 import torch
 
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.family import PreparedPrompt
+from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.engine import EngineArgs, OmniEngine, Prompt
-from omnistage.pipeline.orchestrator import RequestDelta
+
+logger = logging.getLogger("omnistage.engine")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class OmniRequestOutput:
     audio: torch.Tensor | None = None  # float32 mono
     sample_rate: int | None = None
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 class _Collector:
@@ -56,14 +61,16 @@ class _Collector:
         if d.finished:
             self.done = True
             self.out.finish_reason = d.finish_reason
+            self.out.error = d.error
 
     def finish(self, engine: OmniEngine, wants_audio: bool) -> OmniRequestOutput:
         self.out.text = engine.tokenizer.decode(self.out.token_ids, skip_special_tokens=True)
         if wants_audio:
-            q = engine.talker_model.num_code_groups
-            self.out.codes = torch.cat(self.codes, dim=1) if self.codes else torch.zeros(q, 0, dtype=torch.long)
+            q = engine.info.num_code_groups
+            if self.codes or q is not None:
+                self.out.codes = torch.cat(self.codes, dim=1) if self.codes else torch.zeros(q, 0, dtype=torch.long)
             self.out.audio = torch.cat(self.audio) if self.audio else torch.zeros(0)
-            self.out.sample_rate = engine.sample_rate
+            self.out.sample_rate = engine.info.sample_rate
         return self.out
 
 
@@ -76,9 +83,13 @@ def _resolve_model(model: str | Path | None) -> str:
 
 
 class Omni:
-    def __init__(self, model: str | Path | None = None, stage_config: str = "qwen3_omni", dtype: str = "float32",
-                 device: str = "cpu", pipeline=None) -> None:
-        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device), pipeline)
+    def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
+                 device: str = "cpu", pipeline=None, fast: bool = False) -> None:
+        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device, fast), pipeline)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.engine.info
 
     def generate(
         self,
@@ -87,16 +98,18 @@ class Omni:
         sampling_params: SamplingParams | Mapping[str, SamplingParams] | None = None,
         speaker: str | None = None,
         use_tqdm: bool = False,
+        use_audio_in_video: bool = False,
     ) -> list[OmniRequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], Mapping)):
+        """``use_audio_in_video``: videos of these prompts bring their audio track (interleaved by time)."""
+        if isinstance(prompts, (str, PreparedPrompt)) or (prompts and isinstance(prompts[0], Mapping)):
             prompts = [prompts]
         engine = self.engine
         collectors: dict[str, _Collector] = {}
         # Validate every prompt before submitting any, so one bad prompt does not leave others running.
-        rendered = [engine.render_prompt(p) for p in prompts]
-        for ids in rendered:
-            rid = engine.add_request(ids, modalities, sampling_params, speaker)
-            collectors[rid] = _Collector(OmniRequestOutput(rid, ids))
+        rendered = [engine.render_prompt(p, use_audio_in_video=use_audio_in_video) for p in prompts]
+        for prepared in rendered:
+            rid = engine.add_request(prepared, modalities, sampling_params, speaker)
+            collectors[rid] = _Collector(OmniRequestOutput(rid, list(prepared.token_ids)))
         progress = _Progress(len(collectors), enabled=use_tqdm)
         while not all(c.done for c in collectors.values()):
             for d in engine.step():
@@ -138,22 +151,35 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncOmni:
-    """Streaming API: ``async for delta in omni.generate(...)``; ``await omni.abort(request_id)``."""
+    """Streaming API and the in-process engine client: ``async for delta in omni.generate(...)``;
+    ``await omni.abort(request_id)``."""
 
-    def __init__(self, model: str | Path | None = None, stage_config: str = "qwen3_omni", dtype: str = "float32",
+    def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
-                 on_step=None) -> None:
-        # on_step(StageEvents) runs on the engine thread after every stage step (metrics hook).
-        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device), pipeline, on_step)
+                 on_step: Callable[[Any], None] | None = None, fast: bool = False) -> None:
+        # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
+        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device, fast), pipeline,
+                                 on_step)
+        self.info = self.engine.info
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ids = itertools.count(1)
         self.dead: BaseException | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def render_prompt(self, prompt: Prompt) -> PreparedPrompt:
+        """Render and validate a prompt (tokenizer work only: safe to call from any thread)."""
+        return self.engine.render_prompt(prompt)
+
+    def add_step_listener(self, fn: Callable[[Any], None]) -> None:
+        self.engine.orchestrator.listeners.append(fn)
 
     # ---- engine thread -----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -167,9 +193,11 @@ class AsyncOmni:
                     self._wake.wait(0.05)
                     self._wake.clear()
         except BaseException as exc:  # the engine is dead: tell every waiting client
+            logger.exception("the engine loop stopped; every request in flight fails")
             self.dead = exc
             for req_id in list(self._streams):
-                self._publish(RequestDelta(req_id, finished=True, finish_reason="error"))
+                self._publish(RequestDelta(req_id, finished=True, finish_reason="error",
+                                           error=f"engine stopped: {exc!r}"))
 
     def _run_commands(self) -> None:
         while True:
@@ -217,14 +245,16 @@ class AsyncOmni:
     ) -> AsyncIterator[RequestDelta]:
         """Yield this request's deltas; the last one has ``finished=True``. Closing the iterator early
         (e.g. the client went away) aborts the request in every stage."""
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id or f"req-{uuid.uuid4().hex}"
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def submit() -> str:
-            waiting = self.engine.orchestrator.thinker.scheduler.num_waiting
+            waiting = self.engine.num_waiting()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are already waiting")
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in flight")
             self._streams[rid] = (loop, q)
             try:
                 return self.engine.add_request(prompt, modalities, sampling_params, speaker, rid)

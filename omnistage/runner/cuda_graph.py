@@ -37,10 +37,10 @@ def flatten_output(
     """
     if not isinstance(output, OmniOutput):
         raise AuxOutputError(f"forward must return an OmniOutput, got {type(output).__name__}")
-    hidden = output.text_hidden_states
+    hidden = output.hidden_states
     if not isinstance(hidden, torch.Tensor) or hidden.dim() == 0 or hidden.shape[0] != num_rows:
         got = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
-        raise AuxOutputError(f"text_hidden_states must be a tensor with {num_rows} rows, got {got}")
+        raise AuxOutputError(f"hidden_states must be a tensor with {num_rows} rows, got {got}")
     aux = {"multimodal_outputs": output.multimodal_outputs, "intermediate": output.intermediate}
     spec = validate_aux(aux, num_rows, expected)
     leaves, _ = flatten_aux(aux)
@@ -53,7 +53,7 @@ def rebuild_output(leaves: list[torch.Tensor], spec: AuxSpec) -> OmniOutput:
         raise AuxOutputError("no leaves to rebuild an output from")
     tree = unflatten_aux(leaves[1:], spec)
     return OmniOutput(
-        text_hidden_states=leaves[0],
+        hidden_states=leaves[0],
         multimodal_outputs=dict(tree["multimodal_outputs"]),
         intermediate=dict(tree["intermediate"]),
     )

@@ -1,4 +1,5 @@
-"""The v2 AR runner: decode steps over persistent static buffers, full-graph captured per batch bucket.
+"""The CUDA-graph AR runner (the seed's "v2"): decode steps over persistent static buffers, full-graph
+captured per batch bucket.
 
 What runs how:
 - A decode-only step (every scheduled request decodes exactly one token) with at most
@@ -12,7 +13,7 @@ What runs how:
   afterwards; its output is flattened (`flatten_output`, which enforces the aux contract: declared but
   invalid raises) and rebuilt after every replay. An undeclared model runs the static path eagerly and the
   runner logs that choice once.
-- Every other step (prefill, chunked prefill, mixed, larger batches) runs the v1 eager path.
+- Every other step (prefill, chunked prefill, mixed, larger batches) runs the eager path.
 
 The hooks that build per-request results (`postprocess`, `stage_outputs`) are called after the forward with
 this step's live `StepContext`; the captured function only ever sees static buffers. Anything the runner
@@ -32,7 +33,7 @@ import torch
 
 from omnistage.attention.backend import AttentionGroup, AttentionMetadata, scratch_slot
 from omnistage.core.sched_output import Phase, SchedulerOutput
-from omnistage.runner.ar_runner import ARModelRunner, StepOrderError
+from omnistage.runner.ar_runner import ARRunner, StepOrderError
 from omnistage.runner.aux_tree import AuxOutputError, AuxSpec
 from omnistage.runner.cuda_graph import (
     GraphCaptureError,
@@ -41,7 +42,6 @@ from omnistage.runner.cuda_graph import (
     make_step_graph,
     rebuild_output,
 )
-from omnistage.runner.input_batch import request_token_spans
 from omnistage.runner.outputs import ARStageModel, OmniOutput
 from omnistage.runner.ownership import OwnedBatchTensor, snapshot
 
@@ -165,7 +165,7 @@ def decode_attention_metadata(
     )
 
 
-class GraphARModelRunner(ARModelRunner):
+class CUDAGraphARRunner(ARRunner):
     def __init__(
         self,
         model: ARStageModel,
@@ -274,28 +274,25 @@ class GraphARModelRunner(ARModelRunner):
         self._execute_static(so)
 
     def _execute_static(self, so: SchedulerOutput) -> None:
-        self._update_states(so)
-        order = self.batch.scheduled_order(so.num_scheduled_tokens)
-        spans = request_token_spans(order, so.num_scheduled_tokens)
-        states = [self.requests[r] for r in order]
+        order, spans = self._prepare_step(so)
         n = len(order)
         b = bucket_for(n, self.graph_config.decode_buckets)
         assert b is not None  # guaranteed by _is_static_step
         ids, ctx_lens = [], []
         table = torch.full((b, self.max_blocks_per_req), self.num_blocks, dtype=torch.long)
-        for i, st in enumerate(states):
-            start = st.num_computed_tokens
-            tokens = st.request.all_token_ids
+        for i, req_id in enumerate(order):
+            start = so.num_computed_tokens[req_id]
+            tokens = self.records[req_id].request.all_token_ids
             if start >= len(tokens):
-                raise ValueError(f"request {st.req_id!r}: 1 token scheduled but only {len(tokens) - start} known")
+                raise ValueError(f"request {req_id!r}: 1 token scheduled but only {len(tokens) - start} known")
             if start + 1 > self.kv_width:
                 raise ValueError(
-                    f"request {st.req_id!r}: sequence length {start + 1} exceeds the runner's static KV width "
+                    f"request {req_id!r}: sequence length {start + 1} exceeds the runner's static KV width "
                     f"{self.kv_width} (GraphRunnerConfig.max_model_len must cover the scheduler's)"
                 )
             ids.append(tokens[start])
             ctx_lens.append(start)
-            blocks = st.block_ids[: self.max_blocks_per_req]
+            blocks = so.block_tables[req_id][: self.max_blocks_per_req]
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         with torch.no_grad():
             _fill(self._ids, ids, b)
@@ -305,8 +302,7 @@ class GraphARModelRunner(ARModelRunner):
         meta = self._decode_meta(b)
         ctx = self._make_context(so, order, spans, n, b, meta)
         kwargs, updates = self.model.prepare_inputs(ctx, self._ids[:b], self._pos[:b])
-        self.buffer.scatter(order, self._hand_over(updates))
-        ctx.states = self.buffer.gather(order)
+        staged = self._stage_updates(ctx, updates)
         layout, passthrough = self._bind_inputs(kwargs, b)
         if self.use_graphs:
             if passthrough:
@@ -322,7 +318,7 @@ class GraphARModelRunner(ARModelRunner):
                 output = self.model.forward(self.kv_caches, meta, **self._materialize(layout, b, passthrough))
             self._log_mode_once(output, b)
             output = _real_rows(output, b, n, all_leaves=False)
-        self._pending = (ctx, output, so)
+        self._pending = (ctx, output, so, staged)
 
     def _decode_meta(self, b: int) -> AttentionMetadata:
         return decode_attention_metadata(
@@ -436,7 +432,7 @@ def _real_rows(output: OmniOutput, b: int, n: int, *, all_leaves: bool) -> OmniO
     """
     if b == n:
         return output
-    hidden = output.text_hidden_states
+    hidden = output.hidden_states
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1 and hidden.shape[0] == b:
         hidden = hidden[:n]
     if not all_leaves:

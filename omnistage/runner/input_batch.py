@@ -8,24 +8,6 @@ from a previous step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-
-from omnistage.core.request import Request
-
-
-@dataclass
-class CachedRequestState:
-    """What the runner remembers about one request between steps."""
-
-    req_id: str
-    request: Request
-    block_ids: list[int]
-    num_computed_tokens: int
-    generator: torch.Generator | None = None
-    extra: dict = field(default_factory=dict)
-
 
 class InputBatch:
     def __init__(self) -> None:
@@ -54,10 +36,11 @@ class InputBatch:
             self._index[last] = i
 
     def scheduled_order(self, num_scheduled_tokens: dict[str, int]) -> list[str]:
-        """This step's row order: batch members that were scheduled, in batch order."""
-        missing = [r for r in num_scheduled_tokens if r not in self._index]
-        if missing:
-            raise KeyError(f"scheduled requests not in the batch: {missing}")
+        """This step's row order: scheduled requests join the batch (in scheduling order) if they are not
+        members yet, then every scheduled member in batch order."""
+        for req_id, n in num_scheduled_tokens.items():
+            if n > 0 and req_id not in self._index:
+                self.add(req_id)
         return [r for r in self.req_ids if num_scheduled_tokens.get(r, 0) > 0]
 
 

@@ -1,4 +1,5 @@
-"""Types passed between the runner and a stage model: this step's view, model output, step result."""
+"""Types passed between the runner and a stage model: this step's view, model output, step result, and the
+protocols a stage model implements."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from omnistage.runner.sampler import SamplingRow
 class OmniOutput:
     """What a stage model's forward returns. Not the client response (DESIGN §1.5).
 
-    ``text_hidden_states`` feed logits/sampling; ``multimodal_outputs`` feed the next stage. Row-aligned
-    tensors share the step's token axis (possibly padded: the real row count decides what is read).
+    ``hidden_states`` feed logits/sampling (the Thinker's text states, the Talker's codec states);
+    ``multimodal_outputs`` feed the next stage. Row-aligned tensors share the step's token axis (possibly
+    padded: the real row count decides what is read).
     """
 
-    text_hidden_states: torch.Tensor | None
+    hidden_states: torch.Tensor | None
     multimodal_outputs: dict[str, Any] = field(default_factory=dict)
     intermediate: dict[str, Any] = field(default_factory=dict)
 
@@ -35,7 +37,9 @@ class StepContext:
     requests: list[Request]
     spans: dict[str, tuple[int, int]]  # req_id -> [start, end) rows
     phases: dict[str, Phase]
-    states: list[Mapping[str, Any]]  # intermediate-buffer entries gathered in batch order
+    # Tokens already in each request's KV cache: the position of its span's first row (batch order).
+    num_computed: list[int]
+    states: list[Mapping[str, Any]]  # per-request model state in batch order (read-only views)
     sampling_rows: list[SamplingRow]  # one per request in batch order (params + its own generator)
     num_tokens_unpadded: int
     num_tokens_padded: int
@@ -51,18 +55,24 @@ class StepResult:
     """Per-request results of one step, built on two separate paths (client vs next stage)."""
 
     sampled: dict[str, list[int]]
-    client_outputs: dict[str, dict[str, Any]]
+    client_outputs: dict[str, dict[str, Any]]  # model-specific client outputs (e.g. codec frames)
     stage_outputs: dict[str, dict[str, Any]]
 
 
 class ARStageModel(Protocol):
-    """What an AR stage model provides to the AR runner."""
+    """What an AR stage model provides to the AR runner.
+
+    Optional attributes/methods: ``supports_full_graph_aux_outputs`` (CUDA-graph capture),
+    ``penalty_includes_prompt`` (default True: the repetition penalty sees prompt + output ids),
+    ``emits_token_ids`` (default True: sampled ids go to the client as text tokens),
+    ``client_outputs(ctx, output, sampled)`` (extra per-request client outputs),
+    ``input_ready(state, request)`` (default True: False pauses the request, keeping its KV, until more
+    upstream input arrives).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # Optional attributes: supports_full_graph_aux_outputs (v2 capture), penalty_includes_prompt (default
-    # True: the repetition penalty sees prompt + output ids).
 
     def prepare_inputs(
         self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor
@@ -80,3 +90,14 @@ class ARStageModel(Protocol):
 
     def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
         """Per-request payloads for the next stage, sliced by the real spans."""
+
+
+class GenerationStageModel(Protocol):
+    """What a generation stage model (e.g. a vocoder) provides to the generation runner."""
+
+    def forward_batch(
+        self, payloads: list[Any], states: list[Mapping[str, Any]]
+    ) -> tuple[dict[str, torch.Tensor], list[Mapping[str, Any] | None]]:
+        """One batched call. Returns (outputs, state updates in batch order).
+
+        outputs: ``audio`` [B, S] (row b = payloads[b], zero-padded) and ``audio_lengths`` [B]."""

@@ -9,8 +9,14 @@ from pathlib import Path
 import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.testing.presets import build_config_dict, build_generation_config_dict, get_preset
-from omnistage.testing.tokenizer import save_tokenizer, tokenizer_ids, train_tokenizer
+from omnistage.testing.presets import (
+    build_config_dict,
+    build_generation_config_dict,
+    build_preprocessor_config_dict,
+    build_video_preprocessor_config_dict,
+    get_preset,
+)
+from omnistage.testing.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
 from omnistage.testing.weights import init_state_dict, to_hub_layout, write_safetensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,7 +47,9 @@ def build_checkpoint(
     """Write a complete checkpoint directory and return its path.
 
     Files: config.json, generation_config.json, model.safetensors (or shards + index when
-    `max_shard_bytes` is exceeded), tokenizer.json, tokenizer_config.json, vocab.json, merges.txt.
+    `max_shard_bytes` is exceeded), tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, and the
+    processor's files: preprocessor_config.json (audio features + images), video_preprocessor_config.json,
+    chat_template.json.
     The same (preset, seed) gives byte-identical files.
     """
     spec = get_preset(preset)
@@ -56,6 +64,9 @@ def build_checkpoint(
     config = make_hf_config(config_dict)
     _write_json(out / "config.json", config_dict)
     _write_json(out / "generation_config.json", build_generation_config_dict(ids))
+    _write_json(out / "preprocessor_config.json", build_preprocessor_config_dict())
+    _write_json(out / "video_preprocessor_config.json", build_video_preprocessor_config_dict())
+    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
     write_safetensors(build_state(config, seed, _DTYPES[spec.storage_dtype]), out, max_shard_bytes)
     return out

@@ -94,7 +94,7 @@ class EncoderSpec:
     audio_ffn: int = 32
     audio_downsample: int = 8
     vision_hidden: int = 16
-    vision_depth: int = 1
+    vision_depth: int = 2
     vision_heads: int = 2
     vision_intermediate: int = 32
     vision_position_embeddings: int = 64
@@ -265,7 +265,8 @@ def build_config_dict(preset: Preset, ids: TokenizerIds) -> dict:
         "temporal_patch_size": 2,
         "out_hidden_size": preset.thinker.hidden_size,
         "num_position_embeddings": enc.vision_position_embeddings,
-        "deepstack_visual_indexes": [enc.vision_depth - 1],
+        # Every block feeds a deepstack feature: with a 2-layer thinker, features join after layers 0 and 1.
+        "deepstack_visual_indexes": list(range(enc.vision_depth)),
     }
     multimodal_ids = {
         "audio_token_id": ids.audio_pad,
@@ -358,4 +359,56 @@ def build_generation_config_dict(ids: TokenizerIds) -> dict:
         "eos_token_id": [ids.im_end, ids.endoftext],
         "pad_token_id": ids.endoftext,
         "transformers_version": transformers.__version__,
+    }
+
+
+# The processor's side of the checkpoint, in the real Qwen3-Omni layout: one preprocessor_config.json for the
+# Whisper feature extractor and the Qwen2-VL image processor (16-pixel patches, merged 2x2: factor 32), and
+# the video processor's settings next to it.
+_PIXELS = {
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "rescale_factor": 1 / 255,
+    "resample": 3,  # bicubic
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+
+
+def build_preprocessor_config_dict() -> dict:
+    return {
+        "processor_class": "Qwen3OmniMoeProcessor",
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 128,
+        "sampling_rate": 16000,
+        "hop_length": 160,
+        "n_fft": 400,
+        "chunk_length": 300,
+        "n_samples": 4800000,
+        "nb_max_frames": 30000,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+        "dither": 0.0,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        **_PIXELS,
+        "min_pixels": 56 * 56,
+        "max_pixels": 28 * 28 * 4 * 4096,
+    }
+
+
+def build_video_preprocessor_config_dict() -> dict:
+    """Qwen2-VL video processor settings (frame size limits come from the Qwen3-Omni processor's defaults)."""
+    return {
+        "processor_class": "Qwen3OmniMoeProcessor",
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "do_sample_frames": False,
+        **_PIXELS,
+        "min_pixels": 128 * 32 * 32,
+        "max_pixels": 768 * 32 * 32,
     }

@@ -3,22 +3,17 @@ import textwrap
 
 import pytest
 
-from omnistage.config import (
-    ConfigError,
-    ExecutionType,
-    PipelineConfig,
-    StageConfig,
-    StageSchedulerConfig,
-    available_presets,
-    load_pipeline_config,
-)
-from omnistage.config.input_processors import TALKER2CODE2WAV_REFERENCE_ARGS
+from omnistage.config import ConfigError, ExecutionType, PipelineConfig, StageConfig
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.core.scheduler_config import DEFAULT_KV_CACHE_BYTES, SchedulerConfig
+from omnistage.models.qwen3_omni.bridges import TALKER2CODE2WAV_REFERENCE_ARGS
+from omnistage.models.qwen3_omni.family import Qwen3OmniFamily
+from omnistage.models.registry import available_presets, load_pipeline_config
 
 
 def raw_pipeline() -> dict:
     return {
-        "model_arch": "qwen3_omni",
+        "family": "qwen3_omni",
         "stages": [
             {"name": "thinker", "execution": "ar", "model_part": "thinker", "final_output": "text"},
             {
@@ -26,14 +21,14 @@ def raw_pipeline() -> dict:
                 "execution": "ar",
                 "model_part": "talker",
                 "inputs": ["thinker"],
-                "input_processor": "thinker2talker",
+                "bridge": "thinker2talker",
             },
             {
                 "name": "code2wav",
                 "execution": "generation",
                 "model_part": "code2wav",
                 "inputs": ["talker"],
-                "input_processor": "talker2code2wav",
+                "bridge": "talker2code2wav",
                 "final_output": "audio",
             },
         ],
@@ -43,17 +38,17 @@ def raw_pipeline() -> dict:
 def test_preset_loads_with_documented_values():
     assert "qwen3_omni" in available_presets()
     p = load_pipeline_config("qwen3_omni")
-    assert p.model_arch == "qwen3_omni" and p.runner == "v1"
+    assert p.family == "qwen3_omni" and p.runner == "eager"
     assert p.order == ("thinker", "talker", "code2wav")
     thinker, talker, c2w = (p.stage(n) for n in p.order)
     assert thinker.execution is ExecutionType.AR and thinker.final_output == "text" and thinker.is_source
     assert thinker.sampling.greedy and thinker.sampling.max_tokens == 256
-    assert talker.inputs == ("thinker",) and talker.input_processor == "thinker2talker"
+    assert talker.inputs == ("thinker",) and talker.bridge == "thinker2talker"
     assert talker.final_output is None
     assert (talker.sampling.temperature, talker.sampling.top_k, talker.sampling.top_p) == (0.9, 50, 1.0)
     assert talker.sampling.repetition_penalty == 1.05 and talker.sampling.max_tokens == 4096
     assert c2w.execution is ExecutionType.GENERATION and c2w.final_output == "audio"
-    assert dict(c2w.processor_args) == {
+    assert dict(c2w.bridge_args) == {
         "first_chunk_frames": 25,
         "chunk_frames": 300,
         "left_context_frames": 25,
@@ -61,7 +56,7 @@ def test_preset_loads_with_documented_values():
     assert [s.name for s in p.final_stages] == ["thinker", "code2wav"]
     assert p.downstream("thinker") == ("talker",) and p.downstream("code2wav") == ()
     with pytest.raises(TypeError):
-        c2w.processor_args["chunk_frames"] = 1  # frozen
+        c2w.bridge_args["chunk_frames"] = 1  # frozen
     assert hash(p) == hash(load_pipeline_config("qwen3_omni")) and {c2w: 1}[c2w] == 1
 
 
@@ -69,18 +64,18 @@ def test_overrides_merge_nested_and_keep_siblings():
     p = load_pipeline_config(
         "qwen3_omni",
         overrides={
-            "runner": "v2",
+            "runner": "v2",  # the seed's name for the CUDA-graph runner
             "stages": {
                 "talker": {"sampling": {"temperature": 0.0}, "runner": "v1"},
-                "code2wav": {"processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)},
+                "code2wav": {"processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)},  # older key name
             },
         },
     )
-    assert p.runner == "v2"
+    assert p.runner == "cuda_graph"
     talker = p.stage("talker")
     assert talker.sampling.temperature == 0.0 and talker.sampling.top_k == 50  # sibling kept
-    assert talker.runner == "v1"
-    assert p.stage("code2wav").processor_args["first_chunk_frames"] == 300
+    assert talker.runner == "eager"
+    assert p.stage("code2wav").bridge_args["first_chunk_frames"] == 300
     with pytest.raises(ConfigError, match="unknown stage 'talkr'"):
         load_pipeline_config("qwen3_omni", overrides={"stages": {"talkr": {"runner": "v2"}}})
 
@@ -90,8 +85,8 @@ def test_user_file(tmp_path):
     path.write_text(
         textwrap.dedent(
             """
-            model_arch: qwen3_omni
-            runner: v2
+            family: qwen3_omni
+            runner: cuda_graph
             stages:
               - name: t
                 execution: AR
@@ -103,10 +98,10 @@ def test_user_file(tmp_path):
         )
     )
     p = load_pipeline_config(path)
-    assert p.order == ("t",) and p.runner == "v2"
+    assert p.order == ("t",) and p.runner == "cuda_graph"
     s = p.stage("t")
     assert s.sampling == SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(3, 4))
-    assert s.scheduler == StageSchedulerConfig(
+    assert s.scheduler == SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128, block_size=4
     )
     assert load_pipeline_config(str(path)) == p
@@ -136,20 +131,34 @@ def test_input_declared_after_consumer_is_fine_and_order_is_topological():
     assert p.order == ("thinker", "talker", "code2wav")
 
 
-def test_unknown_processor():
-    raw = raw_pipeline()
-    raw["stages"][1]["input_processor"] = "thinker2talkr"
-    e = _err(raw)
-    assert e.stage == "talker" and e.field == "input_processor" and "thinker2talkr" in str(e)
+def _family_err(raw: dict) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        Qwen3OmniFamily.validate_pipeline(PipelineConfig.from_dict(raw))
+    return info.value
 
 
-def test_stage_with_inputs_needs_processor_and_source_must_not_have_one():
+def test_unknown_bridge_and_part_are_rejected_against_the_family():
     raw = raw_pipeline()
-    del raw["stages"][1]["input_processor"]
-    assert (_err(raw).stage, _err(raw).field) == ("talker", "input_processor")
+    raw["stages"][1]["bridge"] = "thinker2talkr"
+    e = _family_err(raw)
+    assert e.stage == "talker" and e.field == "bridge" and "thinker2talkr" in str(e)
     raw = raw_pipeline()
-    raw["stages"][0]["input_processor"] = "thinker2talker"
-    assert (_err(raw).stage, _err(raw).field) == ("thinker", "input_processor")
+    raw["stages"][0]["model_part"] = "vision"
+    e = _family_err(raw)
+    assert (e.stage, e.field) == ("thinker", "model_part") and "vision" in str(e)
+    raw = raw_pipeline()
+    raw["stages"][2]["execution"] = "ar"
+    e = _family_err(raw)
+    assert (e.stage, e.field) == ("code2wav", "execution")
+
+
+def test_stage_with_inputs_needs_bridge_and_source_must_not_have_one():
+    raw = raw_pipeline()
+    del raw["stages"][1]["bridge"]
+    assert (_err(raw).stage, _err(raw).field) == ("talker", "bridge")
+    raw = raw_pipeline()
+    raw["stages"][0]["bridge"] = "thinker2talker"
+    assert (_err(raw).stage, _err(raw).field) == ("thinker", "bridge")
 
 
 def test_cycle():
@@ -173,34 +182,34 @@ def test_bad_sampling_value():
 
 
 @pytest.mark.parametrize(
-    "args, field",
+    "args, match",
     [
-        ({"chunk_frames": 0}, "processor_args.chunk_frames"),
-        ({"first_chunk_frames": -1}, "processor_args.first_chunk_frames"),
-        ({"chunk_frames": 2.5}, "processor_args.chunk_frames"),
-        ({"chunk_frames": True}, "processor_args.chunk_frames"),
-        ({"chunk_frames": 25, "left_context_frames": 25}, "processor_args.left_context_frames"),
-        ({"chunk_size": 300}, "processor_args"),
+        ({"chunk_frames": 0}, "chunk_frames"),
+        ({"first_chunk_frames": -1}, "first_chunk_frames"),
+        ({"chunk_frames": 2.5}, "chunk_frames"),
+        ({"chunk_frames": True}, "chunk_frames"),
+        ({"chunk_frames": 25, "left_context_frames": 25}, "left_context_frames"),
+        ({"chunk_size": 300}, "chunk_size"),
     ],
 )
-def test_bad_chunk_args(args, field):
+def test_bad_chunk_args(args, match):
     raw = raw_pipeline()
-    raw["stages"][2]["processor_args"] = args
-    e = _err(raw)
-    assert (e.stage, e.field) == ("code2wav", field)
+    raw["stages"][2]["bridge_args"] = args
+    e = _family_err(raw)
+    assert (e.stage, e.field) == ("code2wav", "bridge_args") and match in str(e)
 
 
-def test_processor_args_defaults_and_no_args_processor():
+def test_bridge_args_defaults_and_no_args_bridge():
     raw = raw_pipeline()
-    raw["stages"][2]["processor_args"] = {"chunk_frames": 50}
-    p = PipelineConfig.from_dict(raw)
-    assert dict(p.stage("code2wav").processor_args) == {
+    raw["stages"][2]["bridge_args"] = {"chunk_frames": 50}
+    p = Qwen3OmniFamily.validate_pipeline(PipelineConfig.from_dict(raw))
+    assert dict(p.stage("code2wav").bridge_args) == {
         "first_chunk_frames": 25,
         "chunk_frames": 50,
         "left_context_frames": 25,
     }
-    raw["stages"][1]["processor_args"] = {"x": 1}
-    assert (_err(raw).stage, _err(raw).field) == ("talker", "processor_args")
+    raw["stages"][1]["bridge_args"] = {"x": 1}
+    assert (_family_err(raw).stage, _family_err(raw).field) == ("talker", "bridge_args")
 
 
 @pytest.mark.parametrize("where", ["top", "stage", "scheduler"])
@@ -226,12 +235,12 @@ def test_duplicate_name():
 def test_other_field_errors():
     cases = [
         (lambda r: r["stages"][0].update(execution="diffusion"), ("thinker", "execution")),
-        (lambda r: r["stages"][0].update(model_part="vision"), ("thinker", "model_part")),
+        (lambda r: r["stages"][0].update(model_part=""), ("thinker", "model_part")),
         (lambda r: r["stages"][0].update(final_output="video"), ("thinker", "final_output")),
         (lambda r: r["stages"][0].update(runner="v3"), ("thinker", "runner")),
         (lambda r: r["stages"][0].update(data_plane="shm"), ("thinker", "data_plane")),
         (lambda r: r["stages"][0].update(session_mode="streaming"), ("thinker", "session_mode")),
-        (lambda r: r["stages"][0].update(scheduler={"block_size": 0}), ("thinker", "scheduler.block_size")),
+        (lambda r: r["stages"][0].update(scheduler={"block_size": 0}), ("thinker", "scheduler")),
         (
             lambda r: r["stages"][0].update(scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 4}),
             ("thinker", "scheduler.max_num_batched_tokens"),
@@ -243,7 +252,8 @@ def test_other_field_errors():
         ),
         (lambda r: r["stages"][0].pop("model_part"), ("thinker", "model_part")),
         (lambda r: r.update(runner="v9"), (None, "runner")),
-        (lambda r: r.update(model_arch="llama"), (None, "model_arch")),
+        (lambda r: r.update(family=""), (None, "family")),
+        (lambda r: r["stages"][2].update(final_output="text"), (None, "final_output")),
         (lambda r: [st.update(final_output=None) for st in r["stages"]], (None, "stages")),
     ]
     for mutate, (stage, field) in cases:
@@ -264,7 +274,7 @@ def test_generation_stage_ignores_token_limits():
 def test_direct_construction_normalises_and_stays_frozen():
     s = StageConfig(name="a", execution="AR", model_part="thinker", inputs=[], final_output="text")
     assert s.execution is ExecutionType.AR and s.inputs == ()
-    p = PipelineConfig(model_arch="qwen3_omni", stages=[s])
+    p = PipelineConfig(family="qwen3_omni", stages=[s])
     assert p.stages == (s,) and p.order == ("a",)
     with pytest.raises(AttributeError):
         s.name = "b"
@@ -272,11 +282,14 @@ def test_direct_construction_normalises_and_stays_frozen():
         StageConfig(name="a", execution="ar", model_part="thinker", sampling={"temperature": 0.0})
 
 
-def test_resolve_num_blocks():
-    sched = StageSchedulerConfig(max_num_seqs=2, max_model_len=100, block_size=16)
-    assert sched.resolve_num_blocks(bytes_per_block=1) == 7 * 2
-    assert StageSchedulerConfig(num_blocks=9).resolve_num_blocks(bytes_per_block=1) == 9
-    sched = StageSchedulerConfig(max_model_len=64, block_size=16, kv_cache_bytes=1000)
+def test_resolve_num_blocks_respects_the_budget_and_names_what_one_request_needs():
+    sched = SchedulerConfig(max_num_seqs=2, max_model_len=100, block_size=16)
+    assert sched.resolve_num_blocks(bytes_per_block=1) == 7 * 2  # default budget: capped at 2 full sequences
+    assert sched.resolve_num_blocks(bytes_per_block=DEFAULT_KV_CACHE_BYTES // 10) == 10  # default budget binds
+    assert SchedulerConfig(num_blocks=9, max_model_len=64, block_size=16).resolve_num_blocks(bytes_per_block=1) == 9
+    sched = SchedulerConfig(max_model_len=64, block_size=16, kv_cache_bytes=1000)
     assert sched.resolve_num_blocks(bytes_per_block=100) == 10
-    with pytest.raises(ConfigError, match="fewer than one"):
+    with pytest.raises(ValueError, match=r"needs 4 blocks \(2000 bytes\)"):
         sched.resolve_num_blocks(bytes_per_block=500)
+    with pytest.raises(ValueError, match="must cover max_model_len"):
+        SchedulerConfig(num_blocks=3, max_model_len=64, block_size=16)

@@ -3,10 +3,10 @@ import pytest
 from omnistage.config import (
     ModelCapabilities,
     UnsupportedConfigError,
-    load_pipeline_config,
     resolve_stage_runner,
     validate_pipeline,
 )
+from omnistage.models.registry import load_pipeline_config
 
 PLAIN = {p: ModelCapabilities() for p in ("thinker", "talker", "code2wav")}
 NATIVE = {p: ModelCapabilities(supports_native_data_plane=True) for p in ("thinker", "talker", "code2wav")}
@@ -14,12 +14,12 @@ NATIVE = {p: ModelCapabilities(supports_native_data_plane=True) for p in ("think
 
 def test_stage_override_and_deployment_default():
     p = load_pipeline_config("qwen3_omni", overrides={"stages": {"talker": {"runner": "v2"}}})
-    assert [resolve_stage_runner(p.stage(n), p) for n in p.order] == ["v1", "v2", "v1"]
-    assert validate_pipeline(p, PLAIN) == {"thinker": "v1", "talker": "v2", "code2wav": "v1"}
+    assert [resolve_stage_runner(p.stage(n), p) for n in p.order] == ["eager", "cuda_graph", "eager"]
+    assert validate_pipeline(p, PLAIN) == {"thinker": "eager", "talker": "cuda_graph", "code2wav": "eager"}
     p = load_pipeline_config(
         "qwen3_omni", overrides={"runner": "v2", "stages": {"thinker": {"runner": "v1"}}}
     )
-    assert validate_pipeline(p, PLAIN) == {"thinker": "v1", "talker": "v2", "code2wav": "v2"}
+    assert validate_pipeline(p, PLAIN) == {"thinker": "eager", "talker": "cuda_graph", "code2wav": "cuda_graph"}
 
 
 def test_accepted_native_combination():
@@ -38,8 +38,8 @@ def test_accepted_native_combination():
             "stages": {"thinker": {"data_plane": "native", "session_mode": "multi_turn"}},
         },
     )
-    assert validate_pipeline(p, NATIVE)["talker"] == "v2"
-    assert validate_pipeline(p2, NATIVE)["thinker"] == "v2"
+    assert validate_pipeline(p, NATIVE)["talker"] == "cuda_graph"
+    assert validate_pipeline(p2, NATIVE)["thinker"] == "cuda_graph"
 
 
 def _reject(overrides, caps, stage, field, match):
@@ -61,9 +61,9 @@ def test_native_data_plane_without_capability():
     )
 
 
-def test_native_data_plane_needs_v2_even_when_only_default_is_v1():
+def test_native_data_plane_needs_the_graph_runner_even_when_only_the_default_is_eager():
     _reject(
-        {"stages": {"talker": {"data_plane": "native"}}}, NATIVE, "talker", "data_plane", "only in runner v2"
+        {"stages": {"talker": {"data_plane": "native"}}}, NATIVE, "talker", "data_plane", "only in the cuda_graph"
     )
 
 
@@ -81,7 +81,7 @@ def test_multi_turn_allowed_with_inproc_data_plane():
     p = load_pipeline_config(
         "qwen3_omni", overrides={"stages": {"talker": {"runner": "v2", "session_mode": "multi_turn"}}}
     )
-    assert validate_pipeline(p, PLAIN)["talker"] == "v2"
+    assert validate_pipeline(p, PLAIN)["talker"] == "cuda_graph"
 
 
 def test_missing_capabilities_for_model_part():
@@ -92,10 +92,10 @@ def test_missing_capabilities_for_model_part():
 def test_unknown_runner_version_rejected_before_any_request():
     from omnistage.config import ConfigError
 
-    with pytest.raises(ConfigError, match="unknown runner version 'v3'") as info:
+    with pytest.raises(ConfigError, match="unknown runner 'v3'") as info:
         load_pipeline_config("qwen3_omni", overrides={"stages": {"talker": {"runner": "v3"}}})
     assert (info.value.stage, info.value.field) == ("talker", "runner")
-    with pytest.raises(ConfigError, match="unknown runner version 'v0'"):
+    with pytest.raises(ConfigError, match="unknown runner 'v0'"):
         load_pipeline_config("qwen3_omni", overrides={"runner": "v0"})
 
 

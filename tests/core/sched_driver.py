@@ -37,29 +37,28 @@ class FakeRunner:
         out = sched.schedule()
         self.outputs.append(out)
 
-        assert out.preempted_req_ids <= out.finished_req_ids
+        assert not (out.preempted_req_ids & out.finished_req_ids)
         for req_id in out.preempted_req_ids:
             assert sched.get_request(req_id).status.name == "PREEMPTED"
+            self.kv_tokens.pop(req_id, None)  # its KV is gone; it comes back as a new request
+            self.blocks.pop(req_id, None)
         for req_id in out.finished_req_ids:
             self.kv_tokens.pop(req_id, None)
             self.blocks.pop(req_id, None)
-        new_ids = set()
-        for data in out.new_reqs:
-            req_id = data.request.req_id
-            assert req_id not in self.kv_tokens, f"{req_id} re-added while the runner still holds it"
-            assert data.num_computed_tokens == 0
-            self.kv_tokens[req_id] = []
-            self.blocks[req_id] = list(data.block_ids)
-            new_ids.add(req_id)
-        cached_ids = set()
-        for data in out.cached_reqs:
-            assert data.req_id in self.kv_tokens, f"cached {data.req_id} unknown to the runner"
-            assert data.num_computed_tokens == len(self.kv_tokens[data.req_id])
-            assert not data.resumed_from_preemption
-            self.blocks[data.req_id].extend(data.new_block_ids)
-            cached_ids.add(data.req_id)
-        assert not (new_ids & cached_ids)
-        assert set(out.num_scheduled_tokens) == new_ids | cached_ids
+        for req_id in out.num_scheduled_tokens:
+            if req_id in out.new_req_ids:
+                assert req_id not in self.kv_tokens, f"{req_id} re-added while the runner still holds it"
+                assert out.num_computed_tokens[req_id] == 0
+                self.kv_tokens[req_id] = []
+            else:
+                assert req_id in self.kv_tokens, f"cached {req_id} unknown to the runner"
+                assert out.num_computed_tokens[req_id] == len(self.kv_tokens[req_id])
+                # A running request's table only grows: what the runner used stays put.
+                old = self.blocks[req_id]
+                assert out.block_tables[req_id][: len(old)] == old
+            self.blocks[req_id] = list(out.block_tables[req_id])
+        assert out.new_req_ids <= set(out.num_scheduled_tokens)
+        assert set(out.block_tables) == set(out.num_computed_tokens) == set(out.num_scheduled_tokens)
         assert not (set(out.num_scheduled_tokens) & out.finished_req_ids)
 
         # Batch bounds.

@@ -41,14 +41,14 @@ def test_request_waits_for_input_and_does_not_block_others():
     sched.add_request("fast")
     sched.add_input("fast", "f0", finished=True)
     out = sched.schedule()
-    assert out.req_ids == ["fast"] and out.is_last_payload == {"fast": True}
+    assert out.req_ids == ["fast"]
     assert sched.update_from_output(out) == ["fast"]
     out = sched.schedule()
     assert out.is_empty and out.finished_req_ids == {"fast"}
     assert sched.update_from_output(out) == []
     sched.add_input("slow", "s0", finished=False)
     out = sched.schedule()
-    assert out.payloads == {"slow": "s0"} and out.is_last_payload == {"slow": False}
+    assert out.payloads == {"slow": "s0"}
     assert sched.update_from_output(out) == []
     # End of input without a payload still finishes the request.
     sched.add_input("slow", None, finished=True)

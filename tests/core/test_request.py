@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from omnistage.core import Request, RequestStatus, SamplingParams, finished_status_for, is_finished
+from omnistage.core import Request, RequestStatus, SamplingParams, finished_status_for
 
 
 def test_token_bookkeeping():
@@ -32,12 +32,14 @@ def test_prompt_cannot_grow_after_output_and_tokens_are_checked():
 
 
 def test_status_helpers():
-    finished = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+    finished = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                RequestStatus.FINISHED_ERROR}
     for status in RequestStatus:
-        assert is_finished(status) == (status in finished) == status.is_finished
+        assert (status in finished) == status.is_finished
     assert finished_status_for("stop") is RequestStatus.FINISHED_STOPPED
     assert finished_status_for("length") is RequestStatus.FINISHED_LENGTH
     assert finished_status_for("abort") is RequestStatus.FINISHED_ABORTED
+    assert finished_status_for("error") is RequestStatus.FINISHED_ERROR
     assert RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
     with pytest.raises(ValueError, match="finish reason"):
         finished_status_for("done")

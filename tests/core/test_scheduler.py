@@ -64,7 +64,7 @@ def test_chunked_prefill_interleaves_with_decodes():
         assert ("b" in out.sample_req_ids) == (sum(chunks) == 30)
     assert chunks == [9, 9, 9, 3]
     # b was new only in its first step.
-    firsts = [o for o in runner.outputs if any(d.request.req_id == "b" for d in o.new_reqs)]
+    firsts = [o for o in runner.outputs if "b" in o.new_req_ids]
     assert len(firsts) == 1
     runner.run()
     runner.assert_clean()
@@ -101,7 +101,7 @@ def test_max_num_seqs_bounds_the_batch():
     # FCFS: requests are first admitted in arrival order.
     first_seen = []
     for o in runner.outputs:
-        first_seen += [d.request.req_id for d in o.new_reqs]
+        first_seen += [r for r in o.num_scheduled_tokens if r in o.new_req_ids]
     assert first_seen == [f"r{i}" for i in range(6)]
     assert all(r.output_token_ids == run_alone(r) for r in reqs)
 
@@ -117,16 +117,15 @@ def test_preemption_recomputes_and_completes():
     runner.assert_clean()
     assert sum(r.num_preemptions for r in reqs) >= 1
     # The most recently arrived request is the first victim.
-    first_preempt = next(o for o in runner.outputs if o.finished_req_ids)
-    assert first_preempt.finished_req_ids == first_preempt.preempted_req_ids == {"r2"}
-    assert not first_preempt.new_reqs  # no admission in a step that preempted
+    first_preempt = next(o for o in runner.outputs if o.preempted_req_ids)
+    assert first_preempt.preempted_req_ids == {"r2"} and not first_preempt.finished_req_ids
+    assert not first_preempt.new_req_ids  # no admission in a step that preempted
     # It comes back as a new request that recomputes prompt + outputs so far.
     idx = runner.outputs.index(first_preempt)
-    back = next(o for o in runner.outputs[idx + 1 :] if any(d.request.req_id == "r2" for d in o.new_reqs))
-    data = next(d for d in back.new_reqs if d.request.req_id == "r2")
-    assert data.resumed_from_preemption and data.num_computed_tokens == 0
+    back = next(o for o in runner.outputs[idx + 1 :] if "r2" in o.new_req_ids)
+    assert back.num_computed_tokens["r2"] == 0
     # All known tokens (prompt + outputs so far) in one step, then sampled: the recompute is complete.
-    assert back.num_scheduled_tokens["r2"] > data.request.num_prompt_tokens
+    assert back.num_scheduled_tokens["r2"] > reqs[2].num_prompt_tokens
     assert back.phases["r2"] is Phase.PREFILL and "r2" in back.sample_req_ids
     for r in reqs:
         assert r.num_output_tokens == 10 and r.status is RequestStatus.FINISHED_LENGTH
@@ -327,7 +326,7 @@ def test_paused_request_keeps_blocks_and_does_not_block_others():
     assert a.status is RequestStatus.RUNNING
     out, _ = runner.step()
     assert out.num_scheduled_tokens["a"] == 1 and out.phases["a"] is Phase.DECODE
-    assert any(c.req_id == "a" for c in out.cached_reqs)
+    assert "a" in out.num_scheduled_tokens and "a" not in out.new_req_ids
     runner.run()
     runner.assert_clean()
     assert a.output_token_ids == run_alone(a) and b.output_token_ids == run_alone(b)

@@ -1,4 +1,4 @@
-"""A deterministic stand-in for ``AsyncOmni`` (same public surface the server uses).
+"""A deterministic engine client (the ``EngineClient`` interface the server uses, as ``AsyncOmni``).
 
 It lets the server tests reach states the real engine cannot be forced into cheaply (a full queue, a
 dead engine) and observe aborts exactly. Text tokens are characters (token id = code point); the answer
@@ -10,13 +10,13 @@ to be unfinished, whatever the machine's speed.
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import torch
 
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.family import PreparedPrompt
+from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.omni import EngineDeadError, QueueFullError
-from omnistage.pipeline.orchestrator import RequestDelta
 
 SAMPLE_RATE = 24000
 CHUNK = 480
@@ -36,29 +36,18 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i > 0)
 
 
-class FakeEngine:
-    def __init__(self) -> None:
-        self.tokenizer = CharTokenizer()
-        self.speakers = {"ethan": 1, "chelsie": 2}
-        self.default_speaker = "ethan"
-        self.sample_rate = SAMPLE_RATE
-        self.max_model_len = 200
-        self.model_name = "fake-omni"
-        self.stage_configs = {
-            "thinker": SimpleNamespace(name="thinker", sampling=SamplingParams(temperature=0.0, max_tokens=64),
-                                       scheduler=SimpleNamespace(max_model_len=200)),
-            "talker": SimpleNamespace(name="talker", sampling=SamplingParams(temperature=0.9, max_tokens=64),
-                                      scheduler=SimpleNamespace(max_model_len=400)),
-        }
-        self.orchestrator = SimpleNamespace(on_step=None)
-
-    def render_prompt(self, messages) -> list[int]:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        return [ord(c) for m in messages for c in f"<{m['role']}>{m['content']}"]
-
-    def stage_params(self, _):
-        return {part: cfg.sampling for part, cfg in self.stage_configs.items()}
+INFO = ModelInfo(
+    name="fake-omni",
+    family="fake",
+    max_model_len=200,
+    output_modalities=("text", "audio"),
+    text_stage="thinker",
+    stage_sampling={"thinker": SamplingParams(temperature=0.0, max_tokens=64),
+                    "talker": SamplingParams(temperature=0.9, max_tokens=64)},
+    voices=("ethan", "chelsie"),
+    default_voice="ethan",
+    sample_rate=SAMPLE_RATE,
+)
 
 
 def chunk_audio(token: int) -> torch.Tensor:
@@ -67,7 +56,9 @@ def chunk_audio(token: int) -> torch.Tensor:
 
 class FakeOmni:
     def __init__(self, answer: str = "hello world", delay: float = 0.002) -> None:
-        self.engine = FakeEngine()
+        self.info = INFO
+        self.tokenizer = CharTokenizer()
+        self.listeners = []
         self.answer = answer
         self.delay = delay
         self.dead: BaseException | None = None
@@ -75,22 +66,31 @@ class FakeOmni:
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.submitted: list[dict] = []
-        self.fail_with: str | None = None  # finish every request with this reason (e.g. "error")
+        self.fail_with: str | None = None  # finish every request with this reason ("error": the engine failed it)
+
+    def render_prompt(self, messages) -> PreparedPrompt:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        ids = [ord(c) for m in messages for c in f"<{m['role']}>{m['content']}"]
+        if len(ids) + 1 > self.info.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model allows at most {self.info.max_model_len - 1}")
+        return PreparedPrompt(ids)
+
+    def add_step_listener(self, fn) -> None:
+        self.listeners.append(fn)
 
     async def generate(self, prompt, modalities=("text",), sampling_params=None, speaker=None, request_id=None):
         if self.dead is not None:
             raise EngineDeadError("engine stopped")
         if self.queue_full:
             raise QueueFullError("1 requests are already waiting")
-        if len(prompt) + 1 > self.engine.max_model_len:
-            raise ValueError("prompt too long")
         self.submitted.append({"prompt": prompt, "modalities": tuple(modalities), "params": sampling_params,
                                "speaker": speaker, "request_id": request_id})
         self.active.add(request_id)
         finished = False
         params = sampling_params["thinker"]
         stop_ids = set(params.stop_token_ids)
-        stall = STALL in "".join(chr(t) for t in prompt)
+        stall = STALL in "".join(chr(t) for t in prompt.token_ids)
         try:
             tokens = [ord(c) for c in self.answer][: params.max_tokens]
             reason = self.fail_with or ("length" if len(tokens) < len(self.answer) else "stop")
@@ -104,7 +104,8 @@ class FakeOmni:
                     reason = "stop"
                     break
             finished = True
-            yield RequestDelta(request_id, finished=True, finish_reason=reason)
+            error = "failed by the test" if reason == "error" else None
+            yield RequestDelta(request_id, finished=True, finish_reason=reason, error=error)
         finally:
             self.active.discard(request_id)
             if not finished:
@@ -115,9 +116,9 @@ class FakeOmni:
 
     async def resource_stats(self) -> dict:
         n = len(self.active)
-        return {"thinker": {"running": n, "waiting": 0, "kv_usage": 0.1 * n, "buffer_entries": n},
-                "talker": {"running": 0, "waiting": 0, "kv_usage": 0.0, "buffer_entries": 0},
-                "code2wav": {"running": 0, "waiting": 0}, "connector_pending": 0, "requests": n}
+        return {"thinker": {"running": n, "waiting": 0, "kv_usage": 0.1 * n, "records": n},
+                "talker": {"running": 0, "waiting": 0, "kv_usage": 0.0, "records": 0},
+                "code2wav": {"running": 0, "waiting": 0}, "requests": n}
 
     def shutdown(self) -> None:
         pass

@@ -17,10 +17,10 @@ import httpx
 import pytest
 from server_thread import ServerThread
 
-from omnistage.config import load_pipeline_config
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.server import ServerLimits, _release_freed_memory, create_app
+from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.omni import AsyncOmni
 
 MODEL = "tiny-omni"
@@ -69,9 +69,8 @@ def server(engine):
 @pytest.fixture(scope="module")
 def limits(engine):
     omni, _ = engine
-    n = omni.engine.max_model_len
-    return {"context": n, "chars": ServerLimits().prompt_chars(n), "body": ServerLimits().body_bytes(n),
-            "talker_context": omni.engine.stage_configs["talker"].scheduler.max_model_len}
+    n = omni.info.max_model_len
+    return {"context": n, "chars": ServerLimits().prompt_chars(n), "body": ServerLimits().body_bytes(n)}
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +243,7 @@ TABLE = [
     ("talker-seed-2**64", CHAT, chat(talker={"seed": 2**64}), 400, "talker.seed", None),
     ("talker-temperature-3", CHAT, chat(talker={"temperature": 3}), 400, "talker.temperature", None),
     ("talker-top_p-0", CHAT, chat(talker={"top_p": 0}), 400, "talker.top_p", None),
-    ("talker-max_tokens-1e9", CHAT, chat(talker={"max_tokens": 10**9}), 400, "talker.max_tokens",
-     "context_length_exceeded"),
+    ("talker-max_tokens-1e9", CHAT, chat(talker={"max_tokens": 10**9}), 400, "talker.max_tokens", None),
     ("talker-min-over-max", CHAT, chat(talker={"min_tokens": 9, "max_tokens": 8}), 400, "talker.min_tokens", None),
     ("talker-not-an-object", CHAT, chat(talker=[1]), 400, "talker", None),
     # ---- speech ----
@@ -327,7 +325,7 @@ def _stats(omni):
 
 def test_logit_bias_and_penalties_reach_the_engine(http, engine):
     omni, _ = engine
-    tok = omni.engine.tokenizer
+    tok = omni.tokenizer
     forced = tok.encode("sea", add_special_tokens=False)[0]
     base = {"model": MODEL, "messages": user("Hi"), "temperature": 0}
     resp = http.post(CHAT, json={**base, "max_tokens": 5, "logit_bias": {str(forced): 100}}).json()
@@ -339,7 +337,7 @@ def test_logit_bias_and_penalties_reach_the_engine(http, engine):
 
     async def direct() -> list[int]:
         ids, sp = [], SamplingParams(temperature=0.0, **params)
-        async for d in omni.generate(omni.engine.render_prompt(user("Hi")), ["text"], {"thinker": sp}):
+        async for d in omni.generate(omni.render_prompt(user("Hi")), ["text"], {"thinker": sp}):
             ids += d.new_token_ids
         return ids
 

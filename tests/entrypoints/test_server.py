@@ -216,9 +216,8 @@ def test_bad_requests_on_the_real_engine(server):
 def _idle(stats) -> bool:
     stages = [stats[s] for s in ("thinker", "talker", "code2wav")]
     return (stats["requests"] == 0 and all(s["running"] == 0 and s["waiting"] == 0 for s in stages)
-            and all(s.get("kv_usage", 0) == 0 and s.get("buffer_entries", 0) == 0 for s in stages)
-            and stats["connector_pending"] == 0 and stats["thinker2talker_pending"] == 0
-            and stats["talker2code2wav_pending"] == 0)
+            and all(s.get("kv_usage", 0) == 0 and s["records"] == 0 and s["bridge_entries"] == 0 for s in stages)
+            and stats["code2wav"]["pending_chunks"] == 0)
 
 
 def test_disconnect_mid_stream_frees_every_stage(server, engine, client, references):

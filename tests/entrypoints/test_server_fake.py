@@ -168,7 +168,7 @@ def test_text_parts_and_developer_role(server, fake, client):
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ])
-    prompt = "".join(chr(i) for i in fake.submitted[-1]["prompt"])
+    prompt = "".join(chr(i) for i in fake.submitted[-1]["prompt"].token_ids)
     assert prompt == "<system>be brief<user>ab"
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from omnistage.models.loader import load_config, load_into, load_weights
+from omnistage.models.loader import load_into, load_weights
+from omnistage.models.qwen3_omni.config import load_config
 from omnistage.testing.checkpoint import build_checkpoint
 
 

@@ -5,15 +5,15 @@ import asyncio
 import pytest
 import torch
 
-from omnistage.config import load_pipeline_config
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.omni import AsyncOmni, Omni
 
 PARAMS = {
     "thinker": SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8),
     "talker": SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.0),
 }
-CHUNKS = {"stages": {"code2wav": {"processor_args": {"first_chunk_frames": 4, "chunk_frames": 8,
+CHUNKS = {"stages": {"code2wav": {"bridge_args": {"first_chunk_frames": 4, "chunk_frames": 8,
                                                       "left_context_frames": 2}}}}
 
 
@@ -60,11 +60,12 @@ def test_closing_a_stream_early_aborts_it_everywhere(async_omni):
 
     first, stats = asyncio.run(main())
     assert not first.finished
-    assert stats["requests"] == 0 and stats["connector_pending"] == 0
+    assert stats["requests"] == 0
     for stage in ("thinker", "talker"):
         assert stats[stage]["kv_free_blocks"] == stats[stage]["kv_blocks"]
-        assert stats[stage]["buffer_entries"] == 0
+        assert stats[stage]["records"] == 0 and stats[stage]["bridge_entries"] == 0
     assert stats["code2wav"]["waiting"] == 0 and stats["code2wav"]["pending_chunks"] == 0
+    assert stats["code2wav"]["records"] == 0 and stats["code2wav"]["bridge_entries"] == 0
     assert async_omni.num_unfinished == 0
 
 

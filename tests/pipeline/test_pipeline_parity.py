@@ -12,9 +12,9 @@ import functools
 import pytest
 import torch
 
-from omnistage.config import load_pipeline_config
-from omnistage.config.input_processors import TALKER2CODE2WAV_REFERENCE_ARGS
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.qwen3_omni.bridges import TALKER2CODE2WAV_REFERENCE_ARGS
+from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import EngineArgs, OmniEngine
 
 PROMPTS = [
@@ -32,7 +32,7 @@ TALKER_TOKENS = 24
 
 
 def make_engine(ckpt, processor_args=None, **stage_overrides):
-    overrides = {"stages": {"code2wav": {"processor_args": dict(processor_args or TALKER2CODE2WAV_REFERENCE_ARGS)}}}
+    overrides = {"stages": {"code2wav": {"bridge_args": dict(processor_args or TALKER2CODE2WAV_REFERENCE_ARGS)}}}
     for stage, values in stage_overrides.items():
         overrides["stages"].setdefault(stage, {}).update(values)
     return OmniEngine(EngineArgs(str(ckpt)), load_pipeline_config("qwen3_omni", overrides))
@@ -79,11 +79,10 @@ def assert_all_free(engine):
     for stage in ("thinker", "talker"):
         s = stats[stage]
         assert s["kv_free_blocks"] == s["kv_blocks"], (stage, s)
-        assert s["buffer_entries"] == 0 and s["batch_size"] == 0, (stage, s)
+        assert s["records"] == 0 and s["batch_size"] == 0 and s["bridge_entries"] == 0, (stage, s)
         assert s["running"] == 0 and s["waiting"] == 0, (stage, s)
-    assert stats["code2wav"]["pending_chunks"] == 0 and stats["code2wav"]["waiting"] == 0
-    assert stats["connector_pending"] == 0
-    assert stats["thinker2talker_pending"] == 0 and stats["talker2code2wav_pending"] == 0
+    c2w = stats["code2wav"]
+    assert c2w["pending_chunks"] == 0 and c2w["waiting"] == 0 and c2w["records"] == 0 and c2w["bridge_entries"] == 0
     assert stats["requests"] == 0
 
 
@@ -174,13 +173,17 @@ def test_batch_invariance_alone_vs_mixed_with_abort(engine, concurrent):
 
 def test_text_only_request_never_reaches_the_talker(engine):
     seen = []
-    engine.orchestrator.on_step = lambda ev: seen.append((ev.stage, set(ev.client_outputs) | set(ev.finished)))
+
+    def listener(ev):
+        seen.append((ev.stage, set(ev.client_outputs) | set(ev.finished)))
+
+    engine.orchestrator.listeners.append(listener)
     try:
         rid = engine.add_request("Hi", ["text"], SamplingParams(temperature=0.0, max_tokens=4))
         while engine.has_work():
             engine.step()
     finally:
-        engine.orchestrator.on_step = None
+        engine.orchestrator.listeners.remove(listener)
     assert any(stage == "thinker" and rid in ids for stage, ids in seen)
     assert not any(stage != "thinker" and rid in ids for stage, ids in seen)
     assert_all_free(engine)
@@ -212,11 +215,11 @@ def test_streaming_audio_arrives_before_thinker_finishes_and_matches_chunked_dec
                 first_audio_at = first_audio_at or step
             if d.codes is not None:
                 codes.append(d.codes)
-        if text_done_at is None and eng.orchestrator.thinker.scheduler.get_request(rid) is None:
+        if text_done_at is None and rid not in eng.orchestrator.stages["thinker"].runner.records:
             text_done_at = step
     assert first_audio_at is not None and text_done_at is not None
     assert first_audio_at < text_done_at, "audio must stream while the Thinker is still writing"
-    code2wav = eng.orchestrator.code2wav.runner.model.code2wav
+    code2wav = eng.orchestrator.stages["code2wav"].runner.model.code2wav
     all_codes = torch.cat(codes, 1)
     with torch.no_grad():
         expect = code2wav.chunked_decode(all_codes, chunk_size=4, left_context_size=2)
@@ -226,23 +229,23 @@ def test_streaming_audio_arrives_before_thinker_finishes_and_matches_chunked_dec
     assert_all_free(eng)
 
 
-def test_v2_runner_gives_identical_tokens_codes_and_audio(tiny_ckpt, concurrent):
-    from omnistage.runner.graph_runner import GraphARModelRunner
+def test_cuda_graph_runner_gives_identical_tokens_codes_and_audio(tiny_ckpt, concurrent):
+    from omnistage.runner.graph_runner import CUDAGraphARRunner
 
     eng = OmniEngine(
         EngineArgs(str(tiny_ckpt)),
         load_pipeline_config(
             "qwen3_omni",
-            {"runner": "v2", "stages": {"code2wav": {"processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}},
+            {"runner": "cuda_graph", "stages": {"code2wav": {"bridge_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}},
         ),
     )
-    assert isinstance(eng.orchestrator.talker.runner, GraphARModelRunner)
+    assert isinstance(eng.orchestrator.stages["talker"].runner, CUDAGraphARRunner)
     v2 = run(eng, {0: [1], 2: [0], 5: [2]})
     for i in range(len(PROMPTS)):
         assert v2[i]["tokens"] == concurrent[i]["tokens"]
         assert torch.equal(v2[i]["codes"], concurrent[i]["codes"])
         assert (v2[i]["audio"] - concurrent[i]["audio"]).abs().max().item() <= 1e-5
-    assert eng.orchestrator.talker.runner.stats.replays > 0
+    assert eng.orchestrator.stages["talker"].runner.stats.replays > 0
     assert_all_free(eng)
 
 
@@ -250,7 +253,7 @@ def test_talker_preemption_recomputes_to_identical_codes_and_audio(tiny_ckpt, co
     small_pool = {"scheduler": {"block_size": 4, "num_blocks": 20, "max_model_len": 64}, "sampling": {"max_tokens": 32}}
     eng = make_engine(tiny_ckpt, talker=small_pool)
     preempted = []
-    sched = eng.orchestrator.talker.scheduler
+    sched = eng.orchestrator.stages["talker"].scheduler
     original = sched._preempt
 
     def spy(request):
@@ -284,8 +287,8 @@ def test_offline_text_api_matches_transformers_greedy_generate(tiny_ckpt):
         assert out.prompt_token_ids == ids[0].tolist()
         with torch.no_grad():
             ref = hf.thinker.generate(ids, max_new_tokens=8, do_sample=False,
-                                      eos_token_id=list(omni.engine.eos_token_ids))[0, ids.shape[1]:].tolist()
-        stop = ref[-1] in omni.engine.eos_token_ids
+                                      eos_token_id=list(omni.engine.family.eos_token_ids))[0, ids.shape[1]:].tolist()
+        stop = ref[-1] in omni.engine.family.eos_token_ids
         # Our token_ids exclude the stop token; the reference includes it.
         assert out.token_ids == (ref[:-1] if stop else ref)
         assert out.finish_reason == ("stop" if stop else "length")
@@ -317,11 +320,11 @@ def test_talker_waits_for_text_when_the_thinker_is_slower(tiny_ckpt, concurrent)
     """Throttle the Thinker to every third engine step: the Talker must pause (keeping its KV) instead of
     running ahead of its text, and still produce exactly the same codes and audio."""
     eng = make_engine(tiny_ckpt)
-    thinker = eng.orchestrator.thinker
+    thinker = eng.orchestrator.stages["thinker"]
     real_has_work, ticks = thinker.has_work, iter(range(10**6))
     thinker.has_work = lambda: next(ticks) % 3 == 0 and real_has_work()
     pauses = []
-    sched = eng.orchestrator.talker.scheduler
+    sched = eng.orchestrator.stages["talker"].scheduler
     real_pause = sched.pause_for_input
 
     def spy(req_id):
@@ -361,15 +364,15 @@ def test_stop_token_ends_the_answer_and_is_not_returned(engine):
 def test_bfloat16_pipeline_runs_end_to_end(tiny_ckpt):
     eng = OmniEngine(EngineArgs(str(tiny_ckpt), dtype="bfloat16"),
                      load_pipeline_config("qwen3_omni", {"stages": {"code2wav": {
-                         "processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}}))
-    thinker = eng.orchestrator.thinker.runner
+                         "bridge_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}}))
+    thinker = eng.orchestrator.stages["thinker"].runner
     assert next(thinker.model.thinker.parameters()).dtype == torch.bfloat16
     assert thinker.kv_caches[0].dtype == torch.bfloat16
     got = run(eng, {0: [1]})[1]
     assert len(got["tokens"]) == THINKER_TOKENS[1] and got["finish"] == "length"
     frames = got["codes"].shape[1]
     assert frames > 0
-    code2wav = eng.orchestrator.code2wav.runner.model.code2wav
+    code2wav = eng.orchestrator.stages["code2wav"].runner.model.code2wav
     assert got["audio"].dtype == torch.float32 and torch.isfinite(got["audio"]).all()
     assert got["audio"].numel() == code2wav.samples_for_frames(frames)  # one chunk: the length rule
     assert_all_free(eng)

@@ -12,12 +12,13 @@ from test_ar_runner import PROMPTS, IdentityModel, reference_tokens, run
 
 from omnistage.core.request import Request
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.core.scheduler import ARScheduler, SchedulerConfig
-from omnistage.runner.ar_runner import ARModelRunner
+from omnistage.core.scheduler import ARScheduler
+from omnistage.core.scheduler_config import SchedulerConfig
+from omnistage.runner.ar_runner import ARRunner
 from omnistage.runner.aux_tree import AuxOutputError
 from omnistage.runner.cuda_graph import CudaStepGraph, EagerStepGraph, flatten_output, rebuild_output
 from omnistage.runner.graph_runner import (
-    GraphARModelRunner,
+    CUDAGraphARRunner,
     GraphRunnerConfig,
     OwnershipError,
     decode_attention_metadata,
@@ -48,7 +49,7 @@ class PaddingSpy(DeclaredModel):
 def make_graph(model, num_blocks=64, max_model_len=64, budget=8, config=None, device="cpu"):
     sched = ARScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len,
                                         block_size=4, num_blocks=num_blocks))
-    runner = GraphARModelRunner(model, num_blocks=num_blocks, block_size=4, device=device,
+    runner = CUDAGraphARRunner(model, num_blocks=num_blocks, block_size=4, device=device,
                                 graph_config=config or GraphRunnerConfig(decode_buckets=BUCKETS))
     return sched, runner
 
@@ -56,7 +57,7 @@ def make_graph(model, num_blocks=64, max_model_len=64, budget=8, config=None, de
 def make_v1(num_blocks=64, max_model_len=64, budget=8):
     sched = ARScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len,
                                         block_size=4, num_blocks=num_blocks))
-    return sched, ARModelRunner(IdentityModel(), num_blocks=num_blocks, block_size=4)
+    return sched, ARRunner(IdentityModel(), num_blocks=num_blocks, block_size=4)
 
 
 # Staggered arrivals with different lengths: decode batches of 1..4 rows (3 pads to 4), joins during decode,
@@ -90,7 +91,7 @@ def test_static_path_matches_v1_with_joins_leaves_reorders_and_padding(model_cls
         assert (4, 3) in runner.model.sizes  # a padded decode step ran
     else:
         assert runner.captured_buckets == []
-    assert len(runner.buffer) == 0 and len(runner.requests) == 0
+    assert len(runner.records) == 0 and len(runner.batch) == 0
     assert sched.kv_stats().num_free_blocks == sched.kv_stats().num_blocks
 
 
@@ -128,16 +129,16 @@ def test_hooks_after_replay_receive_the_live_step_context():
     sched, runner = make_graph(model)
     live = {}
     for args in ARRIVALS[0] + ARRIVALS[3]:
-        runner.buffer.merge(args[0], {"salt": args[2]})
         live[args[0]] = Request(args[0], args[1], SamplingParams(temperature=0, max_tokens=args[3]))
         sched.add_request(live[args[0]])
+        runner.add_request(live[args[0]], {"salt": args[2]})
     contexts = []
     while sched.has_unfinished():
         so = sched.schedule()
         model.calls.clear()
         runner.execute_model(so)
         live_order = runner.batch.scheduled_order(so.num_scheduled_tokens)
-        gathered = runner.buffer.gather(runner.model.calls[0][1].req_ids)
+        gathered = [runner.state(r) for r in runner.model.calls[0][1].req_ids]
         res = runner.sample_tokens()
         (_, c0, _, _), (_, c1, s1, o1), (_, c2, s2, o2) = model.calls
         assert c0 is c1 is c2 and s1 is s2 and o1 is o2
@@ -146,10 +147,10 @@ def test_hooks_after_replay_receive_the_live_step_context():
             assert c0.requests[i] is live[r]
             assert dict(s1[i]) == dict(gathered[i])
         # Values are this step's rows in this step's order, real rows only.
-        assert o1.text_hidden_states.shape[0] == c0.num_tokens_unpadded
+        assert o1.hidden_states.shape[0] == c0.num_tokens_unpadded
         for r in c0.req_ids:
             s, e = c0.spans[r]
-            assert torch.all(o1.text_hidden_states[s:e, 0] == runner.buffer.get(r)["salt"])
+            assert torch.all(o1.hidden_states[s:e, 0] == runner.state(r)["salt"])
         contexts.append(c0)
         for u in sched.update_from_output(so, res.sampled):
             if u.finished:
@@ -163,7 +164,7 @@ class ViewKeeper(DeclaredModel):
 
     def postprocess(self, ctx, output, sampled):
         updates = super().postprocess(ctx, output, sampled)
-        hidden = output.text_hidden_states
+        hidden = output.hidden_states
         return [
             {**(u or {}), "last_row": hidden[ctx.spans[r][1] - 1]} for u, r in zip(updates, ctx.req_ids)
         ]
@@ -178,15 +179,16 @@ class ViewKeeper(DeclaredModel):
 def _decode_two(model):
     sched, runner = make_graph(model)
     for req_id, salt in (("x", 1), ("y", 2)):
-        runner.buffer.merge(req_id, {"salt": salt})
-        sched.add_request(Request(req_id, [3, 4], SamplingParams(temperature=0, max_tokens=6)))
+        req = Request(req_id, [3, 4], SamplingParams(temperature=0, max_tokens=6))
+        sched.add_request(req)
+        runner.add_request(req, {"salt": salt})
     results = []
     for _ in range(4):
         so = sched.schedule()
         runner.execute_model(so)
         res = runner.sample_tokens()
         sched.update_from_output(so, res.sampled)
-        results.append((so, res, {r: dict(runner.buffer.get(r)) for r in ("x", "y")}))
+        results.append((so, res, {r: dict(runner.state(r)) for r in ("x", "y")}))
     return runner, results
 
 
@@ -202,7 +204,7 @@ def test_outputs_read_after_the_next_step_keep_their_values():
             assert states[r]["last_row"][2].item() == position
             assert all(rows.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr() for leaf in leaves)
     # Stored last_row entries were copied out of the graph output too.
-    assert runner.buffer.get("x")["last_row"][2].item() == 4
+    assert runner.state("x")["last_row"][2].item() == 4
 
 
 def test_owned_outputs_are_handed_over_without_copy_and_a_false_claim_is_caught():
@@ -212,7 +214,7 @@ def test_owned_outputs_are_handed_over_without_copy_and_a_false_claim_is_caught(
 
     class Liar(DeclaredModel):
         def stage_outputs(self, ctx, output):
-            return {r: {"rows": OwnedBatchTensor(output.text_hidden_states[s:e])} for r, (s, e) in ctx.spans.items()}
+            return {r: {"rows": OwnedBatchTensor(output.hidden_states[s:e])} for r, (s, e) in ctx.spans.items()}
 
     with pytest.raises(OwnershipError):
         _decode_two(Liar())
@@ -267,7 +269,7 @@ def test_declared_model_with_empty_aux_raises():
     class Empty(DeclaredModel):
         def forward(self, kv_caches, attn_meta, input_ids, positions, salts):
             out = super().forward(kv_caches, attn_meta, input_ids, positions, salts)
-            return OmniOutput(out.text_hidden_states)
+            return OmniOutput(out.hidden_states)
 
         def stage_outputs(self, ctx, output):
             return {}
@@ -299,14 +301,14 @@ def test_unpadded_multimodal_fields_coexist_with_padded_hidden():
 
         def forward(self, kv_caches, attn_meta, input_ids, positions, salts, tags):
             out = super().forward(kv_caches, attn_meta, input_ids, positions, salts)
-            assert out.text_hidden_states.shape[0] >= tags.shape[0]
+            assert out.hidden_states.shape[0] >= tags.shape[0]
             out.multimodal_outputs["tags"] = tags
             return out
 
         def stage_outputs(self, ctx, output):
             out = super().stage_outputs(ctx, output)
             tags = output.multimodal_outputs["tags"]
-            assert tags.shape[0] == ctx.num_tokens_unpadded == output.text_hidden_states.shape[0]
+            assert tags.shape[0] == ctx.num_tokens_unpadded == output.hidden_states.shape[0]
             for r, (s, e) in ctx.spans.items():
                 assert torch.all(tags[s:e] == out[r]["rows"][:, 0])
             return out
@@ -362,14 +364,14 @@ def _check_replay_values(graph, device):
     box = {}
     leaves = graph.capture(_aux_fn(x, box))
     first = rebuild_output(leaves, box["spec"])
-    assert first.text_hidden_states[0, 0] == 2 and first.multimodal_outputs["codes"]["a"][0, 0] == 2
+    assert first.hidden_states[0, 0] == 2 and first.multimodal_outputs["codes"]["a"][0, 0] == 2
     assert first.intermediate["more"][0][0, 0] == 3
     x.fill_(7)
     assert leaves[0][0, 0].item() == 2  # a static output holds the last run's values until the next replay
     same = graph.replay()
     assert all(a is b for a, b in zip(same, leaves))
     out = rebuild_output(same, box["spec"])
-    assert torch.all(out.text_hidden_states == 14)
+    assert torch.all(out.hidden_states == 14)
     assert torch.all(out.multimodal_outputs["codes"]["a"] == 8)
     assert torch.all(out.intermediate["more"][0] == 9)
 
@@ -441,7 +443,9 @@ def _drive_thinker(runner, vocab):
     while sched.has_unfinished() or arrivals:
         for r in arrivals.pop(step, ""):
             params = SamplingParams(temperature=0, max_tokens=8 if r != "b" else 4, ignore_eos=True)
-            sched.add_request(Request(r, prompts[r], params))
+            req = Request(r, prompts[r], params)
+            sched.add_request(req)
+            runner.add_request(req)
         step += 1
         so = sched.schedule()
         if so.is_empty:
@@ -463,8 +467,8 @@ def test_thinker_v1_and_v2_give_identical_greedy_tokens(tiny_thinker):
 
     torch.manual_seed(0)
     vocab = tiny_thinker.vocab_size
-    v1 = ARModelRunner(ThinkerStageModel(tiny_thinker), num_blocks=64, block_size=4)
-    v2 = GraphARModelRunner(DeclaredThinker(tiny_thinker), num_blocks=64, block_size=4,
+    v1 = ARRunner(ThinkerStageModel(tiny_thinker), num_blocks=64, block_size=4)
+    v2 = CUDAGraphARRunner(DeclaredThinker(tiny_thinker), num_blocks=64, block_size=4,
                             graph_config=GraphRunnerConfig(decode_buckets=BUCKETS, max_model_len=64))
     expected = _drive_thinker(v1, vocab)
     got = _drive_thinker(v2, vocab)

@@ -4,7 +4,8 @@ import torch
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from omnistage.entrypoints.cli import main
-from omnistage.models.loader import load_config, load_weights
+from omnistage.models.loader import load_weights
+from omnistage.models.qwen3_omni.config import load_config
 
 
 def test_make_checkpoint_writes_a_loadable_dir(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """Qwen3-Omni's three parts as stage models: what the runners call around each forward.
 
-- ``ThinkerStageModel``: token ids in; hidden states for sampling out; sends the Talker only the rows it
-  uses (embeddings of user-turn rows, of the assistant header and of fed-back answer tokens).
+- ``ThinkerStageModel``: token ids (and a request's media) in; hidden states for sampling out; runs the audio
+  and vision encoders for the media rows a prefill chunk reaches and gives every row its 3-D position; sends
+  the Talker only the rows it uses (embeddings of user-turn rows, of the assistant header and of fed-back
+  answer tokens).
 - ``TalkerStageModel``: builds each row's input from the request's intermediate state (prefill rows,
   decode rows = code-predictor frame embedding + text row), runs the code predictor batched over every
   request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
@@ -16,8 +18,11 @@ from typing import Any
 import torch
 
 from omnistage.attention.backend import AttentionMetadata
+from omnistage.core.request import Request
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders, item_span
+from omnistage.models.qwen3_omni.processor import MediaItem, thinker_media
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import (
     TalkerTokenIds,
@@ -26,7 +31,6 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     talker_decode_input,
     talker_text_row,
     text_row_ready,
-    user_rows_mask,
 )
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.runner.outputs import OmniOutput, StepContext
@@ -36,22 +40,100 @@ _NO_UPDATES = None
 
 
 class ThinkerStageModel:
+    """The Thinker as a stage model.
+
+    Media (the request state's ``media``, see ``processor.thinker_media``): in each step, the prompt rows
+    [lo, hi) a request's chunk covers pick their encoder rows (items encoded on first need, batched across the
+    step's requests, cached by content key in ``encoders``: see ``encoder_cache``) and their 3-D positions
+    from the request's precomputed table; a chunk may cut through any span. Rows past the prompt (decode) sit
+    at ``index + rope_delta``. ``free(req_id)`` (called by the stage on finish/abort/failure) lets go of a
+    request's encoder outputs; they are let go by themselves once its prompt is fully prefilled.
+    """
+
     # Row-aligned aux outputs only (embeds): safe to rebuild after a graph replay.
     supports_full_graph_aux_outputs = True
 
-    def __init__(self, thinker: Thinker) -> None:
+    def __init__(self, thinker: Thinker, encoders: MediaEncoders | None = None) -> None:
         self.thinker = thinker
+        self.encoders = encoders if encoders is not None else MediaEncoders(None, None)
         cfg = thinker.cfg
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self.hidden_size = cfg.hidden_size
 
-    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
-        return {"input_ids": input_ids, "positions": positions}, [_NO_UPDATES] * len(ctx.req_ids)
+    def free(self, req_id: str) -> None:
+        self.encoders.release(req_id)
 
-    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
+    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Positions become float (decode rows of media requests sit at fractional ids after a video):
+        ``[N]`` when every row is text-like, ``[N, 3]`` when a chunk covers prompt rows of an image/video
+        request; media rows and deepstack rows are added for prefill chunks that reach them."""
+        n = ctx.num_tokens_unpadded
+        pos = positions.float()
+        media = [thinker_media(state) for state in ctx.states]
+        if not any(m is not None for m in media):
+            return {"input_ids": input_ids, "positions": pos}, [_NO_UPDATES] * len(ctx.req_ids)
+        # Host-side bookkeeping, one tensor op per request; device copies happen once at the end.
+        spans = [ctx.spans[r] for r in ctx.req_ids]
+        deltas = torch.tensor([0.0 if m is None else m.rope_delta for m in media], dtype=torch.float32)
+        lens = torch.tensor([e - s for s, e in spans])
+        row_delta = torch.zeros(pos.shape[0], dtype=torch.float32)
+        row_delta[:n] = torch.repeat_interleave(deltas, lens)
+        needs: list[tuple[str, MediaItem]] = []
+        picks: list[tuple[MediaItem, int, int, torch.Tensor]] = []  # item, [o1, o2), step rows
+        table_rows: list[tuple[int, int, int, int]] = []  # batch index, step row, prompt [a, b)
+        done: list[str] = []
+        for i, (req_id, lo, m) in enumerate(zip(ctx.req_ids, ctx.num_computed, media)):
+            if m is None:
+                continue
+            s, e = spans[i]
+            num_prompt = m.positions.shape[0]
+            a, b = lo, min(lo + (e - s), num_prompt)
+            if a >= b:
+                continue
+            if not m.flat:
+                table_rows.append((i, s, a, b))
+            row_delta[s : s + b - a] = 0.0  # prompt rows take their ids from the table (or are plain)
+            for item in m.items:
+                o1, o2 = item_span(item, a, b)
+                if o1 < o2:
+                    needs.append((req_id, item))
+                    picks.append((item, o1, o2, item.rows[o1:o2] - a + s))
+            if b == num_prompt:
+                done.append(req_id)
+        if table_rows:
+            # Built on the host from the spans (no device read): index + delta, then the tables' rows.
+            base = torch.zeros(pos.shape[0], dtype=torch.float32)
+            for lo, (s, e) in zip(ctx.num_computed, spans):
+                base[s:e] = torch.arange(lo, lo + e - s)
+            pos3 = (base + row_delta)[:, None].expand(-1, 3).contiguous()
+            for i, s, a, b in table_rows:
+                pos3[s : s + b - a] = media[i].positions[a:b]
+            kwargs = {"input_ids": input_ids, "positions": pos3.to(positions.device)}
+        else:
+            kwargs = {"input_ids": input_ids, "positions": pos + row_delta.to(positions.device)}
+        if picks:
+            self.encoders.acquire(needs)
+            kwargs.update(self._media_rows(picks, positions.device))
+        for req_id in done:
+            self.encoders.release(req_id)
+        return kwargs, [_NO_UPDATES] * len(ctx.req_ids)
+
+    def _media_rows(self, picks: list[tuple[MediaItem, int, int, torch.Tensor]], device: torch.device) -> dict:
+        entries = [self.encoders.entries[item.key] for item, _, _, _ in picks]
+        out = {
+            "mm_rows": torch.cat([rows for _, _, _, rows in picks]).to(device),
+            "mm_embeds": torch.cat([en.embeds[o1:o2] for en, (_, o1, o2, _) in zip(entries, picks)]),
+        }
+        visual = [(en, p) for en, p in zip(entries, picks) if p[0].is_visual and en.deepstack is not None]
+        if visual:
+            out["deepstack_rows"] = torch.cat([p[3] for _, p in visual]).to(device)
+            out["deepstack"] = torch.cat([en.deepstack[:, p[1] : p[2]] for en, p in visual], dim=1)
+        return out
+
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions, **media) -> OmniOutput:
         with torch.inference_mode():
-            out = self.thinker(input_ids, positions, kv_caches, attn_meta)
-        return OmniOutput(text_hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
+            out = self.thinker(input_ids, positions, kv_caches, attn_meta, **media)
+        return OmniOutput(hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -68,18 +150,18 @@ class ThinkerStageModel:
         per-request device syncs or copies in the step.
         """
         picks, owners = [], []
-        for req in ctx.requests:
-            needed = req.extra.get("talker_rows")
+        for req_id, start, state in zip(ctx.req_ids, ctx.num_computed, ctx.states):
+            needed = state.get("talker_rows")
             if needed is None:
                 continue
-            s, e = ctx.spans[req.req_id]
-            pos = torch.arange(req.num_computed_tokens, req.num_computed_tokens + (e - s))
+            s, e = ctx.spans[req_id]
+            pos = torch.arange(start, start + (e - s))
             keep = pos >= needed.shape[0]
             keep[~keep] = needed[pos[~keep]]
             rows = torch.nonzero(keep).flatten()
             if rows.numel():
                 picks.append(rows + s)
-                owners.append((req.req_id, pos[rows]))
+                owners.append((req_id, pos[rows]))
         if not picks:
             return {}
         embeds = output.multimodal_outputs["embeds"]
@@ -101,6 +183,8 @@ class TalkerStageModel:
     supports_full_graph_aux_outputs = True
     # transformers penalises only generated codec ids (its talker prompt is embeddings, not ids).
     penalty_includes_prompt = False
+    # The sampled ids are layer-0 codes, not text: clients get whole frames ("codes") instead.
+    emits_token_ids = False
 
     def __init__(self, talker: Talker, ids: TalkerTokenIds, specials: TextSpecials) -> None:
         self.talker = talker
@@ -112,19 +196,7 @@ class TalkerStageModel:
         self.codec_eos_id = talker.codec_eos_id
         self.num_code_groups = talker.num_code_groups
 
-    # ---- input construction (called by the thinker2talker processor) ------------------------------
-    def prompt_rows_needed(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        """[P] bool: prompt rows the Talker reads (user turns + the final assistant header)."""
-        ids = torch.tensor(list(prompt_ids), dtype=torch.long)
-        if ids.numel() < 3 or ids[-3] != self.ids.im_start or ids[-2] != self.ids.assistant:
-            raise ValueError(
-                "speech output needs a chat prompt that ends with the assistant header "
-                "'<|im_start|>assistant\\n' (render it with add_generation_prompt=True)"
-            )
-        needed = user_rows_mask(ids, self.ids)
-        needed[-3:] = True
-        return needed
-
+    # ---- input construction (called by the Thinker -> Talker bridge) --------------------------------
     def build_prefill(
         self, prompt_ids: Sequence[int], rows: Mapping[int, torch.Tensor], first_answer: torch.Tensor,
         speaker_id: int,
@@ -150,7 +222,9 @@ class TalkerStageModel:
         rows = state.get("text_rows")
         return self.specials.pad.new_zeros(0, self.hidden_size) if rows is None else rows
 
-    def text_ready(self, state: Mapping[str, Any], step: int) -> bool:
+    def input_ready(self, state: Mapping[str, Any], request: Request) -> bool:
+        """Whether the next decode step's text row exists (else the stage pauses the request)."""
+        step = request.num_output_tokens - 1
         return text_row_ready(step, self._text_rows(state).shape[0], bool(state.get("text_done", False)))
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -163,9 +237,7 @@ class TalkerStageModel:
         for i, req_id in enumerate(ctx.req_ids):
             st = ctx.states[i]
             s, e = ctx.spans[req_id]
-            # The scheduler advances num_computed_tokens after the step: it is this span's first position
-            # (read on the host, no device sync).
-            lo = ctx.requests[i].num_computed_tokens
+            lo = ctx.num_computed[i]  # this span's first position (host value, no device sync)
             hi = lo + (e - s)
             prefill = st.get("prefill_embeds")
             if prefill is None:
@@ -214,7 +286,7 @@ class TalkerStageModel:
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
         with torch.inference_mode():
             hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta)
-        return OmniOutput(text_hidden_states=hidden, multimodal_outputs={"codes.audio": frames})
+        return OmniOutput(hidden_states=hidden, multimodal_outputs={"codes.audio": frames})
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -222,14 +294,14 @@ class TalkerStageModel:
 
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
         """Keep the hidden state the next decode's code predictor starts from."""
-        hidden = output.text_hidden_states
+        hidden = output.hidden_states
         return [
             {"last_hidden": hidden[ctx.spans[r][1] - 1].clone()} if r in sampled else None for r in ctx.req_ids
         ]
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        # One host copy of the step's frames (clients and the chunker read them on the host anyway),
-        # then per-request slices by the real spans.
+    def _frames(self, ctx: StepContext, output: OmniOutput) -> dict[str, torch.Tensor]:
+        """Complete frames of this step per request, [k, Q] host tensors (owned copies)."""
+        # One host copy of the step's frames, then per-request slices by the real spans.
         frames = output.multimodal_outputs["codes.audio"][: ctx.num_tokens_unpadded].cpu()
         out = {}
         for req_id in ctx.req_ids:
@@ -237,8 +309,14 @@ class TalkerStageModel:
             mine = frames[s:e]
             mine = mine[mine[:, 0] >= 0]  # boolean indexing copies: owned, not a view of the step
             if mine.shape[0]:
-                out[req_id] = {"frames": mine}
+                out[req_id] = mine
         return out
+
+    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+        return {r: {"frames": f} for r, f in self._frames(ctx, output).items()}
+
+    def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:
+        return {r: {"codes": f.T.contiguous()} for r, f in self._frames(ctx, output).items()}
 
 
 def _code_predictor_row(row: SamplingRow) -> SamplingRow:
@@ -252,11 +330,13 @@ def _code_predictor_row(row: SamplingRow) -> SamplingRow:
 
 
 class Code2WavStageModel:
+    """Code2Wav as a generation stage model: one batched decode over chunks of different lengths (each
+    chunk carries its own left context, so the stage keeps no per-request state)."""
+
     def __init__(self, code2wav: Code2Wav) -> None:
         self.code2wav = code2wav
-        self.sample_rate = int(code2wav.sample_rate)
 
-    def forward_batch(self, payloads: list[Any]) -> OmniOutput:
+    def forward_batch(self, payloads: list[Any], states: list[Mapping[str, Any]]):
         width = max(p.codes.shape[1] for p in payloads)
         q = payloads[0].codes.shape[0]
         device = self.code2wav.code_embedding.weight.device
@@ -266,4 +346,4 @@ class Code2WavStageModel:
         lengths = torch.tensor([p.codes.shape[1] for p in payloads], device=device)
         context = torch.tensor([p.left_context for p in payloads], device=device)
         wave, wave_lengths = self.code2wav.decode_with_context(codes, lengths, context)
-        return OmniOutput(text_hidden_states=None, multimodal_outputs={"audio": wave, "audio_lengths": wave_lengths})
+        return {"audio": wave, "audio_lengths": wave_lengths}, [None] * len(payloads)

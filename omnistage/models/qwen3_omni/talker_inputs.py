@@ -92,6 +92,19 @@ def user_rows_mask(prompt_ids: torch.Tensor, ids: TalkerTokenIds) -> torch.Tenso
     return roles == ids.user
 
 
+def talker_prompt_rows(prompt_ids: list[int], ids: TalkerTokenIds) -> torch.Tensor:
+    """[P] bool: prompt rows the Talker reads (user turns + the final assistant header)."""
+    t = torch.tensor(list(prompt_ids), dtype=torch.long)
+    if t.numel() < 3 or t[-3] != ids.im_start or t[-2] != ids.assistant:
+        raise ValueError(
+            "speech output needs a chat prompt that ends with the assistant header "
+            "'<|im_start|>assistant\\n' (render it with add_generation_prompt=True)"
+        )
+    needed = user_rows_mask(t, ids)
+    needed[-3:] = True
+    return needed
+
+
 def assistant_start(prompt_ids: torch.Tensor, ids: TalkerTokenIds) -> int:
     """Index of the last ``<|im_start|> assistant`` pair; the prompt must end with that header + one token."""
     pairs = (prompt_ids[:-1] == ids.im_start) & (prompt_ids[1:] == ids.assistant)

@@ -1,8 +1,14 @@
 """Qwen3-Omni Thinker text model over flattened token rows and a paged KV cache.
 
 Parameter names follow the hub checkpoint with the ``thinker.`` prefix stripped: ``model.embed_tokens``,
-``model.layers.N.*``, ``model.norm``, ``lm_head``. The audio and vision encoders are separate stages/modules.
-Positions are 1-D: for text-only input Qwen3-Omni's MRoPE gives every axis the same id, which is plain RoPE.
+``model.layers.N.*``, ``model.norm``, ``lm_head``. The audio and vision encoders are separate modules
+(``audio_encoder.py``, ``vision_encoder.py``); their outputs arrive here as rows to scatter.
+
+Positions: ``[N]`` when every row has equal ids on the three MRoPE axes (text, decode: plain RoPE, possibly at
+fractional ids after a video), ``[N, 3]`` (T, H, W) otherwise. Media rows: ``mm_rows`` [M] take ``mm_embeds``
+[M, H] instead of their token embedding; visual rows ``deepstack_rows`` [V] get ``deepstack[k]`` added after
+decoder layer k. The captured accept-layer rows are taken before deepstack is added, as transformers records
+its hidden states.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
-from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
+from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder, paged_attend
+from omnistage.models.qwen3_omni.mrope import mrope_axis_of_frequency, mrope_cos_sin
 
 
 @dataclass
@@ -46,6 +53,9 @@ class Thinker(nn.Module):
                 f"accept_hidden_layer={self.accept_hidden_layer} outside [0, {self.cfg.num_layers}] for the Thinker"
             )
         self.model = ThinkerTextModel(self.cfg, self.vocab_size)
+        rope = getattr(text_cfg, "rope_parameters", None) or {}
+        sections = rope.get("mrope_section") or _default_sections(self.cfg.head_dim)
+        self.mrope_axis = nn.Buffer(mrope_axis_of_frequency(self.cfg.head_dim, sections), persistent=False)
         self.lm_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
         if getattr(config.thinker_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -60,15 +70,46 @@ class Thinker(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        mm_rows: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+        deepstack_rows: torch.Tensor | None = None,
+        deepstack: torch.Tensor | None = None,
     ) -> ThinkerOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        hidden, accept = self.model.run_layers(
-            embeds, positions, kv_caches, attn_meta, capture_layer=self.accept_hidden_layer
-        )
-        assert accept is not None
-        return ThinkerOutput(hidden=hidden, embeds=embeds, accept_hidden=accept)
+        if mm_rows is not None and mm_rows.numel():
+            embeds = embeds.index_copy(0, mm_rows, mm_embeds.to(embeds.dtype))
+        layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} layers")
+        if positions.shape[0] != embeds.shape[0]:
+            raise ValueError(f"positions has {positions.shape[0]} rows, embeddings have {embeds.shape[0]}")
+        if positions.dim() == 2:
+            cos, sin = mrope_cos_sin(positions, self.model.rotary.inv_freq, self.mrope_axis, embeds.dtype)
+        else:
+            cos, sin = self.model.rotary(positions, embeds.dtype)
+        num_deepstack = 0 if deepstack_rows is None or not deepstack_rows.numel() else deepstack.shape[0]
+        h = embeds
+        accept = h if self.accept_hidden_layer == 0 else None
+        for i, layer in enumerate(layers):
+            h = layer(h, cos, sin, paged_attend(kv_caches[i], attn_meta))
+            if i + 1 == self.accept_hidden_layer:
+                accept = h  # the layer's output before deepstack, as transformers records hidden states
+            if i < num_deepstack:
+                # Deepstack feature i joins the visual rows after layer i.
+                h = h.index_add(0, deepstack_rows, deepstack[i].to(h.dtype))
+        h = self.model.norm(h)
+        if self.accept_hidden_layer == len(layers):
+            accept = h  # transformers reports the final-normed output last
+        return ThinkerOutput(hidden=h, embeds=embeds, accept_hidden=accept)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def _default_sections(head_dim: int) -> list[int]:
+    """transformers' default mrope_section [24, 20, 20] when a config gives none (sized for head_dim 128)."""
+    if head_dim != 128:
+        raise ValueError(f"the thinker config has no mrope_section and head_dim {head_dim} != 128")
+    return [24, 20, 20]

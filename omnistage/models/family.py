@@ -1,0 +1,208 @@
+"""The model-family plug-in interface: what a family package (``omnistage/models/<family>/``) provides and
+what the runtime offers it back.
+
+A family declares its model parts (execution type, capabilities, how to build each from a checkpoint), its
+bridges (how one part's outputs become the next part's inputs), its packaged pipeline preset, and the
+request side: tokenizer, prompt rendering, voices, and the per-stage request each user request becomes.
+The runtime (pipeline/) knows no family and no stage name: it walks the configured stage graph and calls
+this interface. Everything that crosses it per request is plain data (ids, tensors, small dataclasses), so a
+stage can live in another process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from omnistage.config import ConfigError, ExecutionType, ModelCapabilities, PipelineConfig, StageConfig
+from omnistage.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """One user request as one stage sees it."""
+
+    req_id: str
+    sampling_params: SamplingParams | None = None  # AR stages
+    prompt_token_ids: tuple[int, ...] | None = None  # None: the stage's input comes from upstream
+    eos_token_ids: tuple[int, ...] = ()
+    # Family-specific plain data: the stage's model gets it as initial per-request state, its bridge too.
+    data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class ARStageInputs(Protocol):
+    """What an AR stage offers the bridge of its incoming edge (all per request)."""
+
+    def append_tokens(self, req_id: str, token_ids: Sequence[int], finished: bool) -> None: ...
+
+    def update_state(self, req_id: str, update: Mapping[str, Any]) -> None: ...
+
+    def state(self, req_id: str) -> Mapping[str, Any]: ...
+
+    def finish(self, req_id: str, reason: str) -> None: ...
+
+
+class GenerationStageInputs(Protocol):
+    """What a generation stage offers the bridge of its incoming edge."""
+
+    def add_payload(self, req_id: str, payload: Any, finished: bool) -> None: ...
+
+    def finish(self, req_id: str, reason: str) -> None: ...
+
+
+class Bridge(Protocol):
+    """Turns an upstream stage's per-request outputs into this stage's inputs. Lives with the downstream
+    stage; its per-request state is created by ``add_request`` and dropped by ``drop`` (finish or abort)."""
+
+    def add_request(self, req_id: str, data: Mapping[str, Any]) -> None: ...
+
+    def on_input(self, req_id: str, payload: Mapping[str, Any], sink: Any) -> None: ...
+
+    def on_end(self, req_id: str, sink: Any) -> None: ...
+
+    def drop(self, req_id: str) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What building one stage's model needs."""
+
+    model_dir: Path
+    dtype: torch.dtype
+    device: str
+    stage: StageConfig
+    fast: bool = False  # faster kernels whose rounding may differ from the reference
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    execution: ExecutionType
+    capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
+
+
+@dataclass(frozen=True)
+class BridgeSpec:
+    # Normalises a stage's bridge_args (fills defaults); raises ValueError naming the bad key.
+    validate_args: Callable[[Mapping[str, Any]], Mapping[str, Any]]
+    num_inputs: int = 1
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A rendered prompt: token ids plus family-specific per-request data (e.g. media features)."""
+
+    token_ids: list[int]
+    data: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def no_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
+    if args:
+        raise ValueError(f"takes no bridge_args, got {sorted(args)}")
+    return MappingProxyType({})
+
+
+class ModelFamily(ABC):
+    """Subclass per family; one instance per checkpoint directory and process.
+
+    Class attributes declare the family; the instance reads the checkpoint's config (cheap) and, on the
+    API side, its tokenizer. ``build_model`` / ``build_bridge`` run where the stage runs.
+    """
+
+    name: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]  # config.json "architectures" this family serves
+    parts: ClassVar[Mapping[str, PartSpec]]
+    bridges: ClassVar[Mapping[str, BridgeSpec]]
+    preset_file: ClassVar[str]  # packaged YAML next to the family's modules
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+
+    # ---- declaration --------------------------------------------------------------------------------
+    @classmethod
+    def preset_text(cls) -> str:
+        return resources.files(cls.__module__.rsplit(".", 1)[0]).joinpath(cls.preset_file).read_text("utf-8")
+
+    @classmethod
+    def validate_pipeline(cls, pipeline: PipelineConfig) -> PipelineConfig:
+        """Check the stage graph against this family (parts, kinds, bridges, bridge args); returns the
+        pipeline with normalised bridge args. Raises ConfigError naming the stage and field."""
+        stages = []
+        for s in pipeline.stages:
+            part = cls.parts.get(s.model_part)
+            if part is None:
+                raise ConfigError(f"family {cls.name!r} has no part {s.model_part!r}; known: {sorted(cls.parts)}",
+                                  stage=s.name, field="model_part")
+            if part.execution is not s.execution:
+                raise ConfigError(f"part {s.model_part!r} runs as {part.execution.value!r}, not "
+                                  f"{s.execution.value!r}", stage=s.name, field="execution")
+            if s.bridge is not None:
+                spec = cls.bridges.get(s.bridge)
+                if spec is None:
+                    raise ConfigError(f"family {cls.name!r} has no bridge {s.bridge!r}; known: {sorted(cls.bridges)}",
+                                      stage=s.name, field="bridge")
+                if len(s.inputs) != spec.num_inputs:
+                    raise ConfigError(f"bridge {s.bridge!r} takes {spec.num_inputs} upstream stage(s), got "
+                                      f"{list(s.inputs)}", stage=s.name, field="inputs")
+                try:
+                    args = spec.validate_args(dict(s.bridge_args))
+                except ValueError as exc:
+                    raise ConfigError(str(exc), stage=s.name, field="bridge_args") from None
+                s = dataclasses.replace(s, bridge_args=args)
+            stages.append(s)
+        return PipelineConfig(family=pipeline.family, stages=tuple(stages), runner=pipeline.runner)
+
+    # ---- stage side ---------------------------------------------------------------------------------
+    @abstractmethod
+    def build_model(self, ctx: BuildContext) -> Any:
+        """The stage model for ``ctx.stage.model_part`` (an ARStageModel or a GenerationStageModel)."""
+
+    @abstractmethod
+    def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Bridge:
+        """The bridge ``name`` feeding ``model`` (the downstream stage's model)."""
+
+    # ---- request side -------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Prompt token ids must lie in [0, vocab_size)."""
+
+    voices: tuple[str, ...] = ()
+    default_voice: str | None = None
+    sample_rate: int | None = None  # of the audio output, when the family speaks
+    num_code_groups: int | None = None  # codec codes per frame, when the family emits codes
+
+    @abstractmethod
+    def render_prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> PreparedPrompt:
+        """Chat messages -> prompt. Raises ValueError naming what is wrong."""
+
+    @abstractmethod
+    def stage_requests(
+        self,
+        req_id: str,
+        prompt: PreparedPrompt,
+        stages: Sequence[StageConfig],
+        params: Mapping[str, SamplingParams],
+        voice: str | None,
+    ) -> dict[str, StageRequest]:
+        """The per-stage requests of one user request that visits ``stages`` (topological order);
+        ``params`` by stage name. Raises ValueError for a request these stages cannot serve."""
+
+

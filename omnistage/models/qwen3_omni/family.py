@@ -1,0 +1,214 @@
+"""Qwen3-Omni as a model family: Thinker (AR) -> Talker (AR, codec frames) -> Code2Wav (generation).
+
+Declares the parts and bridges the runtime builds, renders chat prompts, maps voices to the Talker's
+speaker ids and turns one user request into the per-stage requests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer
+
+from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.family import (
+    BridgeSpec,
+    BuildContext,
+    ModelFamily,
+    PartSpec,
+    PreparedPrompt,
+    StageRequest,
+    no_args,
+)
+from omnistage.models.loader import building, checkpoint_files, load_into, load_weights
+from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
+from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+from omnistage.models.qwen3_omni.config import load_config
+from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
+from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor, media_data, thinker_media
+from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel, TalkerStageModel, ThinkerStageModel
+from omnistage.models.qwen3_omni.talker import Talker
+from omnistage.models.qwen3_omni.talker_inputs import TalkerTokenIds, talker_prompt_rows, text_specials
+from omnistage.models.qwen3_omni.thinker import Thinker
+from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
+from omnistage.models.registry import register_family
+
+ROLES = ("system", "user", "assistant")
+PREFERRED_VOICE = "ethan"
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{model_dir}: no eos_token_id in generation_config.json or the tokenizer")
+    return (int(tokenizer.eos_token_id),)
+
+
+def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str) -> MediaEncoders:
+    """The Thinker's audio and vision towers, when the checkpoint holds them."""
+    names = checkpoint_files(model_dir)
+    towers: dict[str, Any] = {}
+    # Derived tables (sinusoids, rotary frequencies) are computed here; a checkpoint that stores them anyway
+    # is not an error.
+    for attr, prefix, cls, cfg, derived in (
+        ("audio", "thinker.audio_tower.", AudioEncoder, config.thinker_config.audio_config, "positional_embedding."),
+        ("vision", "thinker.visual.", VisionEncoder, config.thinker_config.vision_config, "rotary_pos_emb."),
+    ):
+        if not any(n.startswith(prefix) for n in names):
+            towers[attr] = None
+            continue
+        with building(dtype, device):
+            tower = cls(cfg)
+        load_into(tower, model_dir, prefix, dtype, skip=(derived,))
+        towers[attr] = tower.eval()
+    return MediaEncoders(towers["audio"], towers["vision"])
+
+
+@register_family
+class Qwen3OmniFamily(ModelFamily):
+    name = "qwen3_omni"
+    architectures = ("Qwen3OmniMoeForConditionalGeneration",)
+    preset_file = "qwen3_omni.yaml"
+    parts = {
+        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
+        "talker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
+        "code2wav": PartSpec(ExecutionType.GENERATION),
+    }
+    bridges = {
+        "thinker2talker": BridgeSpec(no_args),
+        "talker2code2wav": BridgeSpec(talker2code2wav_args),
+    }
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__(model_dir)
+        self.config = load_config(self.model_dir)
+        self.ids = TalkerTokenIds.from_config(self.config)
+        talker = self.config.talker_config
+        self.speakers = {str(k).lower(): int(v) for k, v in (talker.speaker_id or {}).items()}
+        self.voices = tuple(self.speakers)
+        if self.speakers:
+            self.default_voice = PREFERRED_VOICE if PREFERRED_VOICE in self.speakers else self.voices[0]
+        self.sample_rate = Code2WavConfig.from_hf(self.config.code2wav_config).sample_rate
+        self.num_code_groups = int(talker.num_code_groups)
+
+    # ---- stage side ---------------------------------------------------------------------------------
+    def build_model(self, ctx: BuildContext) -> Any:
+        part = ctx.stage.model_part
+        if part == "thinker":
+            with building(ctx.dtype, ctx.device):
+                thinker = Thinker(self.config)
+            load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."))
+            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device)
+            return ThinkerStageModel(thinker.eval(), encoders)
+        if part == "talker":
+            with building(ctx.dtype, ctx.device):
+                talker = Talker(self.config)
+            load_into(talker, self.model_dir, "talker.", ctx.dtype)
+            # The projected tts specials need the Thinker's embedding rows (only that table is read).
+            table = load_weights(self.model_dir, "thinker.model.embed_tokens.", ctx.dtype)["weight"]
+            embed = nn.Embedding.from_pretrained(table.to(ctx.device))
+            with torch.inference_mode():
+                specials = text_specials(talker.eval(), embed, self.ids)
+            return TalkerStageModel(talker, self.ids, specials)
+        if part == "code2wav":
+            with building(ctx.dtype, ctx.device):
+                code2wav = Code2Wav(self.config.code2wav_config)
+            load_into(code2wav, self.model_dir, "code2wav.", ctx.dtype)
+            return Code2WavStageModel(code2wav.eval())
+        raise ValueError(f"unknown part {part!r}")
+
+    def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Any:
+        if name == "thinker2talker":
+            return ThinkerToTalker(model)
+        if name == "talker2code2wav":
+            return TalkerToCode2Wav(**args)
+        raise ValueError(f"unknown bridge {name!r}")
+
+    # ---- request side -------------------------------------------------------------------------------
+    @cached_property
+    def tokenizer(self) -> Any:
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return _eos_ids(self.model_dir, self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.thinker_config.text_config.vocab_size)
+
+    @cached_property
+    def input_processor(self) -> Qwen3OmniInputProcessor | None:
+        """Audio/image/video parts -> prompt + media (None: the checkpoint has no preprocessor_config.json)."""
+        if not (self.model_dir / "preprocessor_config.json").is_file():
+            return None
+        return Qwen3OmniInputProcessor(self.model_dir, self.tokenizer, self.config)
+
+    def render_prompt(
+        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, **kwargs: Any
+    ) -> PreparedPrompt:
+        """Messages with string content, or lists of text/audio/image/video parts (``use_audio_in_video``:
+        videos bring their audio track, interleaved by time)."""
+        if kwargs:
+            raise ValueError(f"unknown prompt options {sorted(kwargs)}")
+        for m in messages:
+            if m.get("role") not in ROLES:
+                raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(ROLES)}")
+            if not isinstance(m.get("content"), (str, list, tuple)):
+                raise ValueError("message content must be a string or a list of content parts")
+        if all(isinstance(m["content"], str) for m in messages):
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return PreparedPrompt(list(ids))
+        if self.input_processor is None:
+            raise ValueError(f"{self.model_dir} has no preprocessor_config.json: content parts are not supported")
+        return self.input_processor(messages, use_audio_in_video=use_audio_in_video)
+
+    def stage_requests(
+        self,
+        req_id: str,
+        prompt: PreparedPrompt,
+        stages: Sequence[StageConfig],
+        params: Mapping[str, SamplingParams],
+        voice: str | None,
+    ) -> dict[str, StageRequest]:
+        ids = list(prompt.token_ids)
+        parts = {s.model_part: s.name for s in stages}
+        out: dict[str, StageRequest] = {}
+        media = thinker_media(prompt.data)
+        if media is not None and media.positions.shape[0] != len(ids):
+            raise ValueError("the prompt's media positions do not cover its token ids; render it again")
+        thinker_data: dict[str, Any] = media_data(media)
+        if "talker" in parts and media is not None:
+            # The Talker's conditioning on media rows (projected accept-layer hidden states, 3-D positions)
+            # is not built yet: refuse rather than speak from the wrong inputs.
+            raise ValueError("spoken answers to prompts with audio/image/video are not supported yet; "
+                             "request modalities ['text']")
+        if "talker" in parts:
+            if not self.speakers:
+                raise ValueError("this checkpoint has no speakers; request modalities ['text'] only")
+            name = (voice or self.default_voice).lower()
+            if name not in self.speakers:
+                raise ValueError(f"unknown voice {voice!r}; available: {sorted(self.speakers)}")
+            thinker_data["talker_rows"] = talker_prompt_rows(ids, self.ids)
+            talker = parts["talker"]
+            out[talker] = StageRequest(req_id, params[talker], None, (self.config.talker_config.codec_eos_token_id,),
+                                       {"prompt_ids": tuple(ids), "speaker_id": self.speakers[name]})
+        if "code2wav" in parts:
+            out[parts["code2wav"]] = StageRequest(req_id)
+        thinker = parts["thinker"]
+        out[thinker] = StageRequest(req_id, params[thinker], tuple(ids), self.eos_token_ids, thinker_data)
+        return out

@@ -1,0 +1,178 @@
+"""Qwen3-Omni's 3-D multimodal rotary positions (MRoPE): per-prompt position ids and the rotary tables.
+
+Positions are float: a video's temporal ids are ``grid index * seconds_per_grid * position_id_per_seconds``,
+which is fractional for most frame rates, and everything after it inherits the fraction (transformers keeps
+them as float32 too). Text rows have equal ids on all three axes, so a 1-D position is the same thing.
+
+``prompt_positions`` follows transformers' ``get_rope_index`` piece by piece, including its rules that
+are easy to get wrong: the id after a media span is ``max(last piece) + 1`` (the last piece appended, not the
+whole prefix); a video with its audio track interleaves the two by temporal id, video first on ties; a prompt
+without images or videos is plain sequential even when it holds audio (then the delta is 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """One media item of a prompt, as the position rules see it.
+
+    kind: "audio", "image", "video" or "video+audio" (a video interleaved with its own audio track).
+    start: index of the item's first special token (``<|audio_start|>`` or ``<|vision_start|>``).
+    grid_thw: the vision grid (patches) for image/video, None for audio.
+    num_audio: audio placeholder count (audio, video+audio).
+    seconds_per_grid: seconds one temporal grid step covers (video, video+audio).
+    """
+
+    kind: str
+    start: int
+    grid_thw: tuple[int, int, int] | None = None
+    num_audio: int = 0
+    seconds_per_grid: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("audio", "image", "video", "video+audio"):
+            raise ValueError(f"unknown media kind {self.kind!r}")
+        if self.kind != "audio" and self.grid_thw is None:
+            raise ValueError(f"a {self.kind} span needs its grid_thw")
+
+
+def _vision_grid(st: torch.Tensor, grid_thw: tuple[int, int, int], merge: int, t_ids: torch.Tensor) -> torch.Tensor:
+    """[3, t*h*w] ids of a vision span in merge-block order: t = st + t_ids[g], (h, w) = st + block grid."""
+    t, h, w = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
+    t_ids = t_ids.float().view(-1, 1, 1).expand(t, h, w)
+    h_ids = torch.arange(h, dtype=torch.float32).view(1, -1, 1).expand(t, h, w)
+    w_ids = torch.arange(w, dtype=torch.float32).view(1, 1, -1).expand(t, h, w)
+    return torch.stack([t_ids.flatten(), h_ids.flatten(), w_ids.flatten()]) + st
+
+
+def _seq(st: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.arange(n).view(1, -1).expand(3, -1) + st
+
+
+def prompt_positions(
+    num_tokens: int, spans: Sequence[MediaSpan], spatial_merge_size: int, position_id_per_seconds: float
+) -> tuple[torch.Tensor, float]:
+    """([num_tokens, 3] float32 ids, rope delta) for one prompt whose media spans are given in order.
+
+    Arithmetic is float32 step by step as transformers does it (a running float32 start id), so fractional
+    video ids round the same way. Decode positions continue at ``index + delta`` on all three axes.
+    """
+    if not any(s.kind != "audio" for s in spans):
+        return torch.arange(num_tokens, dtype=torch.float32).view(-1, 1).expand(-1, 3).contiguous(), 0.0
+    pieces: list[torch.Tensor] = []
+    cursor = 0  # next token index not yet given a position
+
+    def next_id() -> torch.Tensor:
+        return pieces[-1].float().max() + 1 if pieces else torch.tensor(0.0)
+
+    for span in spans:
+        st = next_id()
+        text_len = span.start - cursor
+        if text_len < 0:
+            raise ValueError(f"media spans overlap or are out of order at token {span.start}")
+        if text_len:
+            pieces.append(_seq(st, text_len))
+            st = st + text_len
+        bos = eos = 2 if span.kind == "video+audio" else 1
+        pieces.append(_seq(st, bos))
+        st = st + bos
+        if span.kind == "audio":
+            pieces.append(_seq(st, span.num_audio))
+            body = span.num_audio
+        elif span.kind == "image":
+            t_ids = torch.arange(span.grid_thw[0]) * 1 * position_id_per_seconds
+            pieces.append(_vision_grid(st, span.grid_thw, spatial_merge_size, t_ids))
+            body = pieces[-1].shape[1]
+        else:
+            # transformers: arange(t) * float32(seconds_per_grid) * position_id_per_seconds
+            spg = torch.tensor(span.seconds_per_grid, dtype=torch.float32)
+            t_ids = torch.arange(span.grid_thw[0]) * spg * position_id_per_seconds
+            video = _vision_grid(st, span.grid_thw, spatial_merge_size, t_ids)
+            body = video.shape[1]
+            if span.kind == "video":
+                pieces.append(video)
+            else:
+                audio = _seq(st, span.num_audio)
+                pieces.extend(_interleave(video, audio))
+                body += span.num_audio
+        pieces.append(_seq(next_id(), eos))
+        cursor = span.start + bos + body + eos
+    if cursor > num_tokens:
+        raise ValueError(f"media spans run past the prompt end ({cursor} > {num_tokens})")
+    if cursor < num_tokens:
+        pieces.append(_seq(next_id(), num_tokens - cursor))
+    ids = torch.cat([p.float() for p in pieces], dim=1)
+    delta = float(ids.max() + 1 - num_tokens)
+    return ids.t().contiguous(), delta
+
+
+def _interleave(video: torch.Tensor, audio: torch.Tensor) -> list[torch.Tensor]:
+    """Merge two id streams by temporal id (video first on ties) into the pieces transformers appends:
+    one column at a time while both have ids left, then the remaining tail of either as one piece."""
+    vt, at = video[0].tolist(), audio[0].tolist()
+    out: list[torch.Tensor] = []
+    i = j = 0
+    while i < len(vt) and j < len(at):
+        if vt[i] <= at[j]:
+            out.append(video[:, i : i + 1])
+            i += 1
+        else:
+            out.append(audio[:, j : j + 1])
+            j += 1
+    if i < len(vt):
+        out.append(video[:, i:])
+    if j < len(at):
+        out.append(audio[:, j:])
+    return out
+
+
+def interleaved_order(num_video: int, video_t: Sequence[float], num_audio: int) -> list[bool]:
+    """Placeholder order of a video with its audio track: True = video token, False = audio token.
+
+    ``video_t`` is each video token's temporal id (relative to the span start); audio token k has id k.
+    """
+    if len(video_t) != num_video:
+        raise ValueError("one temporal id per video token")
+    order: list[bool] = []
+    i = j = 0
+    while i < num_video and j < num_audio:
+        if video_t[i] <= j:
+            order.append(True)
+            i += 1
+        else:
+            order.append(False)
+            j += 1
+    order.extend([True] * (num_video - i))
+    order.extend([False] * (num_audio - j))
+    return order
+
+
+def mrope_axis_of_frequency(head_dim: int, sections: Sequence[int]) -> torch.Tensor:
+    """[head_dim / 2] axis (0 = T, 1 = H, 2 = W) that drives each rotary frequency.
+
+    Interleaved layout: H takes frequencies 1, 4, 7, ... below ``3 * sections[1]``, W takes 2, 5, 8, ... below
+    ``3 * sections[2]``, T the rest.
+    """
+    half = head_dim // 2
+    if len(sections) != 3 or sum(sections) != half:
+        raise ValueError(f"mrope_section {list(sections)} must have 3 entries summing to head_dim / 2 = {half}")
+    axis = torch.zeros(half, dtype=torch.long)
+    for dim, offset in ((1, 1), (2, 2)):
+        axis[offset : sections[dim] * 3 : 3] = dim
+    return axis
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [N, 3] (T, H, W ids) -> cos, sin [N, head_dim] for ``apply_rotary``."""
+    pos = positions.float()[:, axis.to(positions.device)]  # [N, head_dim / 2]: each frequency's own axis
+    freqs = pos * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

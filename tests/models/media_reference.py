@@ -1,0 +1,143 @@
+"""transformers' side of the media tests: its processor and model on the tiny checkpoint with towers.
+
+transformers' ``Qwen3OmniMoeProcessor`` needs torchvision for its video processor, which does not import with
+this torch build. The reference processor is therefore built from its parts, with a stand-in video processor
+that returns our video patches (``Qwen3OmniInputProcessor._video``: the torchvision CPU ops done in torch); all
+else — tokenizer, feature extractor, image processor, placeholder expansion (including audio-in-video
+interleaving), the model — is transformers'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (
+    AutoFeatureExtractor,
+    AutoImageProcessor,
+    AutoTokenizer,
+    BatchFeature,
+    Qwen3OmniMoeProcessor,
+)
+from transformers.processing_utils import ProcessorMixin
+
+from omnistage.models.media import load_video
+from omnistage.models.qwen3_omni.config import load_config
+from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor
+from omnistage.testing.reference import load_hf_reference
+from omnistage.testing.tokenizer import CHAT_TEMPLATE
+
+
+class _OurVideoPatches:
+    """Stand-in for transformers' (torchvision-only) Qwen2-VL video processor."""
+
+    temporal_patch_size = 2
+    merge_size = 2
+
+    def __init__(self, ours: Qwen3OmniInputProcessor, fps: list[float]) -> None:
+        self.ours, self.fps = ours, fps
+
+    def __call__(self, videos, **_kwargs) -> BatchFeature:
+        pixels, grids = [], []
+        for frames, fps in zip(videos, self.fps):
+            p, g = self.ours._video(load_video(np.asarray(frames), fps))
+            pixels.append(p)
+            grids.append(g)
+        return BatchFeature({"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)})
+
+
+@contextlib.contextmanager
+def _lenient_components():
+    original = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original
+
+
+@functools.cache
+def ours(ckpt: str) -> Qwen3OmniInputProcessor:
+    return Qwen3OmniInputProcessor(ckpt, AutoTokenizer.from_pretrained(ckpt), load_config(ckpt))
+
+
+def reference_processor(ckpt: str, video_fps: list[float] = ()) -> Qwen3OmniMoeProcessor:
+    with _lenient_components():
+        return Qwen3OmniMoeProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(ckpt),
+            video_processor=_OurVideoPatches(ours(ckpt), list(video_fps)),
+            feature_extractor=AutoFeatureExtractor.from_pretrained(ckpt),
+            tokenizer=AutoTokenizer.from_pretrained(ckpt),
+            chat_template=CHAT_TEMPLATE,
+        )
+
+
+def media_of(messages) -> tuple[list, list, list, list[float], list]:
+    """(audio, images, videos, video fps, video audio tracks) in prompt order, as the reference takes them."""
+    audio, images, videos, fps, tracks = [], [], [], [], []
+    for m in messages:
+        if isinstance(m["content"], str):
+            continue
+        for part in m["content"]:
+            if part["type"] == "audio":
+                audio.append(part["audio"])
+            elif part["type"] == "image":
+                images.append(Image.fromarray(part["image"]))
+            elif part["type"] == "video":
+                videos.append(part["video"])
+                fps.append(float(part.get("fps", 1.0)))
+                tracks.append(part.get("audio"))
+    return audio, images, videos, fps, tracks
+
+
+def reference_inputs(ckpt: str, messages, use_audio_in_video: bool = False) -> BatchFeature:
+    """What transformers' processor gives for these messages (audio arrays at 16 kHz, uint8 images/frames)."""
+    audio, images, videos, fps, tracks = media_of(messages)
+    proc = reference_processor(ckpt, fps)
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    kwargs: dict = {"text": text, "return_tensors": "pt"}
+    if images:
+        kwargs["images"] = images
+    if videos:
+        kwargs["videos"] = videos
+        if len(set(fps)) > 1:
+            raise ValueError("the reference processor takes one fps per call")
+        kwargs["videos_kwargs"] = {"fps": fps[0]}
+    if use_audio_in_video and videos:
+        # One audio slot per clip in prompt order; a video's slot points at the video.
+        slots, clips, v = [], [], 0
+        for m in messages:
+            for part in [] if isinstance(m["content"], str) else m["content"]:
+                if part["type"] == "audio":
+                    slots.append(None)
+                    clips.append(part["audio"])
+                elif part["type"] == "video":
+                    slots.append(v)
+                    clips.append(tracks[v])
+                    v += 1
+        kwargs.update(audio=clips, audio_from_video_indices=slots, load_audio_from_video=True)
+    elif audio:
+        kwargs["audio"] = audio
+    return proc(**kwargs)
+
+
+def reference_tokens(ckpt: str, messages, num_tokens: int, use_audio_in_video: bool = False) -> list[int]:
+    """Greedy Thinker tokens from transformers, exactly ``num_tokens`` of them (EOS ids banned until then)."""
+    hf = load_hf_reference(ckpt)
+    inputs = reference_inputs(ckpt, messages, use_audio_in_video)
+    tok = ours(ckpt).tokenizer
+    eos = [hf.config.im_end_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    with torch.no_grad():
+        seq = hf.thinker.generate(
+            **inputs, use_audio_in_video=use_audio_in_video, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+            eos_token_id=eos, do_sample=False,
+        )
+    return seq[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def ckpt_str(path: Path) -> str:
+    return str(Path(path).resolve())

@@ -1,0 +1,125 @@
+"""Qwen3-Omni's bridges against a recording sink: what reaches the downstream stage, in which order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker
+
+
+class Sink:
+    """Records what a bridge hands its downstream stage (both stage-input interfaces)."""
+
+    def __init__(self):
+        self.payloads, self.tokens, self.states, self.finished = [], [], {}, {}
+
+    def add_payload(self, req_id, payload, finished):
+        self.payloads.append((req_id, payload, finished))
+
+    def append_tokens(self, req_id, token_ids, finished):
+        self.tokens.append((req_id, list(token_ids), finished))
+
+    def update_state(self, req_id, update):
+        self.states.setdefault(req_id, {}).update(update)
+
+    def state(self, req_id):
+        return self.states.get(req_id, {})
+
+    def finish(self, req_id, reason):
+        self.finished[req_id] = reason
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_code2wav_chunks_minus_their_context_are_the_frame_stream(seed):
+    rng = random.Random(seed)
+    first, chunk = rng.randint(1, 7), rng.randint(2, 9)
+    context = rng.randint(1, chunk - 1)
+    bridge, sink = TalkerToCode2Wav(first, chunk, context), Sink()
+    frames = torch.randint(0, 50, (rng.randint(1, 40), 4))
+    bridge.add_request("r", {})
+    i = 0
+    while i < frames.shape[0]:
+        n = rng.randint(1, 3)
+        bridge.on_input("r", {"frames": frames[i : i + n]}, sink)
+        i += n
+    bridge.on_end("r", sink)
+    assert len(bridge) == 0
+    new, sizes = [], []
+    assert [f for _, _, f in sink.payloads] == [False] * (len(sink.payloads) - 1) + [True]
+    for req_id, c, _ in sink.payloads:
+        assert req_id == "r"
+        if c is None:  # the stream ended exactly on a chunk boundary: a bare end-of-input
+            continue
+        start = c.first_frame
+        assert c.left_context == min(context, start)
+        # the context frames are the frames right before the chunk
+        assert torch.equal(c.codes[:, : c.left_context].T, frames[start - c.left_context : start])
+        new.append(c.codes[:, c.left_context :].T)
+        sizes.append(c.codes.shape[1] - c.left_context)
+    assert torch.equal(torch.cat(new), frames)
+    assert sizes[0] == min(first, frames.shape[0])
+    assert all(s == chunk for s in sizes[1:-1]) and 1 <= sizes[-1] <= max(first, chunk)
+    assert all(c is not None for _, c, _ in sink.payloads[:-1])
+
+
+def test_code2wav_bridge_with_no_frames_ends_the_input_without_a_chunk():
+    bridge, sink = TalkerToCode2Wav(4, 8, 2), Sink()
+    bridge.add_request("r", {})
+    bridge.on_end("r", sink)
+    assert sink.payloads == [("r", None, True)]
+
+
+class TalkerDouble:
+    """Records the prefill it is asked to build; 'projection' doubles a row."""
+
+    def __init__(self):
+        self.prefills = []
+
+    def build_prefill(self, prompt_ids, rows, first_answer, speaker_id):
+        self.prefills.append((list(prompt_ids), {p: r.clone() for p, r in rows.items()}, first_answer.clone(),
+                              speaker_id))
+        return torch.zeros(len(prompt_ids) + 9, 2), [7] * (len(prompt_ids) + 9)
+
+    def project_text(self, rows):
+        return rows * 2
+
+
+def rows(positions):
+    pos = torch.tensor(positions)
+    return {"positions": pos, "embeds": pos[:, None].float().repeat(1, 2)}
+
+
+def test_thinker_rows_become_the_talker_prefill_and_text_rows_once_each():
+    model, sink = TalkerDouble(), Sink()
+    bridge = ThinkerToTalker(model)
+    prompt = list(range(10, 16))  # 6 prompt tokens
+    bridge.add_request("r", {"prompt_ids": prompt, "speaker_id": 3})
+    bridge.on_input("r", rows([0, 1, 2]), sink)  # user rows of a first prefill chunk
+    bridge.on_input("r", rows([3, 5]), sink)
+    assert not model.prefills and not sink.tokens  # no answer token yet: nothing to start
+    bridge.on_input("r", rows([6]), sink)  # the first fed-back answer token
+    (ids, got_rows, first, speaker), = model.prefills
+    assert ids == prompt and speaker == 3 and sorted(got_rows) == [0, 1, 2, 3, 5] and first[0].item() == 6
+    assert sink.tokens == [("r", [7] * 15, True)]
+    assert torch.equal(sink.states["r"]["text_rows"], torch.tensor([[12.0, 12.0]]))
+    bridge.on_input("r", rows([7, 8]), sink)
+    # A Thinker recomputing after preemption sends old rows again: the Talker must not see them twice.
+    bridge.on_input("r", rows([0, 1, 2, 3, 4, 5, 6, 7, 8, 9]), sink)
+    text = sink.states["r"]["text_rows"][:, 0].tolist()
+    assert text == [12.0, 14.0, 16.0, 18.0]
+    with pytest.raises(ValueError, match="position 12 arrived before position 10"):
+        bridge.on_input("r", rows([12]), sink)
+    bridge.on_end("r", sink)
+    assert sink.states["r"]["text_done"] is True and not sink.finished and len(bridge) == 0
+
+
+def test_a_thinker_that_feeds_back_no_answer_token_leaves_nothing_to_speak():
+    sink = Sink()
+    bridge = ThinkerToTalker(TalkerDouble())
+    bridge.add_request("r", {"prompt_ids": [1, 2, 3], "speaker_id": 0})
+    bridge.on_input("r", rows([0, 1, 2]), sink)
+    bridge.on_end("r", sink)
+    assert sink.finished == {"r": "stop"} and not sink.tokens
