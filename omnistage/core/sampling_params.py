@@ -15,10 +15,11 @@ crashing the stage that samples it:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from omnistage.core.validation import check_bool, check_finite, check_int
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38
@@ -48,32 +49,31 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
-        _check_number("temperature", self.temperature)
+        check_finite(self.temperature, "temperature")
         if not 0 <= self.temperature <= FLOAT32_MAX:
             raise ValueError(f"temperature must be >= 0 and finite in float32, got {self.temperature}")
-        _check_int("top_k", self.top_k)
+        check_int(self.top_k, "top_k")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        _check_number("top_p", self.top_p)
+        check_finite(self.top_p, "top_p")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_range("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _check_range("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
         _check_range("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            check_int(self.seed, "seed")
             if not SEED_MIN <= self.seed <= SEED_MAX:
                 raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
-        _check_int("max_tokens", self.max_tokens)
+        check_int(self.max_tokens, "max_tokens")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check_int("min_tokens", self.min_tokens)
+        check_int(self.min_tokens, "min_tokens")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        check_bool(self.ignore_eos, "ignore_eos")
 
     @property
     def greedy(self) -> bool:
@@ -88,20 +88,10 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-def _check_number(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-
-
 def _check_range(name: str, value: object, lo: float, hi: float) -> None:
-    _check_number(name, value)
+    check_finite(value, name)
     if not lo <= value <= hi:
         raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
-
-
-def _check_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
 
 
 def _token_ids(name: str, ids: object) -> tuple[int, ...]:

@@ -106,6 +106,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omnistage.entrypoints.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -156,12 +157,10 @@ class ServerLimits:
     preprocess_threads: int = 2  # parse / validate / tokenize / encode off the event loop
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "preprocess_threads"):
-            value = getattr(self, name)
-            if value is None and name != "preprocess_threads":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(self.preprocess_threads, "preprocess_threads")
+        for name in ("max_body_bytes", "max_prompt_chars"):
+            if getattr(self, name) is not None:
+                check_positive_int(getattr(self, name), name)
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
