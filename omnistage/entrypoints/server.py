@@ -10,11 +10,10 @@ Choices worth knowing as a client:
   ``repetition_penalty``, ``min_tokens``, ``ignore_eos``) apply to the Thinker; unset fields keep the stage
   defaults from the pipeline config. The Talker keeps its stage defaults, except that a greedy
   ``temperature`` (0, or below 1e-5) makes the Talker greedy too (a request that asks for determinism gets
-  it end to end) and ``seed`` seeds it. The extension object ``talker: {temperature, top_p, top_k, repetition_penalty, seed,
-  max_tokens, min_tokens}`` (``extra_body`` in the openai SDK) overrides Talker sampling field by field.
-  ``frequency_penalty`` / ``presence_penalty`` follow OpenAI's formula over the tokens counted by the sampler
-  (``runner.sampler``): the generated ones once the runner passes them (``SamplingRow.output``); until then
-  the Thinker's count also includes the prompt.
+  it end to end) and ``seed`` seeds it. The extension object ``talker: {temperature, top_p, top_k,
+  repetition_penalty, seed, max_tokens, min_tokens}`` (``extra_body`` in the openai SDK) overrides Talker
+  sampling field by field. ``frequency_penalty`` / ``presence_penalty`` follow OpenAI's formula over the
+  tokens the request generated so far (not its prompt).
 - ``stop``: stop strings are matched on the decoded text in the server; the text before the stop string
   is returned and the request is finished with ``finish_reason="stop"``. A stop string that is exactly
   one token is also given to the Thinker as a stop token id, so the Thinker ends there by itself and the
@@ -334,9 +333,8 @@ class _Translator:
         self.info = omni.info
         self.served_model_name = served_model_name
         self.max_prompt_chars = limits.prompt_chars(self.info.max_model_len)
-        # Token ids a request may name (logit_bias): the tokenizer's. An id the model's logits lack would be
-        # ignored by the sampler.
-        self.vocab_size = len(omni.tokenizer)
+        # Token ids a request may name (logit_bias): the text stage's logits, else the tokenizer's.
+        self.vocab_size = self.info.vocab_size or len(omni.tokenizer)
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
