@@ -124,6 +124,7 @@ from omnistage.entrypoints.protocol import (
     Usage,
     error_param,
 )
+from omnistage.entrypoints.realtime import RealtimeLimits, realtime_router
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError, QueueFullError
@@ -686,7 +687,8 @@ class _GuardedRoute(APIRoute):
 
 
 def create_app(omni: EngineClient, served_model_name: str | None = None,
-               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
+               realtime_limits: RealtimeLimits | None = None) -> FastAPI:
     """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
     listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
     name = served_model_name or omni.info.name
@@ -707,6 +709,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.router.route_class = _GuardedRoute
     app.state.omni, app.state.metrics, app.state.served_model_name = omni, metrics, name
     app.state.limits, app.state.preprocess_pool = limits, pool
+    app.include_router(realtime_router(omni, name, metrics, pool, realtime_limits))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)

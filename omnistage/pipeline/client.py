@@ -40,6 +40,7 @@ class ModelInfo:
     sample_rate: int | None = None
     num_code_groups: int | None = None
     vocab_size: int | None = None  # width of the text stage's logits (token ids a request may name)
+    samples_per_frame: int | None = None  # audio samples per codec frame (the Talker reads one text token per frame)
 
 
 class EngineClient(Protocol):
