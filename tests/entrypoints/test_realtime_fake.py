@@ -274,3 +274,28 @@ def test_server_vad_turn_is_committed_answered_and_timed(server, fake):
     assert re.search(r"omnistage_realtime_speech_end_to_first_audio_seconds_count [1-9]", text)
     assert re.search(r'omnistage_realtime_turns_total\{status="completed"\} [1-9]', text)
     assert re.search(r"omnistage_realtime_sessions 0\.0", text)
+
+
+def test_truncate_keeps_the_text_of_the_audio_the_client_played(server, fake):
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+            await until(conn, "session.updated")
+            fake.answers = ["Hello there, friend.", "Ok."]
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hi"}]})
+            await conn.response.create()
+            item = of(await until(conn, "response.done"), "response.done")[0].response.output[0]
+            # The client played 11 frames (one per token here: 11 * 480 samples = 220 ms) before the user spoke.
+            await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=220)
+            ev = (await until(conn, "conversation.item.truncated", "error"))[-1]
+            assert (ev.type, ev.audio_end_ms) == ("conversation.item.truncated", 220)
+            await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=5000)
+            assert (await until(conn, "error"))[-1].error.param == "audio_end_ms"  # beyond what was sent
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And?"}]})
+            await conn.response.create()
+            await until(conn, "response.done")
+            assert prompt_text(fake) == "<user>Hi<assistant>Hello there<user>And?"
+
+    run(scenario())

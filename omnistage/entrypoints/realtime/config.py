@@ -40,7 +40,7 @@ class RealtimeLimits:
     max_sessions: int = 16
     max_buffered_audio_s: int = 60  # input audio buffer (one uncommitted turn)
     max_history_items: int = 200  # older items are dropped from the conversation
-    max_history_audio_s: int = 300  # user audio kept in the conversation (it is re-heard every turn)
+    max_history_audio_s: int = 120  # user audio kept in the conversation (re-heard every turn: ~13 tokens/s)
     max_event_bytes: int = 8 << 20  # one client event (an audio append of ~2.9 min of base64 pcm16)
 
     def __post_init__(self) -> None:
@@ -256,11 +256,7 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
     for name in ("prompt", "tracing", "include", "reasoning"):
         if getattr(s, name) not in (None, []):
             raise _unsupported(f"{p}.{name}", f"{name} is not supported")
-    new: dict[str, Any] = {}
-    if s.instructions is not None:
-        new["instructions"] = s.instructions
-    if s.output_modalities is not None:
-        new["output_modalities"] = modalities(s.output_modalities, info, f"{p}.output_modalities")
+    new = _shared(s, info, p)
     if s.audio is not None:
         a = s.audio
         if a.input is not None:
@@ -278,19 +274,29 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
                 raise _unsupported(f"{p}.audio.output.speed", "speed is not supported (only 1.0)")
             if a.output.voice is not None:
                 new["voice"] = voice(a.output.voice, info, f"{p}.audio.output.voice")
-    if s.tools is not None:
-        new["tools"] = tools(s.tools, f"{p}.tools")
-    if s.tool_choice is not None:
-        new["tool_choice"] = tool_choice(s.tool_choice, f"{p}.tool_choice")
-    if s.max_output_tokens is not None:
-        new["max_output_tokens"] = max_tokens(s.max_output_tokens, f"{p}.max_output_tokens")
     if s.truncation is not None:
         if s.truncation not in TRUNCATION_MODES:
             raise _unsupported(f"{p}.truncation", f"truncation must be one of {TRUNCATION_MODES}")
         new["truncation"] = s.truncation
-    if s.sampling is not None:
-        new["sampling"] = sampling(s.sampling, f"{p}.sampling")
     return dataclasses.replace(config, **new)
+
+
+def _shared(r: SessionParams | ResponseParams, info: ModelInfo, p: str) -> dict[str, Any]:
+    """The fields ``session.update`` and ``response.create`` have in common, validated."""
+    new: dict[str, Any] = {}
+    if r.instructions is not None:
+        new["instructions"] = r.instructions
+    if r.output_modalities is not None:
+        new["output_modalities"] = modalities(r.output_modalities, info, f"{p}.output_modalities")
+    if r.max_output_tokens is not None:
+        new["max_output_tokens"] = max_tokens(r.max_output_tokens, f"{p}.max_output_tokens")
+    if r.tools is not None:
+        new["tools"] = tools(r.tools, f"{p}.tools")
+    if r.tool_choice is not None:
+        new["tool_choice"] = tool_choice(r.tool_choice, f"{p}.tool_choice")
+    if r.sampling is not None:
+        new["sampling"] = sampling(r.sampling, f"{p}.sampling")
+    return new
 
 
 @dataclass(frozen=True)
@@ -310,21 +316,9 @@ def response_settings(config: SessionConfig, r: ResponseParams | None, info: Mod
                                                 "supported")
     if r.input is not None:
         raise _unsupported(f"{p}.input", "response input items are not supported; add items to the conversation")
-    new: dict[str, Any] = {}
-    if r.instructions is not None:
-        new["instructions"] = r.instructions
-    if r.output_modalities is not None:
-        new["output_modalities"] = modalities(r.output_modalities, info, f"{p}.output_modalities")
-    if r.max_output_tokens is not None:
-        new["max_output_tokens"] = max_tokens(r.max_output_tokens, f"{p}.max_output_tokens")
+    new = _shared(r, info, p)
     if r.audio is not None and r.audio.output is not None:
         check_format(r.audio.output.format, f"{p}.audio.output.format")
         if r.audio.output.voice is not None:
             new["voice"] = voice(r.audio.output.voice, info, f"{p}.audio.output.voice")
-    if r.tools is not None:
-        new["tools"] = tools(r.tools, f"{p}.tools")
-    if r.tool_choice is not None:
-        new["tool_choice"] = tool_choice(r.tool_choice, f"{p}.tool_choice")
-    if r.sampling is not None:
-        new["sampling"] = sampling(r.sampling, f"{p}.sampling")
     return ResponseSettings(dataclasses.replace(config, **new), r.metadata)

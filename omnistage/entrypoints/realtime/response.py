@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from omnistage.entrypoints.realtime.session import RealtimeSession
 
 logger = logging.getLogger("omnistage.realtime")
+# Audio deltas carry at most 0.5 s (32 KB of base64): clients' WebSocket message limits (1 MiB by default in
+# the websockets library the SDK uses) and smooth playback.
+AUDIO_DELTA_SAMPLES = AUDIO_RATE // 2
 
 
 class SessionClosed(Exception):
@@ -343,9 +346,11 @@ class ResponseRun:
             self.first_audio_at = time.monotonic()
             if self.speech_end is not None:
                 self.session.ctx.metrics.realtime_speech_to_audio.observe(self.first_audio_at - self.speech_end)
-        self.sent_samples += samples.shape[0]
-        self.message.sent_samples = self.sent_samples
-        await self.send("response.output_audio.delta", delta=_b64(samples), **self._part())
+        for i in range(0, samples.shape[0], AUDIO_DELTA_SAMPLES):  # a later Code2Wav chunk holds 24 s
+            piece = samples[i:i + AUDIO_DELTA_SAMPLES]
+            self.sent_samples += piece.shape[0]
+            self.message.sent_samples = self.sent_samples
+            await self.send("response.output_audio.delta", delta=_b64(piece), **self._part())
 
     def played_text(self) -> str:
         """The text of the audio the client has played by now (see the module docstring)."""

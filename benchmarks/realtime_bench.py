@@ -1,0 +1,270 @@
+"""Realtime sessions: time from the end of user speech to the first answer audio, at N concurrent sessions.
+
+One process: the engine (AsyncOmni) behind the real server (uvicorn on 127.0.0.1), the official openai SDK's
+realtime client as N users. Each user streams a spoken turn in real time (100 ms pcm16 chunks: silence,
+speech, silence) with server VAD; measured per session, on the client: ``input_audio_buffer.speech_stopped``
+received -> first ``response.output_audio.delta`` received (the end of speech is where the server's VAD
+decides it; the silence that decides it is not counted).
+
+Beside it, the same figure without the realtime layer: the committed clip of each session as an audio chat
+message straight into ``AsyncOmni.generate`` (render + submit -> first audio chunk), N at once. (The HTTP
+chat API does not take ``input_audio`` yet, so the engine call stands in for it.) Until the Talker answers
+audio prompts with speech, both sides measure the first *text* delta instead, and the table says so. A
+second table gives the speech figure that exists today: a typed turn (``response.create``) -> first audio
+delta, beside a streamed HTTP chat request with the same text -> first audio chunk.
+
+    python benchmarks/realtime_bench.py --preset small --sessions 1 8 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import socket
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.thinker_throughput import resolve_model
+
+RATE = 24000
+CHUNK_MS = 100
+
+
+def speech_like(seconds: float, seed: int) -> np.ndarray:
+    """A voiced signal the WebRTC VAD takes for speech (pitch glide, harmonics, syllable envelope)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * RATE)) / RATE
+    phase = 2 * np.pi * np.cumsum(140 + 30 * np.sin(2 * np.pi * 0.7 * t)) / RATE
+    sig = sum(np.sin(k * phase) / k for k in range(1, 30))
+    sig = sig * (0.55 + 0.45 * np.sin(2 * np.pi * 4 * t)) + 0.05 * rng.standard_normal(t.size)
+    return (sig / np.abs(sig).max() * 0.5 * 32767).astype(np.int16)
+
+
+def committed(audio: np.ndarray) -> np.ndarray:
+    """The span server VAD commits from ``audio`` (the same detector the server runs)."""
+    from omnistage.entrypoints.realtime.config import TurnDetection
+    from omnistage.entrypoints.realtime.vad import SpeechDetector
+
+    start, stop = (e.ms for e in SpeechDetector(TurnDetection()).feed(audio))
+    return audio[start * 24:stop * 24]
+
+
+def turn_audio(seed: int) -> np.ndarray:
+    z = np.zeros(int(0.3 * RATE), np.int16)
+    return np.concatenate([z, speech_like(1.5, seed), np.zeros(int(0.8 * RATE), np.int16)])
+
+
+class Server:
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def session_settings(args, modality: str) -> dict:
+    return {"type": "realtime", "output_modalities": [modality], "max_output_tokens": args.thinker_tokens,
+            "sampling": {"temperature": 0, "min_tokens": args.thinker_tokens,
+                         "talker": {"temperature": 0, "repetition_penalty": 1.0, "max_tokens": args.talker_tokens}}}
+
+
+async def spoken_turn(url: str, model: str, args, seed: int, modality: str) -> tuple[float, np.ndarray]:
+    """One session, one spoken turn in real time: (speech end -> first answer delta, the committed clip)."""
+    import openai
+
+    audio = turn_audio(seed)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    first_kind = "response.output_audio.delta" if modality == "audio" else "response.output_text.delta"
+    async with client.realtime.connect(model=model) as conn:
+        await conn.session.update(session=session_settings(args, modality))
+        step = RATE * CHUNK_MS // 1000
+        t_start, sent, stop_at, start_ms, clip = time.perf_counter(), 0, None, 0, None
+
+        async def feed() -> None:
+            nonlocal sent
+            for i in range(0, audio.size, step):
+                await asyncio.sleep(max(0.0, t_start + i / RATE - time.perf_counter()))  # real time
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i:i + step].tobytes()).decode())
+
+        feeder = asyncio.create_task(feed())
+        async for ev in conn:
+            if ev.type == "input_audio_buffer.speech_started":
+                start_ms = ev.audio_start_ms
+            elif ev.type == "input_audio_buffer.speech_stopped":
+                stop_at = time.perf_counter()
+                clip = audio[start_ms * 24:ev.audio_end_ms * 24]
+            elif ev.type == first_kind and stop_at is not None:
+                latency = time.perf_counter() - stop_at
+                await feeder
+                return latency, clip
+            elif ev.type == "error":
+                raise RuntimeError(ev.error.message)
+
+
+async def engine_turn(omni, clip: np.ndarray, args, modality: str) -> float:
+    """The same clip straight into the engine: render (in a thread, as the server does) + submit -> first delta."""
+    from omnistage.core.sampling_params import SamplingParams
+
+    params = {"thinker": SamplingParams(temperature=0, max_tokens=args.thinker_tokens, min_tokens=args.thinker_tokens),
+              "talker": SamplingParams(temperature=0, max_tokens=args.talker_tokens, repetition_penalty=1.0)}
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768, RATE)}]}]
+    t0 = time.perf_counter()
+    prompt = await asyncio.get_running_loop().run_in_executor(None, omni.render_prompt, messages)
+    modalities = ("text", "audio") if modality == "audio" else ("text",)
+    async with contextlib.aclosing(omni.generate(prompt, modalities, params)) as stream:  # closing aborts
+        async for d in stream:
+            if (d.audio is not None and d.audio.numel()) if modality == "audio" else d.new_token_ids:
+                return time.perf_counter() - t0
+    raise RuntimeError("no output")
+
+
+async def typed_turn(url: str, model: str, args, text: str) -> float:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    async with client.realtime.connect(model=model) as conn:
+        await conn.session.update(session=session_settings(args, "audio"))
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": text}]})
+        t0 = time.perf_counter()
+        await conn.response.create()
+        async for ev in conn:
+            if ev.type == "response.output_audio.delta":
+                latency = time.perf_counter() - t0
+                await conn.response.cancel()
+                return latency
+            if ev.type == "error":
+                raise RuntimeError(ev.error.message)
+
+
+async def http_turn(url: str, model: str, args, text: str) -> float:
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True, "temperature": 0,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+            "max_tokens": args.thinker_tokens, "min_tokens": args.thinker_tokens,
+            "talker": {"temperature": 0, "repetition_penalty": 1.0, "max_tokens": args.talker_tokens}}
+    async with httpx.AsyncClient(timeout=600) as http:
+        t0 = time.perf_counter()
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if '"audio"' in line and '"data":""' not in line and '"data":"' in line:
+                    return time.perf_counter() - t0
+    raise RuntimeError("no audio")
+
+
+async def speaks_to_audio(omni) -> bool:
+    try:
+        prompt = omni.render_prompt([{"role": "user", "content": [{"type": "audio", "audio": (turn_audio(0), RATE)}]}])
+        async with contextlib.aclosing(omni.generate(prompt, ("text", "audio"))) as stream:
+            async for _ in stream:
+                return True
+    except ValueError:
+        return False
+    return True
+
+
+def stats(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"{statistics.median(xs):6.3f} {xs[min(len(xs) - 1, int(0.9 * len(xs)))]:6.3f}"
+
+
+async def bench(args, omni, url: str, model: str) -> None:
+    speaks = await speaks_to_audio(omni)
+    modality = "audio" if speaks else "text"
+    what = "first audio" if speaks else "first TEXT (audio answers to audio prompts are not supported yet)"
+    text = "tell me about the sea and the boat"
+    # Warm-up of every path (the first audio features, the first speech) before anything is timed.
+    _, clip = await spoken_turn(url, model, args, 99, modality)
+    await engine_turn(omni, clip, args, modality)
+    await typed_turn(url, model, args, text)
+    await http_turn(url, model, args, text)
+    print(f"\nspoken turn, speech end -> {what}; seconds, median p90 over sessions x {args.rounds} rounds "
+          "(the two sides alternate which goes first)")
+    print(f"{'N':>3} | {'realtime (VAD stop)':>19} | {'AsyncOmni.generate':>18} | ratio")
+    for n in args.sessions:
+        rt, eng = [], []
+        for r in range(args.rounds):
+            clips = [turn_audio(100 * r + i) for i in range(n)]
+            if r % 2:  # the engine side first, on the clips the realtime side will commit (same VAD, same audio)
+                eng += await asyncio.gather(*[engine_turn(omni, committed(c), args, modality) for c in clips])
+                await asyncio.sleep(0.5)
+            results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i, modality) for i in range(n)])
+            rt += [lat for lat, _ in results]
+            await asyncio.sleep(0.5)
+            if not r % 2:
+                eng += await asyncio.gather(*[engine_turn(omni, clip, args, modality) for _, clip in results])
+                await asyncio.sleep(0.5)
+        print(f"{n:>3} | {stats(rt):>19} | {stats(eng):>18} | {statistics.median(rt) / statistics.median(eng):5.2f}",
+              flush=True)
+    print("\ntyped turn -> first audio; seconds, median p90 (the two sides alternate which goes first)")
+    print(f"{'N':>3} | {'realtime response.create':>24} | {'HTTP chat (stream)':>18} | ratio")
+    for n in args.sessions:
+        rt, http = [], []
+        for r in range(args.rounds):
+            sides = [(rt, typed_turn), (http, http_turn)]
+            for out, fn in (sides if r % 2 == 0 else sides[::-1]):
+                out += await asyncio.gather(*[fn(url, model, args, text) for _ in range(n)])
+                await asyncio.sleep(0.5)
+        print(f"{n:>3} | {stats(rt):>24} | {stats(http):>18} | {statistics.median(rt) / statistics.median(http):5.2f}",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--thinker-tokens", type=int, default=16)
+    ap.add_argument("--talker-tokens", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from omnistage.entrypoints.metrics import ServerMetrics
+    from omnistage.entrypoints.realtime import RealtimeLimits
+    from omnistage.entrypoints.server import create_app
+    from omnistage.models.registry import load_pipeline_config
+    from omnistage.pipeline.omni import AsyncOmni
+
+    model = resolve_model(args.model, args.preset)
+    top = max(args.sessions)
+    sched = {"max_num_seqs": top}
+    pipeline = load_pipeline_config("qwen3_omni", {"stages": {
+        "thinker": {"scheduler": sched}, "talker": {"scheduler": sched}, "code2wav": {"scheduler": sched}}})
+    metrics = ServerMetrics()
+    omni = AsyncOmni(model, pipeline=pipeline, device=args.device, on_step=metrics.observe_step)
+    name = "bench"
+    print(f"threads={args.threads} device={args.device} model={args.preset if args.model is None else args.model} "
+          f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} "
+          f"(first audio chunk: {dict(pipeline.stage('code2wav').bridge_args)})")
+    try:
+        with Server(create_app(omni, name, metrics, realtime_limits=RealtimeLimits(max_sessions=top))) as srv:
+            asyncio.run(bench(args, omni, srv.url, name))
+    finally:
+        omni.shutdown()
+
+
+if __name__ == "__main__":
+    main()
