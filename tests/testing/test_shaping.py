@@ -52,14 +52,14 @@ def test_default_sampling_answers_end_and_speak_for_seconds(tiny_ckpt):
     engine, answers = _answers(tiny_ckpt)
     assert engine.stage_params(None)["thinker"].max_tokens == 256  # the packaged limit the answers must beat
     finishes = [a["finish"] for a in answers]
-    seconds = [a["samples"] / engine.sample_rate for a in answers]
+    seconds = [a["samples"] / engine.info.sample_rate for a in answers]
     tokens = [a["tokens"] for a in answers]
     assert sum(f == "stop" for f in finishes) > len(answers) / 2, finishes
     assert 10 <= statistics.median(map(len, tokens)) <= 100, tokens
     assert 1.0 <= statistics.median(seconds) <= 10.0, seconds
     # Speech covers the text: most answers are spoken for about as many frames as they have tokens (the
     # Talker reads one text row per frame) plus a short tail. (The Talker samples: it may still end early.)
-    frames = [s * engine.sample_rate / SAMPLES_PER_FRAME for s in seconds]
+    frames = [s * engine.info.sample_rate / SAMPLES_PER_FRAME for s in seconds]
     spoken = [len(t) - 3 <= f <= len(t) + 40 for t, f in zip(tokens, frames)]
     assert sum(spoken) > len(answers) / 2, list(zip(tokens, frames))
     # Whole words of the corpus and punctuation, not byte soup.
@@ -77,7 +77,7 @@ def test_voices_differ(tiny_ckpt):
     greedy = {"thinker": defaults["thinker"].replace(max_tokens=12, ignore_eos=True),
               "talker": defaults["talker"].replace(temperature=0.0, max_tokens=12, min_tokens=12)}
     codes = {}
-    for voice in sorted(engine.speakers):
+    for voice in sorted(engine.info.voices):
         rid = engine.add_request("Tell me about the sea.", ["text", "audio"], greedy, speaker=voice)
         got = []
         while engine.has_work():
