@@ -29,8 +29,6 @@ INSTALL_HINT = ("needs Chromium and its driver: apt-get install -y chromium chro
                 "pip install selenium (in the test extras)")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 MODEL = "omnistage-tiny"
-SAMPLES_PER_FRAME = 1920
-FIRST_CHUNK_FRAMES = 25  # the packaged preset's first Code2Wav chunk
 MAX_INT16_DIFF = 2
 # Greedy, this prompt runs to any token limit on the built-in model (checked against the API in the test).
 ENDLESS_PROMPT = "What is the capital of France?"
@@ -58,19 +56,18 @@ def server(tiny_ckpt, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "omnistage.entrypoints.cli", "serve", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"omnistage serve exited: {log.read().decode()[-3000:]}")
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"omnistage serve exited: {log.read().decode()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "omnistage serve did not come up"
-            time.sleep(0.2)
+        _wait(healthy, 120, 0.2, "omnistage serve to come up")
         yield url
     finally:
         proc.terminate()
@@ -192,7 +189,6 @@ def test_spoken_answer_streams_plays_and_equals_the_api(server, browser):
     assert len(updates) >= 2 and all(u["t"] <= a["finishedAt"] for u in updates)
     assert [u["length"] for u in updates] == sorted({u["length"] for u in updates})
     assert len(chunks) >= 2 and all(c["t"] <= a["finishedAt"] for c in chunks)
-    assert chunks[0]["samples"] == FIRST_CHUNK_FRAMES * SAMPLES_PER_FRAME - 555  # the vocoder's trailing lookahead
     assert browser.execute_script("return window.omnistagePlayground.player.chunks") == len(chunks)
     assert browser.execute_script("return window.omnistagePlayground.player.error") is None
     assert "first token" in a["figuresShown"] and "real-time factor" in a["figuresShown"]

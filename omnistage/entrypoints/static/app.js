@@ -377,6 +377,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
   });
   $("stop").addEventListener("click", stop);
+  document.addEventListener("keydown", (e) => { if (e.key === "Escape") stop(); });
   $("new-chat").addEventListener("click", newChat);
   $("speech").addEventListener("change", () => { $("voice").disabled = !$("speech").checked; });
   init();
