@@ -203,11 +203,11 @@ class Qwen3OmniFamily(ModelFamily):
             name = (voice or self.default_voice).lower()
             if name not in self.speakers:
                 raise ValueError(f"unknown voice {voice!r}; available: {sorted(self.speakers)}")
-            embed_rows, hidden_rows = talker_prompt_rows(ids, self.ids)
-            thinker_data["talker_rows"] = embed_rows
+            # Media placeholder rows of user turns (even ones typed as text) take accept-layer rows, as in
+            # transformers; the other rows the Talker reads take layer-0 embeddings.
+            thinker_data["talker_rows"], thinker_data["talker_hidden_rows"] = talker_prompt_rows(ids, self.ids)
             talker_data: dict[str, Any] = {"prompt_ids": tuple(ids), "speaker_id": self.speakers[name]}
             if media is not None:
-                thinker_data["talker_hidden_rows"] = hidden_rows
                 talker_data["media_spans"] = talker_media_spans(media.spans, ids, self.ids)
             talker = parts["talker"]
             out[talker] = StageRequest(req_id, params[talker], None, (self.config.talker_config.codec_eos_token_id,),
