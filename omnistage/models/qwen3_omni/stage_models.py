@@ -2,11 +2,12 @@
 
 - ``ThinkerStageModel``: token ids (and a request's media) in; hidden states for sampling out; runs the audio
   and vision encoders for the media rows a prefill chunk reaches and gives every row its 3-D position; sends
-  the Talker only the rows it uses (embeddings of user-turn rows, of the assistant header and of fed-back
-  answer tokens).
+  the Talker only the rows it uses (embeddings of user-turn text rows, of the assistant header and of fed-back
+  answer tokens; accept-layer hidden states of user-turn media rows).
 - ``TalkerStageModel``: builds each row's input from the request's intermediate state (prefill rows,
-  decode rows = code-predictor frame embedding + text row), runs the code predictor batched over every
-  request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
+  decode rows = code-predictor frame embedding + text row) and its position (the Talker prompt's own 3-D ids
+  for prefill rows of image/video prompts, ``index + delta`` after), runs the code predictor batched over
+  every request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
 - ``Code2WavStageModel``: one batched decode over chunks of different lengths.
 """
 
