@@ -109,6 +109,7 @@ from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omnistage.entrypoints.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from omnistage.entrypoints.playground import router as playground_router
 from omnistage.entrypoints.protocol import (
     AssistantMessage,
     AudioOutput,
@@ -709,6 +710,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.router.route_class = _GuardedRoute
     app.state.omni, app.state.metrics, app.state.served_model_name = omni, metrics, name
     app.state.limits, app.state.preprocess_pool = limits, pool
+    app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     app.include_router(realtime_router(omni, name, metrics, pool, realtime_limits))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
