@@ -8,10 +8,9 @@ decides it; the silence that decides it is not counted).
 
 Beside it, the same figure without the realtime layer: the committed clip of each session as an audio chat
 message straight into ``AsyncOmni.generate`` (render + submit -> first audio chunk), N at once. (The HTTP
-chat API does not take ``input_audio`` yet, so the engine call stands in for it.) Until the Talker answers
-audio prompts with speech, both sides measure the first *text* delta instead, and the table says so. A
-second table gives the speech figure that exists today: a typed turn (``response.create``) -> first audio
-delta, beside a streamed HTTP chat request with the same text -> first audio chunk.
+chat API does not take ``input_audio`` yet, so the engine call stands in for it.) A second table: a typed
+turn (``response.create``) -> first audio delta, beside a streamed HTTP chat request with the same text ->
+first audio chunk.
 
     python benchmarks/realtime_bench.py --preset small --sessions 1 8 --threads 2
 """
@@ -81,21 +80,20 @@ class Server:
         self.thread.join(10)
 
 
-def session_settings(args, modality: str) -> dict:
-    return {"type": "realtime", "output_modalities": [modality], "max_output_tokens": args.thinker_tokens,
+def session_settings(args) -> dict:
+    return {"type": "realtime", "max_output_tokens": args.thinker_tokens,
             "sampling": {"temperature": 0, "min_tokens": args.thinker_tokens,
                          "talker": {"temperature": 0, "repetition_penalty": 1.0, "max_tokens": args.talker_tokens}}}
 
 
-async def spoken_turn(url: str, model: str, args, seed: int, modality: str) -> tuple[float, np.ndarray]:
-    """One session, one spoken turn in real time: (speech end -> first answer delta, the committed clip)."""
+async def spoken_turn(url: str, model: str, args, seed: int) -> tuple[float, np.ndarray]:
+    """One session, one spoken turn in real time: (speech end -> first answer audio, the committed clip)."""
     import openai
 
     audio = turn_audio(seed)
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-    first_kind = "response.output_audio.delta" if modality == "audio" else "response.output_text.delta"
     async with client.realtime.connect(model=model) as conn:
-        await conn.session.update(session=session_settings(args, modality))
+        await conn.session.update(session=session_settings(args))
         step = RATE * CHUNK_MS // 1000
         t_start, sent, stop_at, start_ms, clip = time.perf_counter(), 0, None, 0, None
 
@@ -112,7 +110,7 @@ async def spoken_turn(url: str, model: str, args, seed: int, modality: str) -> t
             elif ev.type == "input_audio_buffer.speech_stopped":
                 stop_at = time.perf_counter()
                 clip = audio[start_ms * 24:ev.audio_end_ms * 24]
-            elif ev.type == first_kind and stop_at is not None:
+            elif ev.type == "response.output_audio.delta" and stop_at is not None:
                 latency = time.perf_counter() - stop_at
                 await feeder
                 return latency, clip
@@ -120,8 +118,8 @@ async def spoken_turn(url: str, model: str, args, seed: int, modality: str) -> t
                 raise RuntimeError(ev.error.message)
 
 
-async def engine_turn(omni, clip: np.ndarray, args, modality: str) -> float:
-    """The same clip straight into the engine: render (in a thread, as the server does) + submit -> first delta."""
+async def engine_turn(omni, clip: np.ndarray, args) -> float:
+    """The same clip straight into the engine: render (in a thread, as the server does) + submit -> first audio."""
     from omnistage.core.sampling_params import SamplingParams
 
     params = {"thinker": SamplingParams(temperature=0, max_tokens=args.thinker_tokens, min_tokens=args.thinker_tokens),
@@ -129,10 +127,9 @@ async def engine_turn(omni, clip: np.ndarray, args, modality: str) -> float:
     messages = [{"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768, RATE)}]}]
     t0 = time.perf_counter()
     prompt = await asyncio.get_running_loop().run_in_executor(None, omni.render_prompt, messages)
-    modalities = ("text", "audio") if modality == "audio" else ("text",)
-    async with contextlib.aclosing(omni.generate(prompt, modalities, params)) as stream:  # closing aborts
+    async with contextlib.aclosing(omni.generate(prompt, ("text", "audio"), params)) as stream:  # closing aborts
         async for d in stream:
-            if (d.audio is not None and d.audio.numel()) if modality == "audio" else d.new_token_ids:
+            if d.audio is not None and d.audio.numel():
                 return time.perf_counter() - t0
     raise RuntimeError("no output")
 
@@ -142,7 +139,7 @@ async def typed_turn(url: str, model: str, args, text: str) -> float:
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     async with client.realtime.connect(model=model) as conn:
-        await conn.session.update(session=session_settings(args, "audio"))
+        await conn.session.update(session=session_settings(args))
         await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_text", "text": text}]})
         t0 = time.perf_counter()
@@ -172,33 +169,19 @@ async def http_turn(url: str, model: str, args, text: str) -> float:
     raise RuntimeError("no audio")
 
 
-async def speaks_to_audio(omni) -> bool:
-    try:
-        prompt = omni.render_prompt([{"role": "user", "content": [{"type": "audio", "audio": (turn_audio(0), RATE)}]}])
-        async with contextlib.aclosing(omni.generate(prompt, ("text", "audio"))) as stream:
-            async for _ in stream:
-                return True
-    except ValueError:
-        return False
-    return True
-
-
 def stats(xs: list[float]) -> str:
     xs = sorted(xs)
     return f"{statistics.median(xs):6.3f} {xs[min(len(xs) - 1, int(0.9 * len(xs)))]:6.3f}"
 
 
 async def bench(args, omni, url: str, model: str) -> None:
-    speaks = await speaks_to_audio(omni)
-    modality = "audio" if speaks else "text"
-    what = "first audio" if speaks else "first TEXT (audio answers to audio prompts are not supported yet)"
     text = "tell me about the sea and the boat"
     # Warm-up of every path (the first audio features, the first speech) before anything is timed.
-    _, clip = await spoken_turn(url, model, args, 99, modality)
-    await engine_turn(omni, clip, args, modality)
+    _, clip = await spoken_turn(url, model, args, 99)
+    await engine_turn(omni, clip, args)
     await typed_turn(url, model, args, text)
     await http_turn(url, model, args, text)
-    print(f"\nspoken turn, speech end -> {what}; seconds, median p90 over sessions x {args.rounds} rounds "
+    print(f"\nspoken turn, speech end -> first audio; seconds, median p90 over sessions x {args.rounds} rounds "
           "(the two sides alternate which goes first)")
     print(f"{'N':>3} | {'realtime (VAD stop)':>19} | {'AsyncOmni.generate':>18} | ratio")
     for n in args.sessions:
@@ -206,13 +189,13 @@ async def bench(args, omni, url: str, model: str) -> None:
         for r in range(args.rounds):
             clips = [turn_audio(100 * r + i) for i in range(n)]
             if r % 2:  # the engine side first, on the clips the realtime side will commit (same VAD, same audio)
-                eng += await asyncio.gather(*[engine_turn(omni, committed(c), args, modality) for c in clips])
+                eng += await asyncio.gather(*[engine_turn(omni, committed(c), args) for c in clips])
                 await asyncio.sleep(0.5)
-            results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i, modality) for i in range(n)])
+            results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i) for i in range(n)])
             rt += [lat for lat, _ in results]
             await asyncio.sleep(0.5)
             if not r % 2:
-                eng += await asyncio.gather(*[engine_turn(omni, clip, args, modality) for _, clip in results])
+                eng += await asyncio.gather(*[engine_turn(omni, clip, args) for _, clip in results])
                 await asyncio.sleep(0.5)
         print(f"{n:>3} | {stats(rt):>19} | {stats(eng):>18} | {statistics.median(rt) / statistics.median(eng):5.2f}",
               flush=True)

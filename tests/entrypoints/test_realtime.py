@@ -30,7 +30,8 @@ MODEL = "tiny-omni"
 N = 8  # Thinker tokens per answer
 FRAMES = 30  # Talker frames per answer (> the 25-frame first Code2Wav chunk)
 TALKER = {"temperature": 0, "max_tokens": FRAMES, "repetition_penalty": 1.0}
-GREEDY = {"max_output_tokens": N, "sampling": {"temperature": 0, "talker": TALKER}}
+# Exactly N tokens (min_tokens): answers long enough to stream, the same length on every side.
+GREEDY = {"max_output_tokens": N, "sampling": {"temperature": 0, "min_tokens": N, "talker": TALKER}}
 # An answer that cannot end early: thousands of steps in every stage (min_tokens = max_tokens, no EOS).
 LONG = {"max_output_tokens": 2000, "sampling": {"temperature": 0, "min_tokens": 2000, "ignore_eos": True, "talker": {
     "temperature": 0, "repetition_penalty": 1.0, "max_tokens": 2000, "min_tokens": 2000}}}
@@ -55,7 +56,7 @@ def server(engine):
 
 
 def _params() -> dict[str, SamplingParams]:
-    return {"thinker": SamplingParams(temperature=0.0, max_tokens=N),
+    return {"thinker": SamplingParams(temperature=0.0, max_tokens=N, min_tokens=N),
             "talker": SamplingParams(temperature=0.0, max_tokens=FRAMES, repetition_penalty=1.0)}
 
 
@@ -68,17 +69,6 @@ async def _engine_answer(omni, messages, modalities=("text",)) -> tuple[str, np.
             audio.append(to_int16(d.audio))
     text = omni.tokenizer.decode(ids, skip_special_tokens=True)
     return text, (np.concatenate(audio) if audio else None)
-
-
-async def _speaks_to_audio(omni) -> bool:
-    """Whether the engine gives spoken answers to prompts with audio (the Talker's media conditioning)."""
-    messages = [{"role": "user", "content": [{"type": "audio", "audio": (speech_like(0.5), 24000)}]}]
-    try:
-        await _engine_answer(omni, messages, ("text", "audio"))
-    except ValueError as exc:
-        assert "not supported yet" in str(exc)
-        return False
-    return True
 
 
 async def _wait_idle(omni) -> dict:
@@ -98,6 +88,11 @@ def _user(text: str) -> dict:
 def _audio(events) -> np.ndarray:
     chunks = [pcm(e.delta) for e in of(events, "response.output_audio.delta")]
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
+
+
+def _check_audio(got: np.ndarray, want: np.ndarray) -> None:
+    assert got.shape == want.shape and got.size > 0
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= MAX_INT16_DIFF
 
 
 def _check_done(events, status: str) -> object:
@@ -127,16 +122,14 @@ def test_text_turns_stream_text_and_audio_equal_to_http_chat(server):
                     assert done.usage.output_token_details.text_tokens == N
                     assert done.usage.output_token_details.audio_tokens > 0
                     history.append({"role": "user", "content": prompt})
-                    body = {"model": MODEL, "messages": history, "temperature": 0, "max_tokens": N,
+                    body = {"model": MODEL, "messages": history, "temperature": 0, "max_tokens": N, "min_tokens": N,
                             "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
                             "talker": TALKER}
                     ref = (await http.post("/v1/chat/completions", json=body)).json()
                     msg = ref["choices"][0]["message"]
                     assert text == msg["content"]
                     assert done.usage.input_tokens == ref["usage"]["prompt_tokens"]
-                    got, want = _audio(events), np.frombuffer(base64.b64decode(msg["audio"]["data"]), dtype="<i2")
-                    assert got.shape == want.shape and got.size > 0
-                    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= MAX_INT16_DIFF
+                    _check_audio(_audio(events), np.frombuffer(base64.b64decode(msg["audio"]["data"]), dtype="<i2"))
                     deltas = of(events, "response.output_audio.delta")
                     assert max(pcm(e.delta).size for e in deltas) <= 12000  # at most 0.5 s per delta
                     if done.usage.output_token_details.audio_tokens > 25:  # beyond the first chunk: streamed
@@ -151,10 +144,8 @@ def test_spoken_turn_with_server_vad_is_answered_as_the_engine_answers_that_audi
     sent = np.concatenate([silence(0.6), speech_like(1.2, seed=1), silence(0.9)])
 
     async def scenario():
-        speaks = await _speaks_to_audio(omni)
-        modality = "audio" if speaks else "text"
         async with client(server.url).realtime.connect(model=MODEL) as conn:
-            await conn.session.update(session={"type": "realtime", "output_modalities": [modality], **GREEDY})
+            await conn.session.update(session={"type": "realtime", **GREEDY})  # audio out, server VAD: defaults
             await until(conn, "session.updated")
             for chunk in b64_chunks(sent):
                 await conn.input_audio_buffer.append(audio=chunk)
@@ -166,20 +157,11 @@ def test_spoken_turn_with_server_vad_is_answered_as_the_engine_answers_that_audi
             clip = sent[start.audio_start_ms * 24:stop.audio_end_ms * 24]
             messages = [{"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768,
                                                                                  24000)}]}]
-            want, want_audio = await _engine_answer(omni, messages, ("text", modality) if speaks else ("text",))
+            want, want_audio = await _engine_answer(omni, messages, ("text", "audio"))
             assert text_of(events) == want and want
             done = _check_done(events, "incomplete")
             assert done.usage.input_token_details.audio_tokens > 0
-            if speaks:
-                got = _audio(events)
-                assert got.shape == want_audio.shape
-                assert np.abs(got.astype(np.int32) - want_audio.astype(np.int32)).max() <= MAX_INT16_DIFF
-            else:  # until the Talker hears media: a clear refusal, as a failed response and an error event
-                await conn.response.create(response={"output_modalities": ["audio"]})
-                failed = await until(conn, "response.done")
-                _check_done(failed, "failed")
-                err = of(failed, "error")[0].error
-                assert err.code == "invalid_request" and "not supported yet" in err.message
+            _check_audio(_audio(events), want_audio)
 
     asyncio.run(scenario())
 
@@ -189,7 +171,6 @@ def test_barge_in_cancels_everywhere_and_the_next_turn_starts_from_what_was_play
     speech = speech_like(0.8, seed=2)
 
     async def scenario():
-        speaks = await _speaks_to_audio(omni)
         async with client(server.url).realtime.connect(model=MODEL) as conn:
             await conn.session.update(session={"type": "realtime", **LONG})
             await until(conn, "session.updated")
@@ -213,8 +194,7 @@ def test_barge_in_cancels_everywhere_and_the_next_turn_starts_from_what_was_play
             assert text_of(events).startswith(played) and len(played) < len(text_of(events))
             await _wait_idle(omni)
             # The next turn: the speech ends, is committed and answered normally.
-            await conn.session.update(session={"type": "realtime", "output_modalities": ["audio" if speaks else "text"],
-                                               **GREEDY})
+            await conn.session.update(session={"type": "realtime", **GREEDY})
             await until(conn, "session.updated")
             tail = silence(0.9)
             for chunk in b64_chunks(tail):
@@ -228,8 +208,9 @@ def test_barge_in_cancels_everywhere_and_the_next_turn_starts_from_what_was_play
             messages = [{"role": "user", "content": "Tell me everything."}, {"role": "assistant", "content": played},
                         {"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768,
                                                                                  24000)}]}]
-            want, _ = await _engine_answer(omni, messages)
+            want, want_audio = await _engine_answer(omni, messages, ("text", "audio"))
             assert text_of(events) == want
+            _check_audio(_audio(events), want_audio)
 
     asyncio.run(scenario())
 
