@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import json
 import socket
 import statistics
 import threading
@@ -45,13 +46,13 @@ def speech_like(seconds: float, seed: int) -> np.ndarray:
     return (sig / np.abs(sig).max() * 0.5 * 32767).astype(np.int16)
 
 
-def committed(audio: np.ndarray) -> np.ndarray:
-    """The span server VAD commits from ``audio`` (the same detector the server runs)."""
+def committed(audio: np.ndarray) -> tuple[np.ndarray, int]:
+    """The span server VAD commits from ``audio`` (the same detector the server runs) and where it ends (ms)."""
     from omnistage.entrypoints.realtime.config import TurnDetection
     from omnistage.entrypoints.realtime.vad import SpeechDetector
 
     start, stop = (e.ms for e in SpeechDetector(TurnDetection()).feed(audio))
-    return audio[start * 24:stop * 24]
+    return audio[start * 24:stop * 24], stop
 
 
 def turn_audio(seed: int) -> np.ndarray:
@@ -86,6 +87,15 @@ def session_settings(args) -> dict:
                          "talker": {"temperature": 0, "repetition_penalty": 1.0, "max_tokens": args.talker_tokens}}}
 
 
+async def recv(conn) -> dict:
+    """The next server event as a dict. The SDK's typed parsing (a pydantic union of ~45 event types) would run
+    in this process beside the engine and take its time from it; the HTTP client only scans lines."""
+    ev = json.loads(await conn.recv_bytes())
+    if ev["type"] == "error":
+        raise RuntimeError(ev["error"]["message"])
+    return ev
+
+
 async def spoken_turn(url: str, model: str, args, seed: int) -> tuple[float, np.ndarray]:
     """One session, one spoken turn in real time: (speech end -> first answer audio, the committed clip)."""
     import openai
@@ -104,22 +114,24 @@ async def spoken_turn(url: str, model: str, args, seed: int) -> tuple[float, np.
                 await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i:i + step].tobytes()).decode())
 
         feeder = asyncio.create_task(feed())
-        async for ev in conn:
-            if ev.type == "input_audio_buffer.speech_started":
-                start_ms = ev.audio_start_ms
-            elif ev.type == "input_audio_buffer.speech_stopped":
+        while True:
+            ev = await recv(conn)
+            if ev["type"] == "input_audio_buffer.speech_started":
+                start_ms = ev["audio_start_ms"]
+            elif ev["type"] == "input_audio_buffer.speech_stopped":
                 stop_at = time.perf_counter()
-                clip = audio[start_ms * 24:ev.audio_end_ms * 24]
-            elif ev.type == "response.output_audio.delta" and stop_at is not None:
+                clip = audio[start_ms * 24:ev["audio_end_ms"] * 24]
+            elif ev["type"] == "response.output_audio.delta" and stop_at is not None:
                 latency = time.perf_counter() - stop_at
                 await feeder
                 return latency, clip
-            elif ev.type == "error":
-                raise RuntimeError(ev.error.message)
 
 
-async def engine_turn(omni, clip: np.ndarray, args) -> float:
-    """The same clip straight into the engine: render (in a thread, as the server does) + submit -> first audio."""
+async def engine_turn(omni, clip: np.ndarray, args, delay: float) -> float:
+    """The same clip straight into the engine ``delay`` s after the first user of its round stopped speaking (the
+    users' turns end as far apart as in the realtime run): render (in a thread, as the server does) + submit ->
+    first audio."""
+    await asyncio.sleep(delay)
     from omnistage.core.sampling_params import SamplingParams
 
     params = {"thinker": SamplingParams(temperature=0, max_tokens=args.thinker_tokens, min_tokens=args.thinker_tokens),
@@ -144,13 +156,11 @@ async def typed_turn(url: str, model: str, args, text: str) -> float:
                                                   "content": [{"type": "input_text", "text": text}]})
         t0 = time.perf_counter()
         await conn.response.create()
-        async for ev in conn:
-            if ev.type == "response.output_audio.delta":
-                latency = time.perf_counter() - t0
-                await conn.response.cancel()
-                return latency
-            if ev.type == "error":
-                raise RuntimeError(ev.error.message)
+        while (await recv(conn))["type"] != "response.output_audio.delta":
+            pass
+        latency = time.perf_counter() - t0
+        await conn.response.cancel()
+        return latency
 
 
 async def http_turn(url: str, model: str, args, text: str) -> float:
@@ -178,7 +188,7 @@ async def bench(args, omni, url: str, model: str) -> None:
     text = "tell me about the sea and the boat"
     # Warm-up of every path (the first audio features, the first speech) before anything is timed.
     _, clip = await spoken_turn(url, model, args, 99)
-    await engine_turn(omni, clip, args)
+    await engine_turn(omni, clip, args, 0.0)
     await typed_turn(url, model, args, text)
     await http_turn(url, model, args, text)
     print(f"\nspoken turn, speech end -> first audio; seconds, median p90 over sessions x {args.rounds} rounds "
@@ -187,15 +197,19 @@ async def bench(args, omni, url: str, model: str) -> None:
     for n in args.sessions:
         rt, eng = [], []
         for r in range(args.rounds):
-            clips = [turn_audio(100 * r + i) for i in range(n)]
-            if r % 2:  # the engine side first, on the clips the realtime side will commit (same VAD, same audio)
-                eng += await asyncio.gather(*[engine_turn(omni, committed(c), args) for c in clips])
+            # The clips the realtime side commits (same VAD, same audio) and when each user stops speaking.
+            spans = [committed(turn_audio(100 * r + i)) for i in range(n)]
+            first_end = min(end for _, end in spans)
+            engine_side = [engine_turn(omni, clip, args, (end - first_end) / 1000) for clip, end in spans]
+            if r % 2:  # alternate which side goes first
+                eng += await asyncio.gather(*engine_side)
                 await asyncio.sleep(0.5)
             results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i) for i in range(n)])
             rt += [lat for lat, _ in results]
+            assert all(np.array_equal(clip, c) for (_, clip), (c, _) in zip(results, spans))
             await asyncio.sleep(0.5)
             if not r % 2:
-                eng += await asyncio.gather(*[engine_turn(omni, clip, args) for _, clip in results])
+                eng += await asyncio.gather(*engine_side)
                 await asyncio.sleep(0.5)
         print(f"{n:>3} | {stats(rt):>19} | {stats(eng):>18} | {statistics.median(rt) / statistics.median(eng):5.2f}",
               flush=True)

@@ -181,9 +181,8 @@ class ResponseRun:
         except asyncio.CancelledError:
             self.status = "cancelled"
             self.finish_reason = "abort"
-        except SessionClosed:
+        except SessionClosed:  # the client is gone: nothing to tell anyone (the stream closed above aborted it)
             self.status, self.reason, self.finish_reason = "cancelled", "client_gone", "abort"
-            raise
         except RealtimeError as err:
             self._fail(err)
         except QueueFullError as exc:
@@ -196,7 +195,8 @@ class ResponseRun:
             logger.exception("realtime response %s failed", self.id)
             self._fail(RealtimeError(f"internal error: {exc!r}", code="internal_error", type="server_error"))
         finally:
-            await self._finish()
+            with contextlib.suppress(SessionClosed):
+                await self._finish()
 
     def _fail(self, err: RealtimeError) -> None:
         self.status, self.error, self.finish_reason = "failed", err, "error"
