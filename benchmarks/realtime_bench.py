@@ -26,6 +26,7 @@ import socket
 import statistics
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from benchmarks.thinker_throughput import resolve_model
 
 RATE = 24000
 CHUNK_MS = 100
+# The engine side renders prompts in a pool as large as the server's preprocessing pool (ServerLimits default),
+# so N prompts reach the engine as staggered as the server's do.
+RENDER_POOL = ThreadPoolExecutor(2, thread_name_prefix="bench-render")
 
 
 def speech_like(seconds: float, seed: int) -> np.ndarray:
@@ -96,8 +100,10 @@ async def recv(conn) -> dict:
     return ev
 
 
-async def spoken_turn(url: str, model: str, args, seed: int) -> tuple[float, np.ndarray]:
-    """One session, one spoken turn in real time: (speech end -> first answer audio, the committed clip)."""
+async def spoken_turn(url: str, model: str, args, seed: int, t_start: float) -> tuple[float, np.ndarray]:
+    """One session, one spoken turn in real time from ``t_start`` (a moment every session of a round shares,
+    so N users stop speaking together, as the engine side's N requests arrive together): (speech end -> first
+    answer audio, the committed clip)."""
     import openai
 
     audio = turn_audio(seed)
@@ -105,7 +111,7 @@ async def spoken_turn(url: str, model: str, args, seed: int) -> tuple[float, np.
     async with client.realtime.connect(model=model) as conn:
         await conn.session.update(session=session_settings(args))
         step = RATE * CHUNK_MS // 1000
-        t_start, sent, stop_at, start_ms, clip = time.perf_counter(), 0, None, 0, None
+        sent, stop_at, start_ms, clip = 0, None, 0, None
 
         async def feed() -> None:
             nonlocal sent
@@ -129,8 +135,8 @@ async def spoken_turn(url: str, model: str, args, seed: int) -> tuple[float, np.
 
 async def engine_turn(omni, clip: np.ndarray, args, delay: float) -> float:
     """The same clip straight into the engine ``delay`` s after the first user of its round stopped speaking (the
-    users' turns end as far apart as in the realtime run): render (in a thread, as the server does) + submit ->
-    first audio."""
+    users' turns end as far apart as in the realtime run): render (in a 2-thread pool, as the server does) +
+    submit -> first audio."""
     await asyncio.sleep(delay)
     from omnistage.core.sampling_params import SamplingParams
 
@@ -138,7 +144,7 @@ async def engine_turn(omni, clip: np.ndarray, args, delay: float) -> float:
               "talker": SamplingParams(temperature=0, max_tokens=args.talker_tokens, repetition_penalty=1.0)}
     messages = [{"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768, RATE)}]}]
     t0 = time.perf_counter()
-    prompt = await asyncio.get_running_loop().run_in_executor(None, omni.render_prompt, messages)
+    prompt = await asyncio.get_running_loop().run_in_executor(RENDER_POOL, omni.render_prompt, messages)
     async with contextlib.aclosing(omni.generate(prompt, ("text", "audio"), params)) as stream:  # closing aborts
         async for d in stream:
             if d.audio is not None and d.audio.numel():
@@ -187,10 +193,11 @@ def stats(xs: list[float]) -> str:
 async def bench(args, omni, url: str, model: str) -> None:
     text = "tell me about the sea and the boat"
     # Warm-up of every path (the first audio features, the first speech) before anything is timed.
-    _, clip = await spoken_turn(url, model, args, 99)
-    await engine_turn(omni, clip, args, 0.0)
-    await typed_turn(url, model, args, text)
-    await http_turn(url, model, args, text)
+    top = max(args.sessions)
+    warm = await asyncio.gather(*[spoken_turn(url, model, args, 90 + i, time.perf_counter() + 1.0) for i in range(top)])
+    await asyncio.gather(*[engine_turn(omni, clip, args, 0.0) for _, clip in warm])
+    await asyncio.gather(*[typed_turn(url, model, args, text) for _ in range(top)])
+    await asyncio.gather(*[http_turn(url, model, args, text) for _ in range(top)])
     print(f"\nspoken turn, speech end -> first audio; seconds, median p90 over sessions x {args.rounds} rounds "
           "(the two sides alternate which goes first)")
     print(f"{'N':>3} | {'realtime (VAD stop)':>19} | {'AsyncOmni.generate':>18} | ratio")
@@ -204,7 +211,8 @@ async def bench(args, omni, url: str, model: str) -> None:
             if r % 2:  # alternate which side goes first
                 eng += await asyncio.gather(*engine_side)
                 await asyncio.sleep(0.5)
-            results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i) for i in range(n)])
+            t_start = time.perf_counter() + 1.0  # after every session has connected
+            results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i, t_start) for i in range(n)])
             rt += [lat for lat, _ in results]
             assert all(np.array_equal(clip, c) for (_, clip), (c, _) in zip(results, spans))
             await asyncio.sleep(0.5)
