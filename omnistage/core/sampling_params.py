@@ -79,9 +79,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed (validated again)."""

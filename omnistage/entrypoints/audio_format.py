@@ -18,7 +18,6 @@ import struct
 import numpy as np
 import torch
 
-FORMATS = ("wav", "pcm16", "flac")
 _ALIASES = {"pcm": "pcm16", "pcm16": "pcm16", "wav": "wav", "flac": "flac"}
 MEDIA_TYPES = {"wav": "audio/wav", "pcm16": "audio/pcm", "flac": "audio/flac"}
 FLAC_BLOCK_SIZE = 4096

@@ -174,15 +174,6 @@ def error_param(loc: tuple[Any, ...]) -> str | None:
 
 
 # ---- responses -------------------------------------------------------------------------------------
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class Usage(BaseModel):
@@ -225,22 +216,6 @@ class ChunkDelta(BaseModel):
     role: str | None = None
     content: str | None = None
     audio: dict[str, Any] | None = None
-
-
-class ChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChunkDelta
-    finish_reason: str | None = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -67,8 +67,8 @@ Validation before admission (nothing reaches the engine unless all of it passes)
   ``web_search_options``, speech ``instructions``, speech ``speed`` != 1. Unknown voices, audio formats and
   modalities are 400s too. Other unknown fields change nothing and are ignored (the SDK sends some).
 
-Media input (models with audio / vision towers; ``app.state.input_modalities`` says which, for the browser
-playground): user messages may hold ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"
+Media input (models with audio / vision towers; ``GET /playground/info`` lists them in ``input_modalities``):
+user messages may hold ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"
 | "mp3" | "flac" | "ogg" | "opus" | "webm" | "m4a" | "aac" | "mp4"}}`` (decoded by content, the format name is
 checked only), ``{"type": "image_url", "image_url": {"url": ...}}`` (``detail`` accepted and ignored: the
 model's processor sizes images), ``audio_url`` and ``video_url`` likewise. A URL is a data URL
@@ -93,9 +93,10 @@ second). A bad media part is a 400 whose message starts with the part (``content
 is not the part's, a file that cannot be decoded or is missing, media in a non-user message, a video without
 the audio track ``use_audio_in_video`` needs, audio too short for the model), ``media_limit_exceeded``, or
 ``media_url_not_allowed`` (http(s) or other schemes, local files when none are allowed or outside DIR; the
-message never shows where a path resolves). Spoken answers to media prompts need the Talker's media
-conditioning: until the model has it, they are refused with a 400. Decoding runs in the preprocessing pool,
-and a client that disconnects before its first output (e.g. while its media are encoded) is aborted at once.
+message never shows where a path resolves). With ``"modalities": ["text", "audio"]`` the answer to a media
+prompt is spoken too (the Talker conditions on the media rows as transformers' does). Decoding runs in the
+preprocessing pool, and a client that disconnects before its first output (e.g. while its media are being
+encoded) is aborted at once.
 
 Bounded work: the body is kept only up to the limit (the rest of a bigger one, up to 64 MiB, is read and
 dropped so the client reads the 413; beyond that the connection is closed); JSON parsing, validation, media
@@ -157,6 +158,7 @@ from omnistage.entrypoints.media_input import (
     MediaRejection,
 )
 from omnistage.entrypoints.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from omnistage.entrypoints.playground import router as playground_router
 from omnistage.entrypoints.protocol import (
     AssistantMessage,
     AudioOutput,
@@ -831,6 +833,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.router.route_class = _GuardedRoute
     app.state.omni, app.state.metrics, app.state.served_model_name = omni, metrics, name
     app.state.limits, app.state.preprocess_pool = limits, pool
+    app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
 

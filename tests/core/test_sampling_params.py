@@ -62,9 +62,8 @@ def test_validation_names_the_field(kwargs, field):
 
 
 def test_top_k_off_values_are_accepted():
-    assert not SamplingParams(top_k=0).top_k_enabled
-    assert not SamplingParams(top_k=-1).top_k_enabled
-    assert SamplingParams(top_k=5).top_k_enabled
+    assert SamplingParams(top_k=0).top_k == 0 and SamplingParams(top_k=-1).top_k == -1
+    assert SamplingParams(top_k=5).top_k == 5
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-6])

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import base64
 import io
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import soundfile
 from PIL import Image
+
+from omnistage.testing.media_files import write_video
 
 _rng = np.random.default_rng(11)
 
@@ -28,25 +32,12 @@ def image_file(height: int, width: int, fmt: str = "PNG") -> bytes:
     return buf.getvalue()
 
 
-def video_file(frames: int, height: int, width: int, fps: int, track: np.ndarray | None = None) -> bytes:
-    """A Matroska file: lossless video (ffv1) and, if given, a 16 kHz pcm audio track."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as container:
-        video = container.add_stream("ffv1", rate=fps)
-        video.width, video.height, video.pix_fmt = width, height, "bgr0"
-        sound = container.add_stream("pcm_s16le", rate=16000, layout="mono") if track is not None else None
-        for f in _rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8):
-            container.mux(video.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
-        container.mux(video.encode())
-        if sound is not None:
-            pcm = (np.clip(track, -1, 1) * 32767).round().astype(np.int16)[None, :]
-            frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
-            frame.sample_rate = 16000
-            container.mux(sound.encode(frame))
-            container.mux(sound.encode())
-    return buf.getvalue()
+def video_file(frames: int, height: int, width: int, fps, track: np.ndarray | None = None) -> bytes:
+    """The bytes of a Matroska file (``testing.media_files.write_video``: lossless frames, 16 kHz pcm track)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "clip.mkv"
+        write_video(path, _rng.integers(0, 256, (frames, height, width, 3), dtype=np.uint8), fps, track)
+        return path.read_bytes()
 
 
 def b64(data: bytes) -> str:

@@ -27,7 +27,7 @@ from omnistage.pipeline.omni import AsyncOmni, Omni
 MODEL = "tiny-omni"
 TALKER_FRAMES = 30  # > the 25-frame first chunk: audio arrives in two chunks
 # (prompt, thinker max tokens)
-CASES = [("Hi", 8), ("Tell me a short story about the sea.", 10), ("What is the weather like?", 6)]
+CASES = [("Hi", 8), ("Tell me a short story about the sea.", 10), ("What is the weather like?", 40)]
 TALKER_EXTRA = {"talker": {"temperature": 0, "max_tokens": TALKER_FRAMES, "repetition_penalty": 1.0}}
 MAX_INT16_DIFF = 4  # 1e-4 of full scale, in int16 steps
 # A request that cannot end early: thousands of steps in every stage (min_tokens = max_tokens, no EOS).

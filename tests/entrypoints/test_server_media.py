@@ -1,7 +1,7 @@
 """Media input over HTTP: the real server (AsyncOmni on the tiny checkpoint with towers, uvicorn on 127.0.0.1)
 against the official openai client. ``input_audio``, ``image_url``, ``audio_url`` and ``video_url`` parts (data
 URLs, and files under the allowed media directory) give exactly the offline ``Omni.generate`` answer for the
-same media (greedy); ``use_audio_in_video`` and ``fps`` arrive through ``mm_processor_kwargs``; paths that leave
+same media (greedy), spoken answers included; ``use_audio_in_video`` and ``fps`` arrive through ``mm_processor_kwargs``; paths that leave
 the allowed directory are refused with the part named; a client that disconnects while its prompt's media are
 being encoded has the encoder outputs freed; ``/health`` answers while a large media request is decoded.
 (Malformed media classes are in the hostile-input table, ``test_hostile.py``.)"""
@@ -9,15 +9,19 @@ being encoded has the encoder outputs freed; ``/health`` answers while a large m
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import re
 import socket
 import threading
 import time
+import wave
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from media_files import audio_file, data_url, image_file, input_audio, noise, url_part, user, video_file
@@ -25,6 +29,7 @@ from server_thread import ServerThread
 from test_hostile import _check_health, _probe_health
 
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.entrypoints.audio_format import to_int16
 from omnistage.entrypoints.media_input import MediaLimits
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.server import ServerLimits, create_app
@@ -36,6 +41,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 MODEL = "tiny-omni"
 N = 6  # greedy answer tokens
+TALKER_FRAMES = 30
+MAX_INT16_DIFF = 4  # 1e-4 of full scale, in int16 steps
 WAV = audio_file(noise(2.0, 22050, channels=2), 22050)  # stereo at 22.05 kHz: mixed down and resampled
 FLAC = audio_file(noise(1.5), 16000, "FLAC")
 PNG = image_file(80, 112)  # resized by the processor (2.5 -> 2, 3.5 -> 4 blocks: half to even)
@@ -62,10 +69,14 @@ def offline(tiny_ckpt):
     return Omni(tiny_ckpt)
 
 
+def _files(media_dir, content):
+    """Chat-template parts naming files of ``media_dir`` by their relative names -> full paths."""
+    return [{**p, p["type"]: str(media_dir / p[p["type"]])} if p["type"] != "text" else p for p in content]
+
+
 def _reference(offline, media_dir, content, use_audio_in_video=False):
-    """The offline answer for chat-template parts whose media are the files in ``media_dir``."""
-    parts = [{**p, p["type"]: str(media_dir / p[p["type"]])} if p["type"] != "text" else p for p in content]
-    (out,) = offline.generate([{"role": "user", "content": parts}], sampling_params=SamplingParams(
+    """The offline text answer for chat-template parts whose media are the files in ``media_dir``."""
+    (out,) = offline.generate([{"role": "user", "content": _files(media_dir, content)}], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=N), use_audio_in_video=use_audio_in_video)
     return out
 
@@ -177,12 +188,25 @@ def test_files_inside_the_allowed_directory_only(client, server, offline, media_
         assert "outside.png" not in err["message"] or url.endswith("outside.png")  # no resolved paths leak
 
 
-def test_a_spoken_answer_to_a_media_prompt_is_refused_until_the_talker_takes_media(server):
-    # When the Talker takes media rows (issue 11, Talker part), this becomes the speech parity test.
-    body = {"model": MODEL, "messages": user(input_audio(WAV), "Say it."), "modalities": ["text", "audio"],
-            "audio": {"voice": "ethan", "format": "wav"}}
-    resp = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-    assert resp.status_code == 400 and "not supported yet" in resp.json()["error"]["message"]
+def test_spoken_answer_to_audio_and_image_equals_offline(client, offline, media_dir):
+    talker = SamplingParams(temperature=0.0, max_tokens=TALKER_FRAMES, repetition_penalty=1.0)
+    parts = [{"type": "audio", "audio": "clip.wav"}, {"type": "image", "image": "photo.png"},
+             {"type": "text", "text": "Say what you hear and see."}]
+    (ref,) = offline.generate([{"role": "user", "content": _files(media_dir, parts)}], ["text", "audio"],
+                              {"thinker": SamplingParams(temperature=0.0, max_tokens=N), "talker": talker},
+                              speaker="ethan")
+    assert ref.codes.shape[1] > 0
+    resp = client.chat.completions.create(
+        model=MODEL, messages=user(input_audio(WAV), url_part("image", data_url("image/png", PNG)),
+                                   "Say what you hear and see."),
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}, temperature=0, max_tokens=N,
+        extra_body={"talker": {"temperature": 0, "max_tokens": TALKER_FRAMES, "repetition_penalty": 1.0}})
+    _same(resp, ref)
+    with wave.open(io.BytesIO(base64.b64decode(resp.choices[0].message.audio.data))) as w:
+        got = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    want = to_int16(ref.audio)
+    assert got.shape == want.shape and got.size > 0
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= MAX_INT16_DIFF
 
 
 def test_health_answers_while_a_large_media_request_is_decoded(server):
