@@ -86,9 +86,10 @@ class ServerMetrics:
 class RequestTimer:
     """Per-request latency bookkeeping; call ``tokens``/``audio`` as deltas arrive and ``finish`` once."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, start: float | None = None) -> None:
+        """``start``: when the request was submitted (``time.monotonic()``; default now)."""
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self.last_token: float | None = None
         self.first_audio: float | None = None
         self.num_tokens = 0

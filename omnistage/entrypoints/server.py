@@ -712,15 +712,19 @@ class _Run:
         self.error: str | None = None  # why the engine failed this request
 
     async def start(self) -> None:
+        submitted = time.monotonic()  # latencies count from here: queueing, media encoding and prefill included
         self._agen = self.omni.generate(self.job.prompt, self.job.modalities, self.job.params,
                                         self.job.speaker, self.request_id)
         try:
             self._first = await self._agen.__anext__()
+        except asyncio.CancelledError:  # the client left before any output: the request was aborted
+            RequestTimer(self.metrics, self.job.num_prompt_tokens, submitted).finish("abort", None)
+            raise
         except StopAsyncIteration as exc:
             raise APIError(500, "engine returned no output", "server_error") from exc
         except Exception as exc:
             raise _submit_error(exc) from exc
-        self.timer = RequestTimer(self.metrics, self.job.num_prompt_tokens)
+        self.timer = RequestTimer(self.metrics, self.job.num_prompt_tokens, submitted)
 
     def _text(self, piece: str) -> str:
         piece = self.stopper.feed(piece)

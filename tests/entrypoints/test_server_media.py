@@ -308,3 +308,26 @@ def test_disconnect_while_the_encoders_run_frees_their_outputs(slow_prefill, gat
     text = httpx.get(srv.url + "/metrics").text
     assert re.search(r'omnistage_encoder_cache_entries\{stage="thinker"\} 0\.0', text)
     assert re.search(r"omnistage_requests_in_flight 0\.0", text)
+    assert _metric(text, r'omnistage_requests_total\{finish_reason="abort"\}') == 1  # counted, though it said nothing
+
+
+def _metric(text: str, pattern: str) -> float:
+    m = re.search(pattern + r" ([0-9.e+-]+)", text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_time_to_first_token_counts_the_media_encoding_and_prefill(slow_prefill, gate):
+    omni, srv = slow_prefill
+    ev, blocked = gate
+    body = {"model": MODEL, "messages": user(url_part("image", data_url("image/png", PNG)), "?"), "max_tokens": 1}
+    before = _metric(httpx.get(srv.url + "/metrics").text, "omnistage_time_to_first_token_seconds_sum")
+    ev.clear()
+    blocked.clear()
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert blocked.wait(60)  # the first prefill step (encoding the image) ran; hold the engine 0.5 s
+        time.sleep(0.5)
+        ev.set()
+        assert reply.result().status_code == 200
+    ttft = _metric(httpx.get(srv.url + "/metrics").text, "omnistage_time_to_first_token_seconds_sum") - before
+    assert ttft >= 0.5
