@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ PART_KINDS = {"input_audio": "audio", "image_url": "image", "audio_url": "audio"
 # Container formats ``input_audio.format`` may name (decoding goes by the bytes, not by this name).
 INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "webm", "m4a", "aac", "mp4")
 _DATA_URL_HEADER_CHARS = 256  # where the comma of "data:<media type>[;params];base64," must appear
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{1,15}):")  # a URL's scheme (two letters at least: not "C:")
 
 # What a request may carry by default (see ``MediaLimits``).
 DEFAULT_MAX_ITEMS = 16
@@ -168,7 +170,8 @@ class MediaReader:
                 raise MediaRejection(where, f"the data URL's media type {media_type or '(none)'!r} is not {kind}/*",
                                      "invalid_media")
             return self._base64(where, url[len(head) + 1 :], budget)
-        scheme = urlsplit(url).scheme.lower() if ":" in url[:16] else ""
+        match = _SCHEME.match(url)
+        scheme = match[1].lower() if match else ""
         if scheme in ("http", "https"):
             raise MediaRejection(where, "this server does not fetch URLs: send the media inline as a data: URL "
                                         "(data:<media type>;base64,<data>)", "media_url_not_allowed")
@@ -180,7 +183,10 @@ class MediaReader:
                                         "started with --allowed-media-dir reads files under that directory)",
                                  "media_url_not_allowed")
         if scheme == "file":
-            parts = urlsplit(url)
+            try:
+                parts = urlsplit(url)
+            except ValueError as exc:
+                raise MediaRejection(where, f"not a valid file URL: {exc}", "invalid_media") from None
             if parts.netloc not in ("", "localhost"):
                 raise MediaRejection(where, f"file URL host {parts.netloc!r} is not this machine",
                                      "media_url_not_allowed")

@@ -204,6 +204,8 @@ TABLE = [
      "invalid_media"),
     ("image_url-http", CHAT, media(url_part("image", "http://x/y.png")), 400, "messages.0.content.1",
      "media_url_not_allowed"),
+    ("image_url-malformed-http", CHAT, media(url_part("image", "http://[")), 400, "messages.0.content.1",
+     "media_url_not_allowed"),
     ("image_url-ftp", CHAT, media(url_part("image", "ftp://x/y.png")), 400, "messages.0.content.1",
      "media_url_not_allowed"),
     ("image_url-local-path", CHAT, media(url_part("image", "/etc/passwd")), 400, "messages.0.content.1",

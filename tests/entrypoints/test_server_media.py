@@ -175,6 +175,7 @@ def test_files_inside_the_allowed_directory_only(client, server, offline, media_
         ("/etc/passwd", "media_url_not_allowed"),
         ("file://otherhost" + str(path), "media_url_not_allowed"),
         ("missing.png", "invalid_media"),
+        ("file://[bad", "invalid_media"),
         ("sub", "invalid_media"),
         ("clip.wav", "invalid_media"),  # a file, but not an image
     ]
