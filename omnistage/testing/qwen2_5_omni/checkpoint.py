@@ -32,7 +32,7 @@ from omnistage.testing.weights import init_state_dict, to_hub_layout, write_safe
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPEAKER_FILE = "spk_dict.pt"
 # BigVGAN's last conv sets the waveform level: kept small so the clamp to [-1, 1] rarely bites.
-_WAVEFORM_GAIN = 0.05
+_WAVEFORM_GAIN = 0.03
 _VOCODER_OUT = "token2wav.code2wav_bigvgan_model.conv_post.weight"
 
 

@@ -122,7 +122,10 @@ _TINY = Qwen25Preset(
         look_ahead_layers=(2,), look_backward_layers=(0, 3), enc_emb_dim=16, enc_dim=16,
         enc_channels=(16, 16, 16, 16, 48), enc_attention_channels=8, enc_se_channels=8,
     ),
-    bigvgan=BigVGANSpec(upsample_initial_channel=32, upsample_rates=(5, 3, 4, 4), upsample_kernel_sizes=(11, 7, 8, 8)),
+    bigvgan=BigVGANSpec(
+        upsample_initial_channel=16, upsample_rates=(5, 3, 4, 4), upsample_kernel_sizes=(11, 7, 8, 8),
+        resblock_kernel_sizes=(3, 7), resblock_dilation_sizes=((1, 3, 5), (1, 3, 5)),
+    ),
     codebook_size=128,
     ref_mel_frames=24,
 )
