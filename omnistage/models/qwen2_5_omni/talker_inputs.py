@@ -26,6 +26,7 @@ P+1 *are* codec_pad and codec_bos). Parity tests run the reference with the mask
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,17 +72,18 @@ def text_row_ready(step: int, num_answer_rows: int, answer_done: bool) -> bool:
 
 
 def text_rows_for_steps(
-    steps: torch.Tensor, answer_rows: list[torch.Tensor], done: list[bool], specials: TextSpecials
+    steps: torch.Tensor, answer_rows: Sequence[Sequence[torch.Tensor]], done: Sequence[bool], specials: TextSpecials
 ) -> torch.Tensor:
     """Text rows [B, E] for B requests' decode steps (``steps`` [B], host ints).
 
-    answer_rows[b]: [n_b, E] Thinker rows of request b's fed-back answer tokens so far (row 0 = first answer
-    token, which the prefill consumed); done[b]: its Thinker has finished, so n_b is final.
+    answer_rows[b]: the n_b Thinker rows ([E] each; a [n_b, E] tensor or a tuple) of request b's fed-back answer
+    tokens so far (row 0 = first answer token, which the prefill consumed); done[b]: its Thinker has finished,
+    so n_b is final.
     """
     out = []
     for step, rows, finished in zip(steps.tolist(), answer_rows, done):
         idx = step + 1
-        n = rows.shape[0]
+        n = len(rows)
         if idx < n:
             out.append(rows[idx])
         elif not finished:

@@ -23,12 +23,15 @@ from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.testing.qwen2_5_omni.reference import explicit_talker_mask, load_hf_reference
 
-PROMPT = [
-    {"role": "system", "content": "You are a helpful voice assistant."},
-    {"role": "user", "content": "Hello there, how are you today?"},
-    {"role": "assistant", "content": "Fine, thanks."},
-    {"role": "user", "content": "Tell me a story about the sea."},
-]
+PROMPTS = (
+    [
+        {"role": "system", "content": "You are a helpful voice assistant."},
+        {"role": "user", "content": "Hello there, how are you today?"},
+        {"role": "assistant", "content": "Fine, thanks."},
+        {"role": "user", "content": "Tell me a story about the sea."},
+    ],
+    [{"role": "user", "content": "What is the capital of France?"}],
+)
 SPEAKER = "Ethan"
 THINKER_NEW_TOKENS = 8
 TALKER_NEW_TOKENS = 40
@@ -101,20 +104,20 @@ class Reference:
     talker_prompt_len: int
 
 
-def prompt_ids() -> torch.Tensor:
-    ld = loaded()
-    return ld.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
+def prompt_ids(prompt: int = 0) -> torch.Tensor:
+    """[1, P] token ids of PROMPTS[prompt] with the assistant header."""
+    return loaded().tokenizer.apply_chat_template(
+        PROMPTS[prompt], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
 @functools.cache
 @torch.no_grad()
-def reference(stop: str = "length", penalty: float = 1.0) -> Reference:
+def reference(stop: str = "length", penalty: float = 1.0, prompt: int = 0, speaker: str = SPEAKER) -> Reference:
     """stop="length": the thinker runs to its token limit; "eos": it stops on a token it really generates."""
     ld = loaded()
     hf, talker_cfg = ld.hf, ld.config.talker_config
-    ids = prompt_ids()
+    ids = prompt_ids(prompt)
     im_end = ld.tokenizer.convert_tokens_to_ids("<|im_end|>")
     if stop == "length":
         eos, limits = im_end, {"thinker_min_new_tokens": THINKER_NEW_TOKENS}
@@ -128,7 +131,7 @@ def reference(stop: str = "length", penalty: float = 1.0) -> Reference:
     with explicit_talker_mask(hf):
         hf.generate(
             ids,
-            speaker=SPEAKER,
+            speaker=speaker,
             thinker_max_new_tokens=THINKER_NEW_TOKENS,
             thinker_eos_token_id=eos,
             thinker_do_sample=False,
