@@ -172,18 +172,28 @@ def train_tokenizer(
     return tok
 
 
+def token_id(tok: Tokenizer, text: str) -> int:
+    """The id of a (special) token; KeyError if the tokenizer lacks it."""
+    i = tok.token_to_id(text)
+    if i is None:
+        raise KeyError(f"token {text!r} missing from the tokenizer")
+    return i
+
+
+def single_token_id(tok: Tokenizer, text: str) -> int:
+    """The id `text` encodes to; RuntimeError unless it is exactly one token."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    if len(ids) != 1:
+        raise RuntimeError(f"{text!r} is not a single token: {ids}")
+    return ids[0]
+
+
 def tokenizer_ids(tok: Tokenizer) -> TokenizerIds:
     def tid(text: str) -> int:
-        i = tok.token_to_id(text)
-        if i is None:
-            raise KeyError(f"token {text!r} missing from the tokenizer")
-        return i
+        return token_id(tok, text)
 
     def word(text: str) -> int:
-        ids = tok.encode(text, add_special_tokens=False).ids
-        if len(ids) != 1:
-            raise RuntimeError(f"{text!r} is not a single token: {ids}")
-        return ids[0]
+        return single_token_id(tok, text)
 
     return TokenizerIds(
         vocab_size=tok.get_vocab_size(with_added_tokens=True),

@@ -49,16 +49,9 @@ class Thinker(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_meta: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata
     ) -> ThinkerOutput:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = self.embed(input_ids)
         return ThinkerOutput(hidden=self.model(embeds, positions, kv_caches, attn_meta), embeds=embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
+from omnistage.testing.presets import build_generation_config_dict
 from omnistage.testing.qwen2_5_omni.presets import (
     SPEAKERS,
     Qwen25Preset,
     build_config_dict,
-    build_generation_config_dict,
     get_preset,
     reserved_ids,
 )

@@ -319,12 +319,3 @@ def build_config_dict(preset: Qwen25Preset, ids: Qwen25TokenIds, reserved: Reser
         "dtype": preset.storage_dtype,
         "transformers_version": transformers.__version__,
     }
-
-
-def build_generation_config_dict(ids: Qwen25TokenIds) -> dict:
-    return {
-        "bos_token_id": ids.endoftext,
-        "eos_token_id": [ids.im_end, ids.endoftext],
-        "pad_token_id": ids.endoftext,
-        "transformers_version": transformers.__version__,
-    }

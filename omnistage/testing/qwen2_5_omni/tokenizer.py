@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from omnistage.testing.tokenizer import TokenizerFlavor
+from omnistage.testing.tokenizer import TokenizerFlavor, single_token_id, token_id
 
 # (content, special) in the order of the real Qwen2.5-Omni vocabulary (151643 ... 151664).
 QWEN2_5_OMNI_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
@@ -85,6 +85,20 @@ FLAVOR = TokenizerFlavor(
 )
 
 
+_TOKEN_FIELDS = {
+    "endoftext": "<|endoftext|>",
+    "im_start": "<|im_start|>",
+    "im_end": "<|im_end|>",
+    "audio": "<|AUDIO|>",
+    "audio_bos": "<|audio_bos|>",
+    "audio_eos": "<|audio_eos|>",
+    "vision_bos": "<|vision_bos|>",
+    "vision_eos": "<|vision_eos|>",
+    "image": "<|IMAGE|>",
+    "video": "<|VIDEO|>",
+}
+
+
 @dataclass(frozen=True)
 class Qwen25TokenIds:
     """Ids a Qwen2.5-Omni config refers to, as assigned by the built tokenizer."""
@@ -109,29 +123,8 @@ class Qwen25TokenIds:
 
 
 def token_ids(tok: Tokenizer) -> Qwen25TokenIds:
-    def tid(text: str) -> int:
-        i = tok.token_to_id(text)
-        if i is None:
-            raise KeyError(f"token {text!r} missing from the tokenizer")
-        return i
-
-    def word(text: str) -> int:
-        ids = tok.encode(text, add_special_tokens=False).ids
-        if len(ids) != 1:
-            raise RuntimeError(f"{text!r} is not a single token: {ids}")
-        return ids[0]
-
     return Qwen25TokenIds(
         num_tokens=tok.get_vocab_size(with_added_tokens=True),
-        endoftext=tid("<|endoftext|>"),
-        im_start=tid("<|im_start|>"),
-        im_end=tid("<|im_end|>"),
-        audio=tid("<|AUDIO|>"),
-        audio_bos=tid("<|audio_bos|>"),
-        audio_eos=tid("<|audio_eos|>"),
-        vision_bos=tid("<|vision_bos|>"),
-        vision_eos=tid("<|vision_eos|>"),
-        image=tid("<|IMAGE|>"),
-        video=tid("<|VIDEO|>"),
-        user=word("user"),
+        **{field: token_id(tok, text) for field, text in _TOKEN_FIELDS.items()},
+        user=single_token_id(tok, "user"),
     )
