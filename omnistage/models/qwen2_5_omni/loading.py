@@ -51,7 +51,8 @@ def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
 
 def load_thinker(model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32) -> Thinker:
     thinker = Thinker(config)
-    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS)
+    tied = thinker.lm_head.weight is thinker.model.embed_tokens.weight  # a tied checkpoint stores no lm_head
+    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS + (("lm_head.",) if tied else ()))
     return thinker.eval()
 
 

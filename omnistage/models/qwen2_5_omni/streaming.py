@@ -3,10 +3,10 @@
 Why windows and not exact incremental decoding: the DiT attends within blocks of ``block_size`` mel frames,
 plus one block back in ``look_backward_layers`` and one ahead in ``look_ahead_layers`` — but the ODE applies
 the network ``4 * (num_steps - 1)`` times (36 with the defaults), each time widening the reach, so a mel frame
-of the one-shot result depends on about 36 blocks ahead and 72 behind (17 s / 35 s for the real model):
-in practice on the whole utterance. No finite look-ahead reproduces one-shot decoding; the window trades
-exactness for latency, as Qwen's own streaming does (block 24 mel frames, 3 new blocks per chunk, 2 blocks
-of past context, 1 block of look-ahead — the defaults here).
+of the one-shot result can depend on frames 36 blocks ahead and 72 behind (17 s / 35 s for the real model).
+No finite look-ahead reproduces one-shot decoding exactly; the window trades exactness for latency, as Qwen's
+own streaming does (block 24 mel frames, 3 new blocks per chunk, 2 blocks of past context, 1 block of
+look-ahead — the defaults here). In practice the influence decays fast with distance (measured below).
 
 Chunk ``i`` covers mel frames ``[s, e)``, ``s = i * chunk``, ``e = min(s + chunk, total)``. Its window is
 ``[max(0, s - past), min(total, e + future)]`` (block multiples, so block boundaries stay aligned with the
@@ -17,6 +17,20 @@ the samples of chunk ``i`` are exactly ``[s * hop, e * hop)`` of the utterance, 
 one-shot length, and every difference from one-shot decoding comes from the DiT's truncated context.
 A chunk is ready once the codes of its look-ahead exist (or the Talker has finished); audio starts after
 ``chunk + future`` blocks of codes instead of the whole answer.
+
+The look-ahead also bounds the vocoder's right context: BigVGAN reads ``context_frames()`` mel frames on each
+side (39 for the real vocoder, 28 for the tiny test one), but a chunk only has ``future`` frames past its end.
+Measured on the tiny checkpoint (block 8 frames = 4 codes, 100 random codes, 10 ODE steps, seeded noise;
+``python -m omnistage.testing.qwen2_5_omni.streaming_report``), chunked vs one-shot waveform, same length
+(48000 samples) in every case:
+
+    chunk/past/future blocks   first audio after   max |diff|   RMS(diff)/RMS
+    3 / 2 / 1 (Qwen's)         16-20 codes         1.0e-01      1.5e-02   (right vocoder context 8 < 28 frames)
+    3 / 4 / 1                  16-20 codes         1.0e-01      1.5e-02
+    3 / 2 / 2                  20 codes            9.6e-03      1.3e-03
+    3 / 6 / 3                  24-25 codes         3.0e-05      4.3e-06
+    3 / 8 / 4                  28-30 codes         1.0e-05      2.3e-06
+    1 / 1 / 1                  8-10 codes          1.0e-01      3.9e-02
 """
 
 from __future__ import annotations

@@ -79,3 +79,4 @@ def test_codes_to_windows_per_request():
     assert bridge.on_talker_finished("a") == []  # already gone
     bridge.abort("b")
     assert bridge.num_pending == 0 and bridge.on_talker_tokens("b", [1] * 20) == []
+
