@@ -46,6 +46,9 @@ def _dims(model: Thinker | Talker) -> tuple[int, int, int]:
 
 
 class ThinkerStageModel:
+    # Its only aux output is row-aligned (``embeds`` [N, H]): safe to rebuild after a graph replay.
+    supports_full_graph_aux_outputs = True
+
     def __init__(self, thinker: Thinker) -> None:
         self.thinker = thinker
         self.num_layers, self.num_kv_heads, self.head_dim = _dims(thinker)

@@ -24,13 +24,13 @@ Measured on the tiny checkpoint (block 8 frames = 4 codes, 100 random codes, 10 
 ``python -m omnistage.testing.qwen2_5_omni.streaming_report``), chunked vs one-shot waveform, same length
 (48000 samples) in every case:
 
-    chunk/past/future blocks   first audio after   max |diff|   RMS(diff)/RMS
-    3 / 2 / 1 (Qwen's)         16-20 codes         1.0e-01      1.5e-02   (right vocoder context 8 < 28 frames)
-    3 / 4 / 1                  16-20 codes         1.0e-01      1.5e-02
-    3 / 2 / 2                  20 codes            9.6e-03      1.3e-03
-    3 / 6 / 3                  24-25 codes         3.0e-05      4.3e-06
-    3 / 8 / 4                  28-30 codes         1.0e-05      2.3e-06
-    1 / 1 / 1                  8-10 codes          1.0e-01      3.9e-02
+    chunk/past/future blocks   codes before audio  max |diff|   RMS(diff)/RMS
+    3 / 2 / 1 (Qwen's)         16                  1.0e-01      1.5e-02   (right vocoder context 8 < 28 frames)
+    3 / 4 / 1                  16                  1.0e-01      1.5e-02
+    3 / 2 / 2                  20                  9.6e-03      1.3e-03
+    3 / 6 / 3                  24                  3.0e-05      4.3e-06
+    3 / 8 / 4                  28                  1.0e-05      2.3e-06
+    1 / 1 / 1                  8                   1.0e-01      3.9e-02
 """
 
 from __future__ import annotations
