@@ -1,0 +1,69 @@
+"""Read a Qwen2.5-Omni checkpoint directory: config, the three parts' weights, speakers.
+
+Weights load strictly by hub name (``thinker.*`` without the audio/vision towers, ``talker.*``,
+``token2wav.*``) through the shared safetensors loader; Token2Wav stays float32 whatever the serving dtype,
+as transformers keeps it (the ODE and the vocoder are run in float32 by the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import Qwen2_5OmniConfig
+
+from omnistage.models.loader import load_into
+from omnistage.models.qwen2_5_omni.talker import Talker
+from omnistage.models.qwen2_5_omni.thinker import Thinker
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.voices import load_speakers
+
+ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
+THINKER_TOWERS = ("audio_tower.", "visual.")
+
+
+def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
+    """config.json as a Qwen2_5OmniConfig. A missing ``thinker_config.vision_start_token_id`` (read by
+    transformers but not declared) takes the talker config's value."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json; is it a Qwen2.5-Omni checkpoint directory?")
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    if ARCHITECTURE not in raw.get("architectures", []):
+        raise ValueError(f"{model_dir} is not a Qwen2.5-Omni checkpoint (architectures {raw.get('architectures')})")
+    thinker = raw.setdefault("thinker_config", {})
+    thinker.setdefault("vision_start_token_id", raw.get("talker_config", {}).get("vision_start_token_id"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # talker text-side ids lie past its codec vocab (as in the real model)
+        try:
+            config = Qwen2_5OmniConfig.from_dict(raw)
+        finally:
+            hf_logging.set_verbosity(level)
+    config._name_or_path = str(model_dir)
+    return config
+
+
+def load_thinker(model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32) -> Thinker:
+    thinker = Thinker(config)
+    tied = thinker.lm_head.weight is thinker.model.embed_tokens.weight  # a tied checkpoint stores no lm_head
+    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS + (("lm_head.",) if tied else ()))
+    return thinker.eval()
+
+
+def load_talker(model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32) -> Talker:
+    talker = Talker(config)
+    load_into(talker, model_dir, "talker.", dtype)
+    return talker.eval()
+
+
+def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig) -> Token2Wav:
+    token2wav = Token2Wav(config)
+    load_into(token2wav, model_dir, "token2wav.", torch.float32)
+    token2wav.set_speakers(load_speakers(model_dir))
+    return token2wav.eval()
