@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import io
 import json
-import warnings
 import zlib
 from pathlib import Path
 
 import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
+from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
 from omnistage.testing.presets import build_generation_config_dict
 from omnistage.testing.qwen2_5_omni.presets import (
     SPEAKERS,
@@ -41,8 +41,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def make_hf_config(config_dict: dict) -> Qwen2_5OmniConfig:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # mrope_section in rope_parameters is flagged as unknown; it is read
+    with quiet_config_checks():  # also: mrope_section in rope_parameters is flagged as unknown; it is read
         return Qwen2_5OmniConfig(**config_dict)
 
 

@@ -9,25 +9,36 @@ omnistage follows (see ``omnistage.models.qwen2_5_omni.talker_inputs``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
+
+
+@functools.cache
+def tiny_checkpoint() -> Path:
+    """The tiny Qwen2.5-Omni checkpoint (seed 0), built once per process into a temporary directory that is
+    removed at exit (the tests' shared checkpoint)."""
+    from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint
+
+    out = Path(tempfile.mkdtemp(prefix="omnistage-q25-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return build_checkpoint(out, preset="tiny", seed=0)
+
 
 @functools.cache
 def _load(path: str):
     from transformers import Qwen2_5OmniForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the talker's text-side ids lie past its vocab, as in the real config
-    try:
+    with quiet_config_checks():
         model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    finally:
-        hf_logging.set_verbosity(level)
     return model.eval()
 
 
@@ -59,3 +70,14 @@ def explicit_talker_mask(model) -> Iterator[None]:
         yield
     finally:
         del talker.forward
+
+
+@contextlib.contextmanager
+def codes_only(model) -> Iterator[None]:
+    """Within the block, ``generate`` stops at the Talker's codes: Token2Wav is not run (one silent sample per
+    code comes back instead of the waveform)."""
+    model.token2wav.forward = lambda code, **_: torch.zeros(code.shape[-1])
+    try:
+        yield
+    finally:
+        del model.token2wav.forward

@@ -9,7 +9,6 @@ modules loaded from the same checkpoint directory. The reference Talker always g
 from __future__ import annotations
 
 import functools
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,12 @@ from omnistage.models.qwen2_5_omni.loading import load_config, load_talker, load
 from omnistage.models.qwen2_5_omni.talker import Talker
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
-from omnistage.testing.qwen2_5_omni.reference import explicit_talker_mask, load_hf_reference
+from omnistage.testing.qwen2_5_omni.reference import (
+    codes_only,
+    explicit_talker_mask,
+    load_hf_reference,
+    tiny_checkpoint,
+)
 
 PROMPTS = (
     [
@@ -38,11 +42,8 @@ TALKER_NEW_TOKENS = 40
 EOS_AT = 4  # "eos" runs stop the thinker on the token it generates at this index
 
 
-@functools.cache
 def checkpoint_dir() -> Path:
-    from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint
-
-    return build_checkpoint(Path(tempfile.mkdtemp(prefix="omnistage-q25-")), preset="tiny", seed=0)
+    return tiny_checkpoint()
 
 
 @dataclass
@@ -83,8 +84,6 @@ def loaded() -> Loaded:
 
     hf.thinker.generate = capture_thinker
     hf.talker.generate = capture_talker
-    # Talker tests stop at codes; generate() would run the vocoder next.
-    hf.token2wav.forward = lambda code, **_: torch.zeros(code.shape[-1])
     config = load_config(ckpt)
     return Loaded(
         hf, AutoTokenizer.from_pretrained(ckpt), cap, config,
@@ -128,7 +127,7 @@ def reference(stop: str = "length", penalty: float = 1.0, prompt: int = 0, speak
         eos, limits = int(probe[0, ids.shape[1] + EOS_AT]), {}
     else:
         raise ValueError(stop)
-    with explicit_talker_mask(hf):
+    with explicit_talker_mask(hf), codes_only(hf):
         hf.generate(
             ids,
             speaker=speaker,

@@ -10,7 +10,7 @@ import torch
 from q25_reference import checkpoint_dir, loaded
 from safetensors.torch import load_file
 
-from omnistage.models.qwen2_5_omni.loading import load_config
+from omnistage.models.qwen2_5_omni.loading import load_config, quiet_config_checks
 from omnistage.models.qwen2_5_omni.voices import UnknownVoiceError, load_speakers, resolve_voice
 from omnistage.testing.checkpoint import build_checkpoint
 from omnistage.testing.qwen2_5_omni.checkpoint import build_state, make_hf_config
@@ -19,17 +19,12 @@ from omnistage.testing.qwen2_5_omni.presets import SPEAKERS, get_preset
 
 def test_transformers_loads_with_no_missing_or_unexpected_keys():
     from transformers import PreTrainedModel, Qwen2_5OmniForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     # The subclass' from_pretrained cannot return loading info (it loads spk_dict.pt after); ask the base one.
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with quiet_config_checks():
         _, info = PreTrainedModel.from_pretrained.__func__(
             Qwen2_5OmniForConditionalGeneration, checkpoint_dir(), dtype=torch.float32, output_loading_info=True
         )
-    finally:
-        hf_logging.set_verbosity(level)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert not info["error_msgs"]
     hf = loaded().hf  # the real entry point also reads spk_dict.pt

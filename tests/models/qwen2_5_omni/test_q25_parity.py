@@ -25,6 +25,7 @@ from omnistage.models.qwen2_5_omni.talker_inputs import (
 )
 from omnistage.models.qwen2_5_omni.token2wav import NoiseStream
 from omnistage.runner.sampler import SamplingRow, apply_repetition_penalty
+from omnistage.testing.qwen2_5_omni.reference import codes_only
 
 TOL = 1e-4
 
@@ -142,12 +143,13 @@ def test_reference_without_mask_skips_codec_pad_bos():
     ld = loaded()
     tc = ld.config.talker_config
     ref = reference()
-    ld.hf.generate(
-        prompt_ids(), speaker=SPEAKER, thinker_max_new_tokens=THINKER_NEW_TOKENS,
-        thinker_min_new_tokens=THINKER_NEW_TOKENS, thinker_eos_token_id=ref.thinker_eos, thinker_do_sample=False,
-        talker_do_sample=False, talker_max_new_tokens=2, talker_repetition_penalty=1.0,
-        talker_eos_token_id=[tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id],
-    )
+    with codes_only(ld.hf):
+        ld.hf.generate(
+            prompt_ids(), speaker=SPEAKER, thinker_max_new_tokens=THINKER_NEW_TOKENS,
+            thinker_min_new_tokens=THINKER_NEW_TOKENS, thinker_eos_token_id=ref.thinker_eos, thinker_do_sample=False,
+            talker_do_sample=False, talker_max_new_tokens=2, talker_repetition_penalty=1.0,
+            talker_eos_token_id=[tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id],
+        )
     unmasked = ld.cap.talker_result[0, ref.talker_prompt_len :].tolist()
     assert unmasked[0] != ref.codes[0]
 
