@@ -112,7 +112,7 @@ def test_audio_streams_before_the_talker_finishes_in_qwen_windows():
     """The packaged geometry (3 new blocks, 2 back, 1 ahead): audio arrives while the Talker still runs, and is
     exactly the windows of the request's codes decoded on their own."""
     o = omni()
-    rid = o.engine.add_request(PROMPTS[0], ["text", "audio"], params(codes=60), "ethan")
+    rid = o.engine.add_request(PROMPTS[0], ["text", "audio"], params(codes=40), "ethan")
     audio, codes, first_audio_with_talker_running = [], [], None
     while o.engine.has_work():
         for d in o.engine.step():
