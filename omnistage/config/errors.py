@@ -17,12 +17,6 @@ class ConfigError(ValueError):
             prefix += f"field {field!r}: "
         super().__init__(prefix + message)
 
-    def with_stage(self, stage: str | None) -> ConfigError:
-        """The same error attributed to `stage` (used when a nested validator did not know it)."""
-        if self.stage is not None or stage is None:
-            return self
-        return type(self)(self.message, stage=stage, field=self.field)
-
 
 class UnsupportedConfigError(ConfigError):
     """The config is well formed but asks for a combination the runner or model cannot serve."""

@@ -161,11 +161,6 @@ class StageConfig:
                     f"({self.sampling.max_tokens}) must be < scheduler.max_model_len ({sched.max_model_len})",
                 )
 
-    @property
-    def is_source(self) -> bool:
-        """Reads the request prompt rather than an upstream stage."""
-        return not self.inputs
-
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageConfig:
         stage = data.get("name") if isinstance(data, Mapping) else None

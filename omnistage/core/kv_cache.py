@@ -9,8 +9,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
 
 class BlockPool:
     """Fixed set of block ids [0, num_blocks); allocation is all-or-nothing."""
@@ -106,10 +104,6 @@ class KVCacheManager:
             table.extend(new)
         return new
 
-    def can_allocate(self, req_id: str, num_total_tokens: int) -> bool:
-        have = len(self._tables.get(req_id, ()))
-        return self.num_blocks_needed(num_total_tokens) - have <= self.pool.num_free_blocks
-
     def block_ids(self, req_id: str) -> list[int]:
         """A copy of the request's block table ([] if it has none)."""
         return list(self._tables.get(req_id, ()))
@@ -138,28 +132,3 @@ class KVCacheManager:
         owned = [b for table in self._tables.values() for b in table]
         assert len(owned) == len(set(owned)), "a block is owned by two tables"
         assert set(owned) == self.pool._allocated, "allocated blocks and block tables disagree"
-
-    @classmethod
-    def num_blocks_for_budget(
-        cls,
-        budget_bytes: int,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        block_size: int,
-        dtype: torch.dtype | int,
-    ) -> int:
-        """How many blocks (K and V, all layers) fit in budget_bytes. dtype may be an itemsize in bytes."""
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("block_size", block_size),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        itemsize = dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
-        bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-        return int(budget_bytes // bytes_per_block)

@@ -376,9 +376,6 @@ class ARScheduler:
     def num_waiting(self) -> int:
         return len(self._requests) - self.num_running
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._requests)
 
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats()

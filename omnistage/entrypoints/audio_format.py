@@ -4,6 +4,10 @@ All formats carry the same int16 samples: ``to_int16`` is the one quantisation s
 decodes any of them gets identical samples. The FLAC encoder is a small, valid subset of the format:
 one mono channel, 16 bits, fixed-size blocks, each block coded as a constant, with the best of the fixed
 predictors (orders 0-4, single-partition Rice residual) or verbatim, with CRC-8/CRC-16 and the STREAMINFO MD5.
+
+Zero samples: a WAV with an empty data chunk is valid. FLAC cannot say it: STREAMINFO's total-samples
+field 0 means "unknown", and a stream without frames then fails in libsndfile (``psf_fseek() failed``), so
+empty audio is written as one silent sample (42 us at 24 kHz), which every decoder reads.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import struct
 import numpy as np
 import torch
 
-FORMATS = ("wav", "pcm16", "flac")
 _ALIASES = {"pcm": "pcm16", "pcm16": "pcm16", "wav": "wav", "flac": "flac"}
 MEDIA_TYPES = {"wav": "audio/wav", "pcm16": "audio/pcm", "flac": "audio/flac"}
 FLAC_BLOCK_SIZE = 4096
@@ -207,8 +210,10 @@ def _encode_frame(index: int, x: np.ndarray, rate_code: int) -> bytes:
 
 
 def encode_flac(samples: np.ndarray, sample_rate: int) -> bytes:
-    """int16 mono samples -> a complete FLAC file."""
-    x = np.asarray(samples, dtype=np.int16)
+    """int16 mono samples -> a complete FLAC file (no samples -> one silent sample, see the module doc)."""
+    x = np.asarray(samples, dtype=np.int16).reshape(-1)
+    if len(x) == 0:
+        x = np.zeros(1, dtype=np.int16)
     n = len(x)
     if not 0 < sample_rate < (1 << 20):
         raise ValueError(f"sample rate {sample_rate} cannot be stored in FLAC")

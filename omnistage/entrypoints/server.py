@@ -5,12 +5,15 @@ Endpoints: ``POST /v1/chat/completions`` (text, or text + audio), ``POST /v1/aud
 
 Choices worth knowing as a client:
 - ``model`` must be the served model name; anything else is 404 ``model_not_found`` (as OpenAI does).
-- Sampling: ``temperature``, ``top_p``, ``seed``, ``max_tokens``/``max_completion_tokens`` (and the
-  extensions ``top_k``, ``repetition_penalty``) apply to the Thinker; unset fields keep the stage
-  defaults from the pipeline config. The Talker keeps its stage defaults, except that ``temperature: 0``
-  makes the Talker greedy too (a request that asks for determinism gets it end to end) and ``seed``
-  seeds it. The extension object ``talker: {temperature, top_p, top_k, repetition_penalty, seed,
-  max_tokens}`` (``extra_body`` in the openai SDK) overrides Talker sampling field by field.
+- Sampling: ``temperature``, ``top_p``, ``seed``, ``max_tokens``/``max_completion_tokens``,
+  ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (and the extensions ``top_k``,
+  ``repetition_penalty``, ``min_tokens``, ``ignore_eos``) apply to the Thinker; unset fields keep the stage
+  defaults from the pipeline config. The Talker keeps its stage defaults, except that a greedy
+  ``temperature`` (0, or below 1e-5) makes the Talker greedy too (a request that asks for determinism gets
+  it end to end) and ``seed`` seeds it. The extension object ``talker: {temperature, top_p, top_k,
+  repetition_penalty, seed, max_tokens, min_tokens}`` (``extra_body`` in the openai SDK) overrides Talker
+  sampling field by field. ``frequency_penalty`` / ``presence_penalty`` follow OpenAI's formula over the
+  tokens the request generated so far (not its prompt).
 - ``stop``: stop strings are matched on the decoded text in the server; the text before the stop string
   is returned and the request is finished with ``finish_reason="stop"``. A stop string that is exactly
   one token is also given to the Thinker as a stop token id, so the Thinker ends there by itself and the
@@ -19,18 +22,61 @@ Choices worth knowing as a client:
 - Audio: non-streamed chat returns ``message.audio.data`` in ``audio.format`` (wav, pcm16, flac);
   streamed chat sends base64 pcm16 (24 kHz mono little-endian) chunks in ``delta.audio.data`` whatever
   ``audio.format`` says (as OpenAI requires pcm16 for streaming); the text streams in ``delta.content``
-  and the full transcript comes in the last audio delta.
+  and the full transcript comes in the last audio delta. An answer without speech still carries a valid
+  file (a 0-sample WAV; FLAC cannot say "0 samples", see ``audio_format``, so it holds one silent sample).
 - Speech: Qwen3-Omni speaks its *own answer*; there is no TTS-only mode, so ``input`` is sent as the
   user message and the spoken answer is returned. ``response_format`` wav / pcm / flac; ``speed`` other
   than 1.0 is rejected. ``stream_format="audio"`` streams raw pcm chunk by chunk; wav and flac are sent
   in one piece once complete (their headers carry exact sizes). ``stream_format="sse"`` sends
   ``speech.audio.delta`` events with base64 pcm and needs ``response_format="pcm"``.
-- Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; schema and JSON errors
-  are 400 (not FastAPI's 422); a full waiting queue is 429 with ``Retry-After``; a dead engine is 503.
 - A client that disconnects mid-stream has its request aborted in every stage.
 - ``X-Request-Id`` (1-128 characters of ``[A-Za-z0-9-_.:]``) becomes the engine's request id (and the
-  response ``id``); without it the server makes one. A request the engine fails while serving it (and only
-  that request) gets a 500 ``request_failed`` with the reason, in-band for streams.
+  response ``id``); without it the server makes one.
+
+Validation before admission (nothing reaches the engine unless all of it passes). Every rejection is a
+400 with OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` whose ``param`` names the field
+(``messages.0.content``, ``talker.seed``, ...), unless said otherwise:
+- Body: larger than ``ServerLimits.max_body_bytes`` (default: 12 bytes per prompt character + 1 MiB, i.e.
+  1.8 MB for a 4096-token context) -> 413 ``request_too_large`` (no ``param``); not UTF-8, not JSON, or
+  nested deeper than Python's JSON parser allows (about 1000 levels, rejected as soon as the parser gets
+  there) -> 400 ``invalid_json`` (no ``param``).
+- Types and text: JSON Schema's strict types (``true`` is not a number, ``"0.5"`` is not a number, ``1e9``
+  is not an integer); roles other than system, developer, user, assistant; any string holding a lone
+  surrogate (``"\\ud800"``), i.e. text that is not valid Unicode.
+- Ranges (OpenAI's): ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``frequency_penalty`` and
+  ``presence_penalty`` in [-2, 2], ``logit_bias`` at most 1024 entries, token ids inside the vocabulary,
+  biases in [-100, 100]; ``n`` = 1; ``stop`` at most 4 strings of at most 256 characters; ``seed`` in
+  [-2**63, 2**64 - 1] (what torch accepts); extensions ``top_k`` >= -1, ``repetition_penalty`` in (0, 2],
+  ``min_tokens`` <= the maximum. ``talker.*`` follows the same ranges. A temperature below 1e-5 is greedy:
+  dividing float32 logits by it would overflow to NaN, and greedy is the limit it asks for, so it is not
+  rejected (``SamplingParams.greedy``).
+- Length: ``max_tokens`` / ``max_completion_tokens`` >= 1 and prompt + maximum <= the context length
+  (400 naming that field, code ``context_length_exceeded``, OpenAI's wording); ``talker.max_tokens`` <= the
+  Talker's configured ``max_tokens`` (the deployment's cap: a client may shorten the audio, not lengthen
+  it beyond what the operator allows). The prompt's messages and characters are counted before rendering and
+  tokenizing (at most one message per token of context; ``max_prompt_chars``, default 16 per token) and its
+  tokens after; any over -> 400 ``context_length_exceeded`` on ``messages`` / ``input``. Speech ``input``
+  holds at most 4096 characters (OpenAI's limit).
+- Content parts: only ``text``. ``input_audio``, ``image_url``, ``audio_url``, ``video_url``, ``file`` -> 400
+  "not supported yet" naming the part (code ``unsupported_content``); any other type -> 400.
+- Fields that would change the answer but are not implemented -> 400 ``unsupported_parameter``:
+  ``logprobs: true``, ``top_logprobs`` > 0, ``tools``, ``functions``, ``tool_choice`` / ``function_call``
+  other than "none", ``tool_calls`` in a message, ``response_format`` other than ``{"type": "text"}``,
+  ``web_search_options``, speech ``instructions``, speech ``speed`` != 1. Unknown voices, audio formats and
+  modalities are 400s too. Other unknown fields change nothing and are ignored (the SDK sends some).
+
+Bounded work: the body is kept only up to the limit (the rest of a bigger one, up to 64 MiB, is read and
+dropped so the client reads the 413; beyond that the connection is closed); JSON parsing, validation,
+prompt rendering, tokenization and audio encoding run in a small thread pool, never on the event loop, so
+``/health`` and streaming clients keep being served while a huge request is being rejected; after a big
+body, freed heap pages are handed back to the OS (``malloc_trim``).
+
+Errors: a full waiting queue is 429 with ``Retry-After``; a dead engine is 503; a request the engine fails
+while serving it (and only that request) gets a 500 ``request_failed`` with the reason. Every error,
+including an unexpected exception (500, logged with its traceback), is an ordinary complete response, so
+the keep-alive connection stays usable. Once a stream has started the status line is gone: the error is
+sent in-band (SSE) or, for raw pcm, the stream ends without its terminating chunk and the connection is
+closed.
 """
 
 from __future__ import annotations
@@ -39,10 +85,14 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import ctypes
+import ctypes.util
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,17 +100,22 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnistage.core.sampling_params import SamplingParams
+from omnistage.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from omnistage.entrypoints.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from omnistage.entrypoints.playground import router as playground_router
 from omnistage.entrypoints.protocol import (
     AssistantMessage,
     AudioOutput,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     Choice,
     ChunkDelta,
     ModelCard,
@@ -68,14 +123,50 @@ from omnistage.entrypoints.protocol import (
     SpeechRequest,
     StageSamplingParams,
     Usage,
+    error_param,
 )
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError, QueueFullError
 
+logger = logging.getLogger("omnistage.server")
+
 RETRY_AFTER_S = 1
 AUDIO_EXPIRY_S = 3600
-_STAGE_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens")
+_STAGE_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens")
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_SPEECH_INPUT_CHARS = 4096  # OpenAI's limit
+PROMPT_CHARS_PER_TOKEN = 16  # default character budget per token of context (real text averages ~4)
+BODY_BYTES_PER_PROMPT_CHAR = 12  # an astral character JSON-escaped as a surrogate pair (12 bytes)
+BODY_BYTES_EXTRA = 1 << 20
+MEDIA_PARTS = ("input_audio", "image_url", "audio_url", "video_url", "file")
+DRAIN_BYTES = 64 << 20  # how much of an oversized body is read and dropped to deliver the 413
+TRIM_AFTER_BYTES = 1 << 16  # after a body this big (parsed and tokenized in the pool threads), trim the heap
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a request may cost before it is admitted. ``None`` = derived from the Thinker's context length:
+    ``PROMPT_CHARS_PER_TOKEN`` characters per token, and a body that fits such a prompt however it is
+    escaped (``BODY_BYTES_PER_PROMPT_CHAR``) plus ``BODY_BYTES_EXTRA`` for everything else."""
+
+    max_body_bytes: int | None = None
+    max_prompt_chars: int | None = None
+    preprocess_threads: int = 2  # parse / validate / tokenize / encode off the event loop
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.preprocess_threads, "preprocess_threads")
+        for name in ("max_body_bytes", "max_prompt_chars"):
+            if getattr(self, name) is not None:
+                check_positive_int(getattr(self, name), name)
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+    def body_bytes(self, max_model_len: int) -> int:
+        return self.max_body_bytes or BODY_BYTES_PER_PROMPT_CHAR * self.prompt_chars(max_model_len) + BODY_BYTES_EXTRA
 
 
 class APIError(Exception):
@@ -105,6 +196,116 @@ def _submit_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc!r}", "server_error")
 
 
+def _unsupported(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def _schema_error(errors: list[Any]) -> APIError:
+    """pydantic errors -> one 400 naming the first bad field."""
+    first = errors[0] if errors else {}
+    msgs = []
+    for e in errors[:5]:
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        msgs.append(f"{error_param(tuple(e.get('loc', ()))) or 'body'}: {msg}")
+    code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_request"
+    return APIError(400, "; ".join(msgs) or "invalid request", param=error_param(tuple(first.get("loc", ()))),
+                    code=code)
+
+
+# ---- reading and parsing bodies ---------------------------------------------------------------------
+def _too_large(limit: int, close: bool) -> APIError:
+    return APIError(413, f"request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large", headers={"Connection": "close"} if close else None)
+
+
+async def _drain(chunks: AsyncIterator[bytes], budget: int) -> bool:
+    """Read and drop the rest of a body, up to ``budget`` bytes; True if it ended within the budget."""
+    async for chunk in chunks:
+        budget -= len(chunk)
+        if budget < 0:
+            return False
+    return True
+
+
+async def _read_body(raw: Request, limit: int) -> bytearray:
+    """The request body, refused with 413 once it passes ``limit`` bytes. Like nginx's lingering close, an
+    oversized body is read and dropped up to ``DRAIN_BYTES`` more, so the client (which usually sends
+    everything before reading) gets the 413 on a connection that stays usable; a bigger one is answered at
+    once and the connection closed (the client may then see a reset instead of the 413)."""
+    chunks = raw.stream()
+    declared = raw.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise APIError(400, "invalid Content-Length header", headers={"Connection": "close"}) from None
+        if size > limit:
+            drained = size <= limit + DRAIN_BYTES and await _drain(chunks, size)
+            raise _too_large(limit, close=not drained)
+    buf = bytearray()
+    async for chunk in chunks:
+        buf += chunk
+        if len(buf) > limit:
+            seen = len(buf)
+            del buf
+            raise _too_large(limit, close=not await _drain(chunks, limit + DRAIN_BYTES - seen))
+    return buf
+
+
+def _parse_json(body: bytes | bytearray) -> Any:
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise APIError(400, "the JSON body is nested too deeply", code="invalid_json") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8", code="invalid_json") from None
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _validate(model: type[BaseModel], body: bytes | bytearray) -> Any:
+    data = _parse_json(body)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _schema_error(exc.errors()) from None
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed heap pages of big, short-lived requests mapped (up to its trim threshold in every
+    thread's arena); malloc_trim hands them back so a rejected maximal body does not stay in the RSS."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _translate(fn: Callable[[bytearray], Any], box: list[bytearray]) -> tuple[Any, APIError | None]:
+    """Run a translator entry point on the body in ``box`` (in the pool). A rejection is returned, not
+    raised, stripped of its traceback and context: those hold the frames and the parsed body, and a big
+    rejected body must be gone before its memory is trimmed."""
+    body = box.pop()
+    big = len(body) > TRIM_AFTER_BYTES
+    try:
+        return fn(body), None
+    except APIError as err:
+        err.__traceback__ = err.__context__ = err.__cause__ = None
+        return None, err
+    finally:
+        del body
+        if big:
+            _release_freed_memory()
+
+
 # ---- request translation ---------------------------------------------------------------------------
 @dataclass
 class _Job:
@@ -125,12 +326,16 @@ class _Job:
 
 
 class _Translator:
-    """Turns API requests into engine inputs, validating everything that can be checked up front."""
+    """Turns API request bodies into engine inputs, validating everything that can be checked up front.
+    Its entry points (``chat``, ``speech``) run in the preprocessing thread pool."""
 
-    def __init__(self, omni: EngineClient, served_model_name: str) -> None:
+    def __init__(self, omni: EngineClient, served_model_name: str, limits: ServerLimits) -> None:
         self.omni = omni
         self.info = omni.info
         self.served_model_name = served_model_name
+        self.max_prompt_chars = limits.prompt_chars(self.info.max_model_len)
+        # Token ids a request may name (logit_bias): the text stage's logits, else the tokenizer's.
+        self.vocab_size = self.info.vocab_size or len(omni.tokenizer)
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
@@ -147,9 +352,16 @@ class _Translator:
                            param=param, code="invalid_voice")
         return name
 
-    def prompt(self, messages: list[dict[str, str]], param: str) -> list[int]:
+    def prompt(self, messages: list[dict[str, str]], param: str) -> PreparedPrompt:
         if not messages:
             raise APIError(400, "messages must not be empty", param=param)
+        if len(messages) >= self.info.max_model_len:  # each message costs at least one token
+            raise APIError(400, f"{len(messages)} messages cannot fit in this model's context of "
+                                f"{self.info.max_model_len} tokens", param=param, code="context_length_exceeded")
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:  # before tokenizing: the tokenizer's work is bounded by this
+            raise APIError(400, f"The prompt has {chars} characters; this server accepts at most "
+                                f"{self.max_prompt_chars}", param=param, code="context_length_exceeded")
         try:
             prepared = self.omni.render_prompt(messages)
         except ValueError as exc:
@@ -160,15 +372,37 @@ class _Translator:
             raise APIError(400, str(exc), param=param) from exc
         return prepared
 
+    def check_context(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        limit = self.info.max_model_len
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in "
+                                "the completion). Please reduce the length of the messages or completion.",
+                           param=param, code="context_length_exceeded")
+
+    def logit_bias(self, bias: dict[int, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                           param="logit_bias")
+        for tok in bias:
+            if tok >= self.vocab_size:
+                raise APIError(400, f"Invalid key in 'logit_bias': {tok} is not a token id of this model "
+                                    f"(0 <= id < {self.vocab_size})", param=f"logit_bias.{tok}")
+        return bias
+
     def params(self, thinker: dict[str, Any], talker: StageSamplingParams | None, greedy: bool,
                seed: int | None) -> dict[str, SamplingParams]:
         base = self.info.stage_sampling  # by stage name
         text = self.info.text_stage
+        thinker = {k: v for k, v in thinker.items() if v is not None}
+        _check_min_tokens(thinker, base[text], "min_tokens")
         out: dict[str, SamplingParams] = {}
         try:
-            out[text] = base[text].replace(**{k: v for k, v in thinker.items() if v is not None})
-            # Every other sampling stage (the Talker) follows the request's determinism: temperature 0 makes
-            # it greedy too, seed seeds it; the `talker` extension object overrides it field by field.
+            out[text] = base[text].replace(**thinker)
+            # Every other sampling stage (the Talker) follows the request's determinism: a greedy temperature
+            # makes it greedy too, seed seeds it; the `talker` extension object overrides it field by field.
             for name, defaults in base.items():
                 if name == text:
                     continue
@@ -179,15 +413,76 @@ class _Translator:
                     t["seed"] = seed
                 if talker is not None:
                     t.update({k: getattr(talker, k) for k in _STAGE_FIELDS if getattr(talker, k) is not None})
+                if t.get("max_tokens", 0) > defaults.max_tokens:  # the deployment's cap (pipeline config)
+                    raise APIError(400, f"talker.max_tokens is {t['max_tokens']}; this server allows at most "
+                                        f"{defaults.max_tokens}", param="talker.max_tokens")
+                _check_min_tokens(t, defaults, "talker.min_tokens")
                 out[name] = defaults.replace(**t)
         except ValueError as exc:
             raise APIError(400, f"invalid sampling parameters: {exc}") from exc
         return out
 
-    def chat(self, req: ChatCompletionRequest) -> tuple[_Job, str]:
-        self.check_model(req.model)
-        if req.n != 1:
+    def messages(self, messages: list[ChatMessage]) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(messages):
+            if m.tool_calls:
+                raise _unsupported(f"messages.{i}.tool_calls", "tool calls are not supported")
+            if m.function_call is not None:
+                raise _unsupported(f"messages.{i}.function_call", "function calls are not supported")
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    where = f"messages.{i}.content.{j}"
+                    if part.type in MEDIA_PARTS:
+                        raise APIError(400, f"content part {where} has type {part.type!r}, which is not supported "
+                                            "yet: only text parts are accepted", param=where,
+                                       code="unsupported_content")
+                    if part.type != "text":
+                        raise APIError(400, f"content part {where} has unknown type {part.type!r}; supported: "
+                                            "'text'", param=f"{where}.type")
+                    if part.text is None:
+                        raise APIError(400, f"content part {where} of type 'text' needs a 'text' string",
+                                       param=f"{where}.text")
+                text = "".join(p.text for p in m.content)
+            else:
+                text = m.content or ""
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        return out
+
+    def stops(self, stop: str | list[str] | None) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
+                           param="stop")
+        for i, s in enumerate(stops):
+            if len(s) > MAX_STOP_CHARS:
+                raise APIError(400, f"stop strings hold at most {MAX_STOP_CHARS} characters; this one has {len(s)}",
+                               param="stop" if isinstance(stop, str) else f"stop.{i}")
+        return stops
+
+    @staticmethod
+    def check_unsupported(req: ChatCompletionRequest) -> None:
+        if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
+        if req.logprobs:
+            raise _unsupported("logprobs", "logprobs are not supported yet")
+        if req.top_logprobs:
+            raise _unsupported("top_logprobs", "top_logprobs are not supported yet")
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise _unsupported(name, f"{name} are not supported: this server does not call tools")
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                raise _unsupported(name, f"{name} is not supported: this server does not call tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise _unsupported("response_format", f"response_format {req.response_format.type!r} is not "
+                                                  "supported; only 'text'")
+        if req.web_search_options is not None:
+            raise _unsupported("web_search_options", "web search is not supported")
+
+    def chat(self, body: bytes | bytearray) -> tuple[ChatCompletionRequest, _Job, str]:
+        req = _validate(ChatCompletionRequest, body)
+        self.check_model(req.model)
+        self.check_unsupported(req)
         modalities = tuple(req.modalities or ("text",))
         if sorted(modalities) not in (["text"], ["audio", "text"]):
             raise APIError(400, f"modalities must be ['text'] or ['text', 'audio'], got {list(modalities)}",
@@ -201,19 +496,26 @@ class _Translator:
                 fmt = audio_format.normalize_format(audio.format if audio else "wav")
             except ValueError as exc:
                 raise APIError(400, str(exc), param="audio.format") from exc
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in req.messages]
+        messages = self.messages(req.messages)
+        stops = self.stops(req.stop)
         prompt = self.prompt(messages, "messages")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if req.max_completion_tokens is not None:
+            max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, max_param = req.max_tokens, "max_tokens"
+        self.check_context(len(prompt.token_ids), max_tokens, max_param)
         stop_ids = self.single_token_stops(stops)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         thinker = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                   "repetition_penalty": req.repetition_penalty, "seed": req.seed, "max_tokens": max_tokens}
+                   "repetition_penalty": req.repetition_penalty, "frequency_penalty": req.frequency_penalty,
+                   "presence_penalty": req.presence_penalty, "logit_bias": self.logit_bias(req.logit_bias),
+                   "seed": req.seed, "max_tokens": max_tokens, "min_tokens": req.min_tokens,
+                   "ignore_eos": req.ignore_eos or None}
         if stop_ids:
             thinker["stop_token_ids"] = tuple(sorted(stop_ids))
-        params = self.params(thinker, req.talker, req.temperature == 0, req.seed)
-        return _Job(prompt, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
-                    stops, frozenset(stop_ids)), fmt
+        params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
+        job = _Job(prompt, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
+                   stops, frozenset(stop_ids))
+        return req, job, fmt
 
     def single_token_stops(self, stops: list[str]) -> set[int]:
         out = set()
@@ -223,13 +525,19 @@ class _Translator:
                 out.add(int(ids[0]))
         return out
 
-    def speech(self, req: SpeechRequest) -> tuple[_Job, str]:
+    def speech(self, body: bytes | bytearray) -> tuple[SpeechRequest, _Job, str]:
+        req = _validate(SpeechRequest, body)
         self.check_model(req.model)
         if req.speed != 1.0:
             raise APIError(400, "speed is not supported (only 1.0): the model cannot change its speaking rate",
                            param="speed", code="unsupported_parameter")
+        if req.instructions:
+            raise _unsupported("instructions", "instructions are not supported: the model speaks its own answer")
         if not req.input.strip():
             raise APIError(400, "input must not be empty", param="input")
+        if len(req.input) > MAX_SPEECH_INPUT_CHARS:
+            raise APIError(400, f"input has {len(req.input)} characters; at most {MAX_SPEECH_INPUT_CHARS} are "
+                                "allowed", param="input", code="context_length_exceeded")
         try:
             fmt = audio_format.normalize_format(req.response_format)
         except ValueError as exc:
@@ -239,9 +547,20 @@ class _Translator:
                            param="response_format")
         speaker = self.voice(req.voice, "voice")
         prompt = self.prompt([{"role": "user", "content": req.input}], "input")
+        self.check_context(len(prompt.token_ids), req.max_tokens, "max_tokens")
         thinker = {"temperature": req.temperature, "seed": req.seed, "max_tokens": req.max_tokens}
-        params = self.params(thinker, req.talker, req.temperature == 0, req.seed)
-        return _Job(prompt, ("text", "audio"), params, speaker), fmt
+        params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
+        return req, _Job(prompt, ("text", "audio"), params, speaker), fmt
+
+
+def _greedy(temperature: float | None) -> bool:
+    return temperature is not None and temperature < GREEDY_TEMPERATURE_EPS
+
+
+def _check_min_tokens(fields: dict[str, Any], base: SamplingParams, param: str) -> None:
+    low, high = fields.get("min_tokens"), fields.get("max_tokens", base.max_tokens)
+    if low is not None and low > high:
+        raise APIError(400, f"{param} ({low}) must not exceed the maximum number of tokens ({high})", param=param)
 
 
 # ---- one running request ---------------------------------------------------------------------------
@@ -347,17 +666,63 @@ def _check_finish(run: _Run) -> None:
 
 
 # ---- app -------------------------------------------------------------------------------------------
+class _GuardedRoute(APIRoute):
+    """Turns an unexpected exception into a plain 500 response (logged with its traceback). Left to
+    Starlette, the exception would be re-raised after the 500 was sent and uvicorn would then drop the
+    keep-alive connection without ``Connection: close``, failing the client's next request on it."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (APIError, StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as exc:
+                logger.exception("internal error while serving %s %s", request.method, request.url.path)
+                raise APIError(500, f"internal error: {exc!r}", "server_error") from exc
+
+        return guarded
+
+
 def create_app(omni: EngineClient, served_model_name: str | None = None,
-               metrics: ServerMetrics | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
     listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
     name = served_model_name or omni.info.name
+    limits = limits or ServerLimits()
     if metrics is None:
         metrics = ServerMetrics()
         omni.add_step_listener(metrics.observe_step)
-    tr = _Translator(omni, name)
-    app = FastAPI(title="omnistage", version="0.1.0")
+    tr = _Translator(omni, name, limits)
+    max_body_bytes = limits.body_bytes(omni.info.max_model_len)
+    pool = ThreadPoolExecutor(limits.preprocess_threads, thread_name_prefix="omnistage-preprocess")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="omnistage", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = _GuardedRoute
     app.state.omni, app.state.metrics, app.state.served_model_name = omni, metrics, name
+    app.state.limits, app.state.preprocess_pool = limits, pool
+    app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def translate(fn: Callable[[bytearray], Any], raw: Request) -> Any:
+        box = [await _read_body(raw, max_body_bytes)]  # the pool thread takes the only reference
+        result, error = await off_loop(_translate, fn, box)
+        if error is not None:
+            raise error
+        return result
+
+    def encode_audio(chunks: list[torch.Tensor], fmt: str) -> bytes:
+        wave = torch.cat(chunks) if chunks else torch.zeros(0)
+        return audio_format.encode(wave, fmt, omni.info.sample_rate)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -365,13 +730,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
-        code = "invalid_json" if first.get("type") == "json_invalid" else "invalid_request"
-        return _error_response(APIError(400, msg or "invalid request", param=".".join(loc) or None, code=code))
+        return _error_response(_schema_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -403,9 +762,9 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
-        job, fmt = tr.chat(req)
+    async def chat(raw: Request) -> Any:
         rid = _request_id(raw, "chatcmpl")
+        req, job, fmt = await translate(tr.chat, raw)
         run = _Run(omni, job, rid, metrics)
         await run.start()
         if req.stream:
@@ -421,19 +780,19 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
         text = "".join(texts)
         audio_out = None
         if job.wants_audio:
-            wave = torch.cat(audio) if audio else torch.zeros(0)
+            data = _b64(await off_loop(encode_audio, audio, fmt))
             audio_out = AudioOutput(id=f"audio_{uuid.uuid4().hex}", expires_at=int(time.time()) + AUDIO_EXPIRY_S,
-                                    data=_b64(audio_format.encode(wave, fmt, omni.info.sample_rate)),
-                                    transcript=text)
+                                    data=data, transcript=text)
         return ChatCompletionResponse(
             id=rid, model=name, usage=run.usage(),
             choices=[Choice(message=AssistantMessage(content=text, audio=audio_out), finish_reason=run.finish_reason)],
         )
 
     @app.post("/v1/audio/speech")
-    async def speech(req: SpeechRequest, raw: Request) -> Response:
-        job, fmt = tr.speech(req)
-        run = _Run(omni, job, _request_id(raw, "speech"), metrics)
+    async def speech(raw: Request) -> Response:
+        rid = _request_id(raw, "speech")
+        req, job, fmt = await translate(tr.speech, raw)
+        run = _Run(omni, job, rid, metrics)
         await run.start()
         if req.stream_format == "sse":
             return StreamingResponse(_speech_sse(run), media_type="text/event-stream")
@@ -444,9 +803,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
             return Response(status_code=CLIENT_CLOSED)
         audio = [v for kind, v in events if kind == "audio"]
         _check_finish(run)
-        wave = torch.cat(audio) if audio else torch.zeros(0)
-        return Response(audio_format.encode(wave, fmt, omni.info.sample_rate),
-                        media_type=audio_format.MEDIA_TYPES[fmt])
+        return Response(await off_loop(encode_audio, audio, fmt), media_type=audio_format.MEDIA_TYPES[fmt])
 
     return app
 
@@ -558,7 +915,7 @@ DEFAULT_MODEL_NAME = "omnistage-tiny"
 
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
-          device: str = "cpu", log_level: str = "info") -> None:
+          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
@@ -568,7 +925,7 @@ def serve(model: str | None = None, stage_config: str | None = None, host: str =
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
-        app = create_app(omni, served_model_name, metrics)
+        app = create_app(omni, served_model_name, metrics, limits)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         omni.shutdown()
@@ -584,9 +941,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: dir name)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"reject (413) larger request bodies (default: {BODY_BYTES_PER_PROMPT_CHAR} bytes per prompt "
+                        f"character + {BODY_BYTES_EXTRA >> 20} MiB)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help=f"reject prompts with more characters, before tokenizing (default: {PROMPT_CHARS_PER_TOKEN} "
+                        "per token of context)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
-          args.dtype, args.device)
+          args.dtype, args.device, limits=limits)
     return 0

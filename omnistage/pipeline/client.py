@@ -39,6 +39,7 @@ class ModelInfo:
     default_voice: str | None = None
     sample_rate: int | None = None
     num_code_groups: int | None = None
+    vocab_size: int | None = None  # width of the text stage's logits (token ids a request may name)
 
 
 class EngineClient(Protocol):

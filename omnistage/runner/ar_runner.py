@@ -86,7 +86,7 @@ class ARRunner:
         # Whose tokens the repetition penalty sees is a model property: the Thinker's prompt is text like
         # its output, the Talker's prompt ids are Thinker ids that mean nothing in the codec vocabulary.
         history = req.all_token_ids if getattr(self.model, "penalty_includes_prompt", True) else req.output_token_ids
-        return SamplingRow(params, record.generator, history, banned)
+        return SamplingRow(params, record.generator, history, banned, output=req.output_token_ids)
 
     def _prepare_step(self, so: SchedulerOutput) -> tuple[list[str], dict[str, tuple[int, int]]]:
         """Batch membership for this step: preempted requests leave, scheduled ones join. (row order, spans)"""

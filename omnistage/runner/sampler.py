@@ -1,7 +1,7 @@
 """Batched sampling with per-request parameters and per-request random streams.
 
-Logit transforms (repetition penalty, min-tokens masking, temperature, top-k, top-p) run on the whole batch
-at once. Randomness comes from each request's own ``torch.Generator``: the Gumbel/exponential race draws one
+Logit transforms run on the whole batch at once, in this order (vLLM's): logit bias, repetition penalty
+(HF), frequency / presence penalties (OpenAI), bans (e.g. EOS before min_tokens), temperature, top-k, top-p. Randomness comes from each request's own ``torch.Generator``: the Gumbel/exponential race draws one
 noise row per request from that request's generator, so what a request samples never depends on which other
 requests share its batch. Greedy rows take the argmax of the processed logits and draw nothing.
 """
@@ -24,6 +24,9 @@ class SamplingRow:
     generator: torch.Generator | None
     history: Sequence[int] = ()  # prompt + output ids, for the repetition penalty
     banned: Sequence[int] = ()  # ids masked this step (e.g. EOS before min_tokens)
+    # The ids this request generated so far: what the frequency / presence penalties count (OpenAI: "how
+    # often the token was sampled"). None = the runner passes only `history`, which is counted instead.
+    output: Sequence[int] | None = None
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -35,36 +38,77 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+def _token_matrix(seqs: Sequence[Sequence[int]], vocab: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) index tensors of every id in ``seqs`` that lies inside the vocabulary."""
+    # One C-level list->tensor conversion per row (histories can be thousands of tokens).
+    hist = [(i, torch.as_tensor(seq, dtype=torch.long)) for i, seq in enumerate(seqs) if len(seq)]
+    if not hist:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, empty
+    cols = torch.cat([h for _, h in hist])
+    row_ids = torch.repeat_interleave(torch.tensor([i for i, _ in hist]), torch.tensor([len(h) for _, h in hist]))
+    keep = (cols >= 0) & (cols < vocab)
+    return row_ids[keep].to(device), cols[keep].to(device)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """OpenAI semantics: the bias is added to the model's logit of that token (ids outside the vocabulary
+    are ignored here; the API rejects them before admission)."""
+    vocab = logits.shape[1]
+    entries = [(i, tok, bias) for i, r in enumerate(rows) for tok, bias in r.params.logit_bias if tok < vocab]
+    if not entries:
+        return logits
+    rr, tt, bb = zip(*entries)
+    bias = torch.zeros_like(logits)
+    bias[torch.tensor(rr, device=logits.device), torch.tensor(tt, device=logits.device)] = torch.tensor(
+        bb, dtype=logits.dtype, device=logits.device)
+    return logits + bias
+
+
 def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """HF semantics: for seen ids, positive logits are divided by the penalty, negative ones multiplied."""
     penalties = [r.params.repetition_penalty for r in rows]
     if all(p == 1.0 for p in penalties):
         return logits
-    vocab = logits.shape[1]
     seen = torch.zeros_like(logits, dtype=torch.bool)
-    # One C-level list->tensor conversion per penalised row (histories can be thousands of tokens).
-    hist = [(i, torch.as_tensor(r.history, dtype=torch.long)) for i, r in enumerate(rows)
-            if r.params.repetition_penalty != 1.0 and len(r.history)]
-    if hist:
-        cols = torch.cat([h for _, h in hist])
-        row_ids = torch.repeat_interleave(torch.tensor([i for i, _ in hist]), torch.tensor([len(h) for _, h in hist]))
-        keep = cols < vocab
-        seen[row_ids[keep].to(logits.device), cols[keep].to(logits.device)] = True
+    row_ids, cols = _token_matrix([r.history if r.params.repetition_penalty != 1.0 else () for r in rows],
+                                  logits.shape[1], logits.device)
+    seen[row_ids, cols] = True
     p = torch.tensor(penalties, dtype=logits.dtype, device=logits.device)[:, None]
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)
 
 
+def apply_frequency_presence_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """OpenAI semantics: ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``,
+    where ``count[j]`` is how often token j was generated so far."""
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    if not any(freq) and not any(pres):
+        return logits
+    seqs = [(r.output if r.output is not None else r.history) if f or p else ()
+            for r, f, p in zip(rows, freq, pres)]
+    row_ids, cols = _token_matrix(seqs, logits.shape[1], logits.device)
+    counts = torch.zeros_like(logits).index_put_((row_ids, cols), torch.ones_like(cols, dtype=logits.dtype),
+                                                 accumulate=True)
+    f = torch.tensor(freq, dtype=logits.dtype, device=logits.device)[:, None]
+    p = torch.tensor(pres, dtype=logits.dtype, device=logits.device)[:, None]
+    return logits - counts * f - (counts > 0).to(logits.dtype) * p
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Penalty, bans, temperature, top-k and top-p, batched. Returns float32 logits (-inf = excluded)."""
-    logits = apply_repetition_penalty(logits.float(), rows)
+    """Bias, penalties, bans, temperature, top-k and top-p, batched. Returns float32 logits (-inf = excluded)."""
+    logits = apply_logit_bias(logits.float(), rows)
+    logits = apply_repetition_penalty(logits, rows)
+    logits = apply_frequency_presence_penalties(logits, rows)
     bans = [(i, t) for i, r in enumerate(rows) for t in r.banned]
     if bans:
         ii = torch.tensor(bans, dtype=torch.long, device=logits.device)
         logits = logits.index_put((ii[:, 0], ii[:, 1]), torch.tensor(float("-inf"), device=logits.device))
-    temps = torch.tensor(
-        [r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows], device=logits.device
-    )
+    # Greedy rows (including temperatures below GREEDY_TEMPERATURE_EPS) are not scaled: argmax only.
+    temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=logits.dtype,
+                         device=logits.device)
     logits = logits / temps[:, None]
     vocab = logits.shape[1]
     top_k = torch.tensor(

@@ -16,6 +16,7 @@ from omnistage.testing.presets import (
     build_video_preprocessor_config_dict,
     get_preset,
 )
+from omnistage.testing.shaping import shape_weights
 from omnistage.testing.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
 from omnistage.testing.weights import init_state_dict, to_hub_layout, write_safetensors
 
@@ -81,5 +82,7 @@ def build_checkpoint(
     _write_json(out / "video_preprocessor_config.json", build_video_preprocessor_config_dict())
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
-    write_safetensors(build_state(config, seed, _DTYPES[spec.storage_dtype]), out, max_shard_bytes)
+    state = build_state(config, seed, torch.float32)
+    shape_weights(state, config_dict, tok)
+    write_safetensors({k: v.to(_DTYPES[spec.storage_dtype]) for k, v in state.items()}, out, max_shard_bytes)
     return out

@@ -20,7 +20,7 @@ def builder_fingerprint() -> str:
     """Hash of the builder's sources: a changed builder gets a fresh cache entry, never a stale model."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("checkpoint.py", "presets.py", "weights.py", "tokenizer.py", "corpus.py"):
+    for name in ("checkpoint.py", "presets.py", "weights.py", "tokenizer.py", "corpus.py", "shaping.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 

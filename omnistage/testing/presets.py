@@ -98,6 +98,11 @@ class EncoderSpec:
     vision_heads: int = 2
     vision_intermediate: int = 32
     vision_position_embeddings: int = 64
+    vision_deepstack: tuple[int, ...] | None = None  # blocks that feed deepstack features (None: every block)
+
+    def __post_init__(self) -> None:
+        if self.vision_deepstack is not None and not all(0 <= i < self.vision_depth for i in self.vision_deepstack):
+            raise ValueError(f"vision_deepstack {self.vision_deepstack} must index blocks 0..{self.vision_depth - 1}")
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,13 @@ _SMALL = Preset(
     num_code_groups=16,
     codebook_size=2048,
     accept_hidden_layer=6,
+    # Towers in proportion to the thinker, as the real model's are (1280-wide 32-layer audio, 1152-wide
+    # 27-layer vision with 3 deepstack taps, for a 2048-wide thinker); 24x24 learned vision positions.
+    encoders=EncoderSpec(
+        audio_d_model=384, audio_layers=4, audio_heads=6, audio_ffn=1536, audio_downsample=128,
+        vision_hidden=384, vision_depth=4, vision_heads=6, vision_intermediate=1536,
+        vision_position_embeddings=576, vision_deepstack=(1, 2, 3),
+    ),
     storage_dtype="bfloat16",
 )
 
@@ -265,8 +277,9 @@ def build_config_dict(preset: Preset, ids: TokenizerIds) -> dict:
         "temporal_patch_size": 2,
         "out_hidden_size": preset.thinker.hidden_size,
         "num_position_embeddings": enc.vision_position_embeddings,
-        # Every block feeds a deepstack feature: with a 2-layer thinker, features join after layers 0 and 1.
-        "deepstack_visual_indexes": list(range(enc.vision_depth)),
+        # Tiny: every block feeds a deepstack feature (with a 2-layer thinker, features join after layers 0, 1).
+        "deepstack_visual_indexes": list(range(enc.vision_depth) if enc.vision_deepstack is None
+                                         else enc.vision_deepstack),
     }
     multimodal_ids = {
         "audio_token_id": ids.audio_pad,

@@ -41,7 +41,7 @@ def test_preset_loads_with_documented_values():
     assert p.family == "qwen3_omni" and p.runner == "eager"
     assert p.order == ("thinker", "talker", "code2wav")
     thinker, talker, c2w = (p.stage(n) for n in p.order)
-    assert thinker.execution is ExecutionType.AR and thinker.final_output == "text" and thinker.is_source
+    assert thinker.execution is ExecutionType.AR and thinker.final_output == "text" and not thinker.inputs
     assert thinker.sampling.greedy and thinker.sampling.max_tokens == 256
     assert talker.inputs == ("thinker",) and talker.bridge == "thinker2talker"
     assert talker.final_output is None

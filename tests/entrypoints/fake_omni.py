@@ -3,6 +3,8 @@
 It lets the server tests reach states the real engine cannot be forced into cheaply (a full queue, a
 dead engine) and observe aborts exactly. Text tokens are characters (token id = code point); the answer
 to a prompt is fixed by ``answer``; each audio chunk is a short ramp whose values depend on the token.
+A prompt containing ``STALL`` stops after two tokens and waits until it is aborted: a request a test knows
+to be unfinished, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ from omnistage.pipeline.omni import EngineDeadError, QueueFullError
 
 SAMPLE_RATE = 24000
 CHUNK = 480
+STALL = "<stall>"
 
 
 class CharTokenizer:
     eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 0x110000  # every code point is a token
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
@@ -60,6 +66,7 @@ class FakeOmni:
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.submitted: list[dict] = []
+        self.fail_with: str | None = None  # finish every request with this reason ("error": the engine failed it)
 
     def render_prompt(self, messages) -> PreparedPrompt:
         if not messages:
@@ -83,10 +90,13 @@ class FakeOmni:
         finished = False
         params = sampling_params["thinker"]
         stop_ids = set(params.stop_token_ids)
+        stall = STALL in "".join(chr(t) for t in prompt.token_ids)
         try:
             tokens = [ord(c) for c in self.answer][: params.max_tokens]
-            reason = "length" if len(tokens) < len(self.answer) else "stop"
-            for tok in tokens:
+            reason = self.fail_with or ("length" if len(tokens) < len(self.answer) else "stop")
+            for i, tok in enumerate(tokens):
+                if stall and i == 2:
+                    await asyncio.Event().wait()  # only an abort (closing this generator) ends it
                 await asyncio.sleep(self.delay)
                 audio = chunk_audio(tok) if "audio" in modalities else None
                 yield RequestDelta(request_id, new_token_ids=[tok], audio=audio)
@@ -94,7 +104,8 @@ class FakeOmni:
                     reason = "stop"
                     break
             finished = True
-            yield RequestDelta(request_id, finished=True, finish_reason=reason)
+            error = "failed by the test" if reason == "error" else None
+            yield RequestDelta(request_id, finished=True, finish_reason=reason, error=error)
         finally:
             self.active.discard(request_id)
             if not finished:

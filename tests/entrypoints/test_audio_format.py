@@ -1,5 +1,5 @@
 """Audio encoders: WAV via the stdlib reader, FLAC via an independent minimal decoder written here
-(checks CRC-8, CRC-16, STREAMINFO and the MD5) and, when installed, libsndfile."""
+(checks CRC-8, CRC-16, STREAMINFO and the MD5) and libsndfile (soundfile, a test dependency)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import wave
 
 import numpy as np
 import pytest
+import soundfile as sf
 import torch
 
 from omnistage.entrypoints.audio_format import (
@@ -130,7 +131,6 @@ def test_flac_noise_and_extremes_round_trip():
 
 
 def test_flac_decodes_with_libsndfile():
-    sf = pytest.importorskip("soundfile")
     x = _signal(10000, seed=3)
     y, rate = sf.read(io.BytesIO(encode_flac(x, 24000)), dtype="int16")
     assert rate == 24000
@@ -154,3 +154,18 @@ def test_format_names():
     for bad in ("mp3", "opus", "aac", ""):
         with pytest.raises(ValueError, match="unsupported audio format"):
             normalize_format(bad)
+
+
+def test_empty_audio_encodes_to_files_decoders_accept():
+    empty = torch.zeros(0)
+    data = encode(empty, "wav", 24000)
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnframes(), w.getframerate(), w.getnchannels(), w.getsampwidth()) == (0, 24000, 1, 2)
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000 and len(samples) == 0
+    # FLAC's STREAMINFO cannot say "0 samples" (0 = unknown; libsndfile then fails): one silent sample.
+    data = encode(empty, "flac", 24000)
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000 and samples.tolist() == [0]
+    assert decode_flac(data)[1].tolist() == [0]
+    assert encode(empty, "pcm", 24000) == b""

@@ -1,12 +1,17 @@
-"""`omnistage generate --audio-in/--image/--video`: the files become media parts of the user message."""
+"""`omnistage generate --audio-in/--image/--video`: the files become media parts of the user message, answered
+in text and, with `--audio`, in speech."""
+
+import wave
 
 import numpy as np
 import soundfile
+import torch
 from PIL import Image
 
 from omnistage import Omni, SamplingParams
 from omnistage.entrypoints.cli import main
 from omnistage.models.qwen3_omni.config import load_config
+from omnistage.testing.media_files import write_video
 
 
 def test_generate_with_audio_and_image_files(tmp_path, tiny_ckpt, capsys):
@@ -23,3 +28,26 @@ def test_generate_with_audio_and_image_files(tmp_path, tiny_ckpt, capsys):
     assert len(out.token_ids) == 5 and printed == out.text
     thinker = load_config(tiny_ckpt).thinker_config
     assert thinker.image_token_id in out.prompt_token_ids and thinker.audio_token_id in out.prompt_token_ids
+
+
+def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, capsys):
+    rng = np.random.default_rng(1)
+    wav, png, out = tmp_path / "q.wav", tmp_path / "p.png", tmp_path / "answer.wav"
+    soundfile.write(str(wav), (rng.standard_normal(20000) * 0.1).astype(np.float32), 16000)
+    Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(png)
+    mkv = write_video(tmp_path / "v.mkv", rng.integers(0, 256, (4, 32, 48, 3), dtype=np.uint8), 2)
+    assert main(["generate", "What is this?", "--model", str(tiny_ckpt), "--audio-in", str(wav), "--image", str(png),
+                 "--video", str(mkv), "--audio", str(out), "--max-tokens", "4", "--seed", "0"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
+    # The same request through the offline API, with the CLI's seeded sampling, says the same.
+    omni = Omni(tiny_ckpt)
+    params = {"thinker": SamplingParams(temperature=0.0, max_tokens=4, seed=0),
+              "talker": omni.info.stage_sampling["talker"].replace(seed=0)}
+    message = [{"role": "user", "content": [{"type": "audio", "audio": str(wav)}, {"type": "image", "image": png},
+                                            {"type": "video", "video": mkv}, {"type": "text", "text": "What is this?"}]}]
+    (answer,) = omni.generate(message, modalities=["text", "audio"], sampling_params=params)
+    assert printed == answer.text and pcm.size > 0
+    assert np.array_equal(pcm, (answer.audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy())

@@ -27,9 +27,12 @@ from omnistage.pipeline.omni import AsyncOmni, Omni
 MODEL = "tiny-omni"
 TALKER_FRAMES = 30  # > the 25-frame first chunk: audio arrives in two chunks
 # (prompt, thinker max tokens)
-CASES = [("Hi", 8), ("Tell me a short story about the sea.", 10), ("What is the weather like?", 6)]
+CASES = [("Hi", 8), ("Tell me a short story about the sea.", 10), ("What is the weather like?", 40)]
 TALKER_EXTRA = {"talker": {"temperature": 0, "max_tokens": TALKER_FRAMES, "repetition_penalty": 1.0}}
 MAX_INT16_DIFF = 4  # 1e-4 of full scale, in int16 steps
+# A request that cannot end early: thousands of steps in every stage (min_tokens = max_tokens, no EOS).
+LONG = {"max_tokens": 2000, "min_tokens": 2000, "ignore_eos": True,
+        "talker": {"temperature": 0, "repetition_penalty": 1.0, "max_tokens": 2000, "min_tokens": 2000}}
 
 
 def _params(max_tokens: int) -> dict[str, SamplingParams]:
@@ -50,9 +53,24 @@ def references(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_ckpt):
+def gate():
+    """Clear it and the engine thread stops after its next stage step until it is set again: a test can
+    hold a request unfinished for as long as it needs, whatever the machine's speed."""
+    ev = threading.Event()
+    ev.set()
+    yield ev
+    ev.set()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt, gate):
     metrics = ServerMetrics()
-    omni = AsyncOmni(tiny_ckpt, on_step=metrics.observe_step)
+
+    def on_step(events) -> None:
+        gate.wait(60)
+        metrics.observe_step(events)
+
+    omni = AsyncOmni(tiny_ckpt, on_step=on_step)
     yield omni, metrics
     omni.shutdown()
 
@@ -206,7 +224,7 @@ def test_disconnect_mid_stream_frees_every_stage(server, engine, client, referen
     omni, _ = engine
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "stream": True,
             "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "temperature": 0,
-            "max_tokens": 200, "talker": {**TALKER_EXTRA["talker"], "max_tokens": 400}}
+            **LONG}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         seen = 0
@@ -230,19 +248,23 @@ def test_disconnect_mid_stream_frees_every_stage(server, engine, client, referen
     _non_streamed(client, *CASES[0], references)
 
 
-def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_every_stage(server, engine):
+def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_every_stage(server, engine, gate):
     omni, _ = engine
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}],
-            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}, "temperature": 0,
-            "max_tokens": 200, "talker": {**TALKER_EXTRA["talker"], "max_tokens": 400}}
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}, "temperature": 0, **LONG}
 
     def aborts() -> float:
         m = re.search(r'omnistage_requests_total\{finish_reason="abort"\} ([0-9.]+)', httpx.get(server.url + "/metrics").text)
         return float(m.group(1)) if m else 0.0
 
     before = aborts()
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before the answer is complete
-        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    gate.clear()  # the engine stops after its first step: the answer cannot be complete when the client gives up
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    finally:
+        gate.set()
+    # Thousands of steps are still ahead of it, so the abort (polled every 0.25 s) arrives long before its end.
     deadline = time.monotonic() + 20
     stats = asyncio.run(omni.resource_stats())
     while not _idle(stats) and time.monotonic() < deadline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import threading
 import time
 import wave
@@ -14,11 +15,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from fake_omni import FakeOmni, chunk_audio
+import soundfile as sf
+from fake_omni import STALL, FakeOmni, chunk_audio
 from server_thread import ServerThread
 
+from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.audio_format import to_int16
-from omnistage.entrypoints.server import create_app
+from omnistage.entrypoints.server import ServerLimits, create_app
 
 MODEL = "fake-omni"
 
@@ -36,7 +39,7 @@ def server(fake):
 
 @pytest.fixture(autouse=True)
 def _reset(fake):
-    fake.dead, fake.queue_full, fake.delay = None, False, 0.002
+    fake.dead, fake.queue_full, fake.delay, fake.fail_with = None, False, 0.002, None
     yield
 
 
@@ -196,8 +199,7 @@ def test_stream_audio_usage_and_done(server, fake):
 
 
 def test_disconnect_mid_stream_aborts_only_that_request(server, fake, client):
-    fake.delay = 0.05
-    long_body = _chat(stream=True)
+    long_body = _chat(stream=True, messages=[{"role": "user", "content": STALL}])  # cannot finish by itself
     other = {}
 
     def run_other():
@@ -256,3 +258,128 @@ def test_models_health_metrics(server, client):
                  "omnistage_real_time_factor_count", "omnistage_prompt_tokens_total",
                  "omnistage_generation_tokens_total"):
         assert name in text, name
+
+
+def _local_port(resp: httpx.Response) -> int:
+    return resp.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_every_5xx_leaves_the_keep_alive_connection_usable(server, fake, monkeypatch):
+    """A 500 from an unexpected exception (here: the audio encoder raising), a 500 from a request the engine
+    failed, and a 503: each is a complete response, and the next request reuses the same connection."""
+
+    def broken(*_a, **_k):
+        raise RuntimeError("encoder exploded")
+
+    with httpx.Client(base_url=server.url) as http:
+        port = _local_port(http.get("/v1/models"))
+        monkeypatch.setattr(audio_format, "encode", broken)
+        resp = http.post("/v1/audio/speech", json={"model": MODEL, "input": "hi", "voice": "ethan"})
+        err = _assert_error(resp, 500)
+        assert err["type"] == "server_error" and "encoder exploded" in err["message"]
+        assert resp.headers.get("connection") != "close"
+        monkeypatch.undo()
+        fake.fail_with = "error"
+        _assert_error(http.post("/v1/chat/completions", json=_chat()), 500)
+        fake.fail_with, fake.dead = None, RuntimeError("boom")
+        _assert_error(http.post("/v1/chat/completions", json=_chat()), 503)
+        fake.dead = None
+        ok = http.post("/v1/chat/completions", json=_chat())
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hello world. bye"
+        assert _local_port(ok) == port  # one connection throughout
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """The fake engine behind 1 KiB body and 64-character prompt limits."""
+    with ServerThread(create_app(FakeOmni(), MODEL, limits=ServerLimits(max_body_bytes=1024,
+                                                                        max_prompt_chars=64))) as srv:
+        yield srv
+
+
+def test_body_limit_is_413_and_the_connection_survives(small_server):
+    with httpx.Client(base_url=small_server.url) as http:
+        port = _local_port(http.get("/health"))
+        for size in (1025, 200_000):  # the rest is read and dropped: the connection stays usable
+            resp = http.post("/v1/chat/completions", json=_chat(padding="x" * size))
+            _assert_error(resp, 413, code="request_too_large")
+            assert resp.headers.get("connection") != "close"
+            assert _local_port(http.get("/health")) == port
+
+        def chunks():  # no Content-Length: counted while it arrives
+            for _ in range(10):
+                yield b" " * 200
+
+        resp = http.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        _assert_error(resp, 413, code="request_too_large")
+        assert _local_port(http.post("/v1/chat/completions", json=_chat())) == port
+
+
+def test_a_declared_huge_body_is_refused_before_it_is_sent(small_server):
+    with socket.create_connection(("127.0.0.1", small_server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000000\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_prompt_character_limit_is_checked_before_tokenizing(small_server):
+    resp = httpx.post(small_server.url + "/v1/chat/completions",
+                      json=_chat(messages=[{"role": "user", "content": "y" * 65}]))
+    err = _assert_error(resp, 400, "messages", "context_length_exceeded")
+    assert "65 characters" in err["message"]
+
+
+def test_new_sampling_fields_reach_the_engine(server, fake, client):
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], frequency_penalty=0.5, presence_penalty=-0.25,
+        logit_bias={"104": 5, str(0x10FFFF): -100}, max_tokens=9,
+        extra_body={"min_tokens": 4, "ignore_eos": True, "talker": {"min_tokens": 3, "max_tokens": 7}})
+    p = fake.submitted[-1]["params"]
+    th, tk = p["thinker"], p["talker"]
+    assert (th.frequency_penalty, th.presence_penalty) == (0.5, -0.25)
+    assert th.logit_bias == ((104, 5.0), (0x10FFFF, -100.0))
+    assert (th.min_tokens, th.max_tokens, th.ignore_eos) == (4, 9, True)
+    assert (tk.min_tokens, tk.max_tokens) == (3, 7)
+    _assert_error(_post(server, "/v1/chat/completions", _chat(logit_bias={str(0x110000): 1})), 400,
+                  f"logit_bias.{0x110000}")
+
+
+def test_a_tiny_temperature_is_greedy_in_every_stage(server, fake, client):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=1e-300)
+    p = fake.submitted[-1]["params"]
+    assert p["thinker"].greedy and p["talker"].greedy
+
+
+def test_media_content_parts_are_named_as_not_supported_yet(server, fake):
+    before = len(fake.submitted)
+    for kind in ("input_audio", "image_url", "audio_url", "video_url", "file"):
+        msg = {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": kind, kind: {"url": "x"}}]}
+        err = _assert_error(_post(server, "/v1/chat/completions", _chat(messages=[msg])), 400,
+                            "messages.0.content.1", "unsupported_content")
+        assert "not supported yet" in err["message"] and repr(kind) in err["message"]
+    assert len(fake.submitted) == before
+
+
+def test_an_answer_without_audio_is_still_a_valid_file(server, fake):
+    fake.answer = ""  # the engine finishes at once: no token, no audio
+    try:
+        for fmt, n in (("wav", 0), ("flac", 1)):  # FLAC cannot say "0 samples": one silent sample
+            resp = _post(server, "/v1/audio/speech", {"model": MODEL, "input": "hi", "voice": "ethan",
+                                                      "response_format": fmt})
+            assert resp.status_code == 200, resp.text
+            samples, rate = sf.read(io.BytesIO(resp.content), dtype="int16")
+            assert rate == 24000 and samples.tolist() == [0] * n
+            if fmt == "wav":
+                with wave.open(io.BytesIO(resp.content)) as w:
+                    assert (w.getnframes(), w.getframerate()) == (0, 24000)
+        resp = _post(server, "/v1/chat/completions", _chat(modalities=["text", "audio"],
+                                                           audio={"voice": "ethan", "format": "flac"}))
+        data = base64.b64decode(resp.json()["choices"][0]["message"]["audio"]["data"])
+        assert sf.read(io.BytesIO(data), dtype="int16")[0].tolist() == [0]
+    finally:
+        fake.answer = "hello world. bye"

@@ -60,6 +60,56 @@ def _lenient_components():
         ProcessorMixin.check_argument_for_proper_class = original
 
 
+# Media and prompts shared by the Thinker and Talker media tests (the same inputs, so each side is checked on
+# what the other was checked on).
+_rng = np.random.default_rng(7)
+
+
+def noise(samples: int) -> np.ndarray:
+    return (_rng.standard_normal(samples) * 0.1).astype(np.float32)
+
+
+def random_image(h: int, w: int) -> np.ndarray:
+    return _rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+AUDIO_2S = noise(32555)  # 203 frames: chunks of 100, 100, 3
+AUDIO_HALF = noise(8077)  # 50.5 frames: padded with the longer clip it gets 51 (transformers' rounding)
+AUDIO_1S = noise(16000)  # exactly one chunk
+IMAGE_A = random_image(80, 112)  # 80/32 = 2.5 -> 2, 112/32 = 3.5 -> 4: Python's round, half to even
+IMAGE_B = random_image(100, 60)
+VIDEO = random_image(3 * 48, 64).reshape(3, 48, 64, 3)  # 3 frames: the last repeats to a multiple of 2
+TRACK = noise(16000 * 2 + 300)
+
+SCENARIOS = {
+    "audio": ([{"role": "user", "content": [{"type": "audio", "audio": AUDIO_2S},
+                                            {"type": "text", "text": "What do you hear?"}]}], False),
+    "image": ([{"role": "user", "content": [{"type": "image", "image": IMAGE_A},
+                                            {"type": "text", "text": "What is this?"}]}], False),
+    "audio+image": ([{"role": "user", "content": [
+        {"type": "audio", "audio": AUDIO_2S}, {"type": "text", "text": "and"}, {"type": "image", "image": IMAGE_A},
+        {"type": "audio", "audio": AUDIO_HALF}, {"type": "text", "text": "Which one?"}]}], False),
+    "images": ([{"role": "user", "content": [{"type": "image", "image": IMAGE_A}, {"type": "image", "image": IMAGE_B},
+                                             {"type": "text", "text": "Compare them."}]}], False),
+    "multi-turn": ([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": [{"type": "image", "image": IMAGE_B}, {"type": "audio", "audio": AUDIO_1S},
+                                     {"type": "text", "text": "Tell me about these."}]},
+    ], False),
+    "video": ([{"role": "user", "content": [{"type": "video", "video": VIDEO, "fps": 1.5},
+                                            {"type": "text", "text": "What happens?"}]}], False),
+    "video+audio": ([{"role": "user", "content": [
+        {"type": "audio", "audio": AUDIO_HALF},
+        {"type": "video", "video": VIDEO, "fps": 1.5, "audio": TRACK},
+        {"type": "text", "text": "What happens?"}]}], True),
+    "text": ("Tell me a story about the sea.", False),
+    "text 2": ([{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "friend."}]},
+                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you?"}], False),
+}
+
+
 @functools.cache
 def ours(ckpt: str) -> Qwen3OmniInputProcessor:
     return Qwen3OmniInputProcessor(ckpt, AutoTokenizer.from_pretrained(ckpt), load_config(ckpt))

@@ -9,6 +9,7 @@ import soxr
 from PIL import Image
 
 from omnistage.models.media import MediaError, load_audio, load_image, load_video
+from omnistage.testing.media_files import write_video
 
 RATE = 22050
 
@@ -66,42 +67,18 @@ def test_images_from_pil_arrays_paths_and_bytes(tmp_path):
         load_image(b"nope")
 
 
-def _write_video(path, frames: np.ndarray, fps: int, audio: np.ndarray | None) -> None:
-    import av
-
-    with av.open(str(path), "w") as container:
-        video = container.add_stream("ffv1", rate=fps)
-        video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
-        sound = None
-        if audio is not None:
-            sound = container.add_stream("pcm_s16le", rate=16000, layout="mono")
-        for f in frames:
-            for packet in video.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                container.mux(packet)
-        for packet in video.encode():
-            container.mux(packet)
-        if sound is not None:
-            pcm = (audio * 32767).round().astype(np.int16)[None, :]
-            frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
-            frame.sample_rate = 16000
-            for packet in sound.encode(frame):
-                container.mux(packet)
-            for packet in sound.encode():
-                container.mux(packet)
-
-
 def test_video_file_frames_fps_and_audio_track(tmp_path):
     rng = np.random.default_rng(1)
     frames = rng.integers(0, 256, (20, 24, 32, 3), dtype=np.uint8)  # 2 s at 10 fps
     track = _tone(2.0, 16000)
     path = tmp_path / "clip.mkv"
-    _write_video(path, frames, 10, track)
+    write_video(path, frames, 10, track)
     video = load_video(path, fps=2.0, with_audio=True)
     index = np.linspace(0, 19, 4).round().astype(int)
     assert np.array_equal(video.frames, frames[index]) and video.fps == pytest.approx(2.0)
     assert video.audio.shape == track.shape and np.abs(video.audio - track).max() < 1e-4
     silent = tmp_path / "silent.mkv"
-    _write_video(silent, frames, 10, None)
+    write_video(silent, frames, 10, None)
     assert load_video(silent, with_audio=True).audio is None
     assert load_video(path).frames.shape[0] == 4  # default: 2 frames per second
 

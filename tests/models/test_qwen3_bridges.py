@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker
+from omnistage.models.qwen3_omni.mrope import MediaSpan
 
 
 class Sink:
@@ -76,12 +77,13 @@ class TalkerDouble:
     """Records the prefill it is asked to build; 'projection' doubles a row."""
 
     def __init__(self):
-        self.prefills = []
+        self.prefills, self.hidden = [], []
 
-    def build_prefill(self, prompt_ids, rows, first_answer, speaker_id):
+    def build_prefill(self, prompt_ids, rows, hidden_rows, first_answer, speaker_id, media_spans):
         self.prefills.append((list(prompt_ids), {p: r.clone() for p, r in rows.items()}, first_answer.clone(),
                               speaker_id))
-        return torch.zeros(len(prompt_ids) + 9, 2), [7] * (len(prompt_ids) + 9)
+        self.hidden.append(({p: r.clone() for p, r in hidden_rows.items()}, media_spans))
+        return torch.zeros(len(prompt_ids) + 9, 2), [7] * (len(prompt_ids) + 9), None
 
     def project_text(self, rows):
         return rows * 2
@@ -123,3 +125,20 @@ def test_a_thinker_that_feeds_back_no_answer_token_leaves_nothing_to_speak():
     bridge.on_input("r", rows([0, 1, 2]), sink)
     bridge.on_end("r", sink)
     assert sink.finished == {"r": "stop"} and not sink.tokens
+
+
+def test_accept_layer_rows_of_media_positions_reach_the_prefill_with_the_media_spans():
+    model, sink = TalkerDouble(), Sink()
+    bridge = ThinkerToTalker(model)
+    spans = (MediaSpan("image", 1, grid_thw=(1, 2, 2)),)
+    bridge.add_request("r", {"prompt_ids": list(range(10, 16)), "speaker_id": 3, "media_spans": spans})
+    media = {"hidden_positions": torch.tensor([2, 3]), "hidden": torch.tensor([[5.0, 5.0], [6.0, 6.0]])}
+    bridge.on_input("r", {**rows([0, 1, 4, 5]), **media}, sink)  # a prefill chunk: text rows and image rows
+    bridge.on_input("r", rows([6]), sink)
+    (_, got_rows, _, _), = model.prefills
+    (hidden, got_spans), = model.hidden
+    assert sorted(got_rows) == [0, 1, 4, 5] and got_spans == spans
+    assert sorted(hidden) == [2, 3] and hidden[3].tolist() == [6.0, 6.0]
+    # Rows sent again by a recomputing Thinker after the prefill was built change nothing.
+    bridge.on_input("r", {**rows([0, 1, 4, 5, 6]), **media}, sink)
+    assert len(model.prefills) == 1 and len(sink.tokens) == 1

@@ -9,7 +9,21 @@ import functools
 import numpy as np
 import pytest
 import torch
-from media_reference import ckpt_str, ours, reference_inputs, reference_tokens
+from media_reference import (
+    AUDIO_1S,
+    AUDIO_2S,
+    AUDIO_HALF,
+    IMAGE_A,
+    IMAGE_B,
+    SCENARIOS,
+    VIDEO,
+    ckpt_str,
+    noise,
+    ours,
+    random_image,
+    reference_inputs,
+    reference_tokens,
+)
 from transformers import AutoTokenizer
 
 from omnistage.core.sampling_params import SamplingParams
@@ -28,52 +42,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 TOL = 1e-4
 NEW_TOKENS = 6
-_rng = np.random.default_rng(7)
-
-
-def _noise(samples: int) -> np.ndarray:
-    return (_rng.standard_normal(samples) * 0.1).astype(np.float32)
-
-
-def _image(h: int, w: int) -> np.ndarray:
-    return _rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-
-
-AUDIO_2S = _noise(32555)  # 203 frames: chunks of 100, 100, 3
-AUDIO_HALF = _noise(8077)  # 50.5 frames: padded with the longer clip it gets 51 (transformers' rounding)
-AUDIO_1S = _noise(16000)  # exactly one chunk
-IMAGE_A = _image(80, 112)  # 80/32 = 2.5 -> 2, 112/32 = 3.5 -> 4: Python's round, half to even
-IMAGE_B = _image(100, 60)
-VIDEO = _image(3 * 48, 64).reshape(3, 48, 64, 3)  # 3 frames: the last repeats to a multiple of 2
-TRACK = _noise(16000 * 2 + 300)
-
-SCENARIOS = {
-    "audio": ([{"role": "user", "content": [{"type": "audio", "audio": AUDIO_2S},
-                                            {"type": "text", "text": "What do you hear?"}]}], False),
-    "image": ([{"role": "user", "content": [{"type": "image", "image": IMAGE_A},
-                                            {"type": "text", "text": "What is this?"}]}], False),
-    "audio+image": ([{"role": "user", "content": [
-        {"type": "audio", "audio": AUDIO_2S}, {"type": "text", "text": "and"}, {"type": "image", "image": IMAGE_A},
-        {"type": "audio", "audio": AUDIO_HALF}, {"type": "text", "text": "Which one?"}]}], False),
-    "images": ([{"role": "user", "content": [{"type": "image", "image": IMAGE_A}, {"type": "image", "image": IMAGE_B},
-                                             {"type": "text", "text": "Compare them."}]}], False),
-    "multi-turn": ([
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "Hello there."},
-        {"role": "assistant", "content": "Hi, how can I help?"},
-        {"role": "user", "content": [{"type": "image", "image": IMAGE_B}, {"type": "audio", "audio": AUDIO_1S},
-                                     {"type": "text", "text": "Tell me about these."}]},
-    ], False),
-    "video": ([{"role": "user", "content": [{"type": "video", "video": VIDEO, "fps": 1.5},
-                                            {"type": "text", "text": "What happens?"}]}], False),
-    "video+audio": ([{"role": "user", "content": [
-        {"type": "audio", "audio": AUDIO_HALF},
-        {"type": "video", "video": VIDEO, "fps": 1.5, "audio": TRACK},
-        {"type": "text", "text": "What happens?"}]}], True),
-    "text": ("Tell me a story about the sea.", False),
-    "text 2": ([{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "friend."}]},
-                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "How are you?"}], False),
-}
 MEDIA = [k for k in SCENARIOS if not k.startswith("text")]
 
 
@@ -115,7 +83,7 @@ def test_prompt_ids_and_processor_outputs_equal_transformers(ckpt, name):
 @pytest.mark.parametrize("size", [(80, 112), (48, 48), (33, 100), (200, 170), (20, 30)])
 def test_image_resizing_equals_transformers(ckpt, size):
     """Sizes that round half to even (2.5 -> 2, 3.5 -> 4), upscale to min_pixels, or keep their size."""
-    image = _image(*size)
+    image = random_image(*size)
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "?"}]}]
     ref = reference_inputs(ckpt, messages)
     got = ours(ckpt)(messages)
@@ -139,7 +107,7 @@ def test_encoder_outputs_match_transformers(ckpt):
     audio_enc, vision_enc = _towers(ckpt)
     diffs = {}
     # Audio: a request whose clips include a full chunk (pad 100) and one whose clips are all short (pad 80).
-    for name, clips in (("audio pad 100", [AUDIO_2S, AUDIO_HALF]), ("audio pad 80", [AUDIO_HALF, _noise(12800)])):
+    for name, clips in (("audio pad 100", [AUDIO_2S, AUDIO_HALF]), ("audio pad 80", [AUDIO_HALF, noise(12800)])):
         messages = [{"role": "user", "content": [{"type": "audio", "audio": c} for c in clips]}]
         ref_in = reference_inputs(ckpt, messages)
         want = hf.get_audio_features(ref_in["input_features"], ref_in["feature_attention_mask"]).last_hidden_state
@@ -313,13 +281,6 @@ def test_bad_media_parts_are_rejected_with_the_part_named(ckpt):
     assert thinker_media(got.data) is None
     assert got.token_ids == AutoTokenizer.from_pretrained(ckpt).apply_chat_template(
         literal, add_generation_prompt=True, tokenize=True)["input_ids"]
-
-
-def test_speech_output_for_media_prompts_is_refused_for_now(ckpt):
-    engine = _engine(ckpt)
-    with pytest.raises(ValueError, match="not supported yet"):
-        engine.add_request(engine.render_prompt(SCENARIOS["image"][0]), ["text", "audio"], _params())
-    assert not engine.has_work()
 
 
 def test_cuda_graph_runner_decodes_media_requests_at_their_rope_delta(ckpt):

@@ -250,7 +250,7 @@ def test_cuda_graph_runner_gives_identical_tokens_codes_and_audio(tiny_ckpt, con
 
 
 def test_talker_preemption_recomputes_to_identical_codes_and_audio(tiny_ckpt, concurrent):
-    small_pool = {"scheduler": {"block_size": 4, "num_blocks": 20, "max_model_len": 64}, "sampling": {"max_tokens": 32}}
+    small_pool = {"scheduler": {"block_size": 4, "num_blocks": 14, "max_model_len": 56}, "sampling": {"max_tokens": 32}}
     eng = make_engine(tiny_ckpt, talker=small_pool)
     preempted = []
     sched = eng.orchestrator.stages["talker"].scheduler

@@ -4,9 +4,10 @@ Each bridge lives with its downstream stage and talks to it only through the sta
 (``ARStageInputs`` / ``GenerationStageInputs`` in ``omnistage.models.family``).
 
 Thinker -> Talker: the Thinker sends, per request and step, only the rows the Talker uses: layer-0
-embeddings of user-turn prompt rows, of the final ``<|im_start|>assistant\\n`` header, and of every answer
-token it feeds back. The Talker request waits for input until the first answer token has been fed; then
-its prefill is built. Decode step ``j`` needs trailing text row ``j`` (answer token ``j+1``, or
+embeddings of user-turn text rows, of the final ``<|im_start|>assistant\\n`` header, and of every answer
+token it feeds back; accept-layer hidden states of user-turn audio/image/video rows. The Talker request
+waits for input until the first answer token has been fed; then its prefill (and, for prompts with images
+or videos, its 3-D positions) is built. Decode step ``j`` needs trailing text row ``j`` (answer token ``j+1``, or
 tts_eos/tts_pad once the Thinker is done); the Talker model's ``input_ready`` tells the stage to pause a
 request whose row is not there yet.
 
@@ -27,13 +28,16 @@ from typing import Any
 import torch
 
 from omnistage.models.family import ARStageInputs, GenerationStageInputs
+from omnistage.models.qwen3_omni.mrope import MediaSpan
 
 
 @dataclass
 class _TextState:
     prompt_ids: list[int]
     speaker_id: int
+    media_spans: tuple[MediaSpan, ...]  # the Talker prompt's media spans (its 3-D positions)
     prompt_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> thinker embed row
+    hidden_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> accept-layer row (media)
     answer_rows: list[torch.Tensor] = field(default_factory=list)  # thinker embeds of fed answer tokens
     num_answers: int = 0  # answer rows received so far (a recomputing Thinker sends old rows again)
     started: bool = False  # talker prefill handed over
@@ -48,7 +52,9 @@ class ThinkerToTalker:
         return len(self._states)
 
     def add_request(self, req_id: str, data: Mapping[str, Any]) -> None:
-        self._states[req_id] = _TextState(list(data["prompt_ids"]), int(data["speaker_id"]))
+        self._states[req_id] = _TextState(
+            list(data["prompt_ids"]), int(data["speaker_id"]), tuple(data.get("media_spans", ()))
+        )
 
     def drop(self, req_id: str) -> None:
         self._states.pop(req_id, None)
@@ -58,6 +64,8 @@ class ThinkerToTalker:
         if st is None:
             return  # the Talker has already been given everything (or the request left)
         num_prompt = len(st.prompt_ids)
+        if "hidden" in payload and not st.started:
+            st.hidden_rows.update(zip(payload["hidden_positions"].tolist(), payload["hidden"].unbind(0)))
         new_answers = []
         for pos, row in zip(payload["positions"].tolist(), payload["embeds"].unbind(0)):
             if pos < num_prompt:
@@ -77,12 +85,15 @@ class ThinkerToTalker:
             sink.update_state(req_id, {"text_rows": projected if old is None else torch.cat([old, projected])})
             return
         st.answer_rows.extend(new_answers)
-        embeds, ids = self.model.build_prefill(st.prompt_ids, st.prompt_rows, st.answer_rows[0], st.speaker_id)
+        embeds, ids, positions = self.model.build_prefill(
+            st.prompt_ids, st.prompt_rows, st.hidden_rows, st.answer_rows[0], st.speaker_id, st.media_spans
+        )
         texts = self.model.project_text(torch.stack(st.answer_rows))  # row 0 = first answer token
         st.prompt_rows.clear()
+        st.hidden_rows.clear()
         st.answer_rows.clear()
         st.started = True
-        sink.update_state(req_id, {"prefill_embeds": embeds, "text_rows": texts})
+        sink.update_state(req_id, {"prefill_embeds": embeds, "prefill_positions": positions, "text_rows": texts})
         sink.append_tokens(req_id, ids, finished=True)
 
     def on_end(self, req_id: str, sink: ARStageInputs) -> None:

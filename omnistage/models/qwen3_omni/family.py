@@ -36,7 +36,12 @@ from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
 from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor, media_data, thinker_media
 from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel, TalkerStageModel, ThinkerStageModel
 from omnistage.models.qwen3_omni.talker import Talker
-from omnistage.models.qwen3_omni.talker_inputs import TalkerTokenIds, talker_prompt_rows, text_specials
+from omnistage.models.qwen3_omni.talker_inputs import (
+    TalkerTokenIds,
+    talker_media_spans,
+    talker_prompt_rows,
+    text_specials,
+)
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.registry import register_family
@@ -192,21 +197,21 @@ class Qwen3OmniFamily(ModelFamily):
         if media is not None and media.positions.shape[0] != len(ids):
             raise ValueError("the prompt's media positions do not cover its token ids; render it again")
         thinker_data: dict[str, Any] = media_data(media)
-        if "talker" in parts and media is not None:
-            # The Talker's conditioning on media rows (projected accept-layer hidden states, 3-D positions)
-            # is not built yet: refuse rather than speak from the wrong inputs.
-            raise ValueError("spoken answers to prompts with audio/image/video are not supported yet; "
-                             "request modalities ['text']")
         if "talker" in parts:
             if not self.speakers:
                 raise ValueError("this checkpoint has no speakers; request modalities ['text'] only")
             name = (voice or self.default_voice).lower()
             if name not in self.speakers:
                 raise ValueError(f"unknown voice {voice!r}; available: {sorted(self.speakers)}")
-            thinker_data["talker_rows"] = talker_prompt_rows(ids, self.ids)
+            # Media placeholder rows of user turns (even ones typed as text) take accept-layer rows, as in
+            # transformers; the other rows the Talker reads take layer-0 embeddings.
+            thinker_data["talker_rows"], thinker_data["talker_hidden_rows"] = talker_prompt_rows(ids, self.ids)
+            talker_data: dict[str, Any] = {"prompt_ids": tuple(ids), "speaker_id": self.speakers[name]}
+            if media is not None:
+                talker_data["media_spans"] = talker_media_spans(media.spans, ids, self.ids)
             talker = parts["talker"]
             out[talker] = StageRequest(req_id, params[talker], None, (self.config.talker_config.codec_eos_token_id,),
-                                       {"prompt_ids": tuple(ids), "speaker_id": self.speakers[name]})
+                                       talker_data)
         if "code2wav" in parts:
             out[parts["code2wav"]] = StageRequest(req_id)
         thinker = parts["thinker"]

@@ -8,14 +8,20 @@ them as float32 too). Text rows have equal ids on all three axes, so a 1-D posit
 are easy to get wrong: the id after a media span is ``max(last piece) + 1`` (the last piece appended, not the
 whole prefix); a video with its audio track interleaves the two by temporal id, video first on ties; a prompt
 without images or videos is plain sequential even when it holds audio (then the delta is 0).
+
+``step_positions`` gives a batched step's rows their ids from each request's ``PromptPositions`` (prompt rows
+from the table, later rows at ``index + delta``); the Thinker and the Talker stage models both use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from omnistage.models.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,69 @@ def interleaved_order(num_video: int, video_t: Sequence[float], num_audio: int) 
     return order
 
 
+@dataclass(frozen=True)
+class PromptPositions:
+    """One request's 3-D prompt ids and where the rows after the prompt sit (decode: ``index + delta``)."""
+
+    table: torch.Tensor  # [P, 3] float32 (T, H, W) ids of the prompt rows
+    delta: float
+
+    def __post_init__(self) -> None:
+        if self.table.dim() != 2 or self.table.shape[1] != 3:
+            raise ValueError(f"a prompt position table is [P, 3], got {tuple(self.table.shape)}")
+
+
+def step_positions(
+    positions: torch.Tensor,
+    num_computed: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    prompts: Sequence[PromptPositions | None],
+) -> torch.Tensor:
+    """A batched step's rotary positions.
+
+    positions: the runner's ``[N]`` plain indices (N may include padding rows past the real ones); request i
+    owns rows ``spans[i]`` (contiguous, in batch order) starting at index ``num_computed[i]``; ``prompts[i]``
+    None means plain indices. Returns float ``[N]`` when no row reads a table (text and decode rows: equal ids
+    on the three axes), else ``[N, 3]``. Bookkeeping is on the host (no device read); one copy to the device.
+    """
+    if all(p is None for p in prompts):
+        return positions.float()
+    n = positions.shape[0]
+    lens = torch.tensor([e - s for s, e in spans], dtype=torch.long)
+    num_real = int(lens.sum())
+    deltas = torch.tensor([0.0 if p is None else p.delta for p in prompts], dtype=torch.float32)
+    row_delta = torch.zeros(n, dtype=torch.float32)
+    row_delta[:num_real] = torch.repeat_interleave(deltas, lens)
+    covered: list[tuple[int, int, int, torch.Tensor]] = []  # step row, prompt index, rows, table
+    for (s, e), lo, p in zip(spans, num_computed, prompts):
+        k = 0 if p is None else min(e - s, p.table.shape[0] - lo)  # this chunk's rows inside the prompt
+        if k > 0:
+            row_delta[s : s + k] = 0.0
+            covered.append((s, lo, k, p.table))
+    if not covered:
+        return positions.float() + row_delta.to(positions.device)
+    # index of every real row from the spans: its request's first index + its offset in the span
+    starts = torch.tensor([s for s, _ in spans], dtype=torch.long)
+    first = torch.tensor(list(num_computed), dtype=torch.long)
+    base = torch.zeros(n, dtype=torch.float32)
+    base[:num_real] = (torch.arange(num_real) + torch.repeat_interleave(first - starts, lens)).float()
+    pos3 = (base + row_delta)[:, None].expand(-1, 3).contiguous()
+    for s, lo, k, table in covered:
+        pos3[s : s + k] = table[lo : lo + k]
+    return pos3.to(positions.device)
+
+
+def mrope_sections(text_config: Any, head_dim: int) -> list[int]:
+    """The config's ``mrope_section``, else transformers' default [24, 20, 20] (sized for head_dim 128)."""
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    sections = rope.get("mrope_section")
+    if sections:
+        return list(sections)
+    if head_dim != 128:
+        raise ValueError(f"the text config has no mrope_section and head_dim {head_dim} != 128")
+    return [24, 20, 20]
+
+
 def mrope_axis_of_frequency(head_dim: int, sections: Sequence[int]) -> torch.Tensor:
     """[head_dim / 2] axis (0 = T, 1 = H, 2 = W) that drives each rotary frequency.
 
@@ -176,3 +245,16 @@ def mrope_cos_sin(
     freqs = pos * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class MRopeRotary(RotaryEmbedding):
+    """Rotary tables for ``[N]`` positions (equal ids on every axis: plain RoPE) or ``[N, 3]`` (T, H, W) ids."""
+
+    def __init__(self, head_dim: int, theta: float, sections: Sequence[int]) -> None:
+        super().__init__(head_dim, theta)
+        self.axis = torch.nn.Buffer(mrope_axis_of_frequency(head_dim, sections), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:
+            return mrope_cos_sin(positions, self.inv_freq, self.axis, dtype)
+        return super().forward(positions, dtype)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from omnistage.models.family import PreparedPrompt
 from omnistage.models.media import MediaError, Video, load_audio, load_image, load_video
 from omnistage.models.qwen3_omni.audio_encoder import audio_token_count
-from omnistage.models.qwen3_omni.mrope import MediaSpan, interleaved_order, prompt_positions
+from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, interleaved_order, prompt_positions
 
 # Qwen3OmniMoeProcessor's own defaults (class attributes, not read from any file).
 VIDEO_MIN_PIXELS = 128 * 32 * 32
@@ -73,6 +73,12 @@ class ThinkerMedia:
     positions: torch.Tensor  # [P, 3] float32 MRoPE ids of the prompt rows
     rope_delta: float  # decode position = index + rope_delta
     flat: bool  # no image/video: positions are the plain indices on every axis
+    spans: tuple[MediaSpan, ...]  # the position rules' view of the items (the Talker's positions need it)
+
+    @property
+    def prompt_positions(self) -> PromptPositions | None:
+        """The prompt's 3-D ids for ``mrope.step_positions`` (None: plain indices)."""
+        return None if self.flat else PromptPositions(self.positions, self.rope_delta)
 
 
 def media_data(media: ThinkerMedia | None) -> dict[str, Any]:
@@ -318,7 +324,7 @@ class Qwen3OmniInputProcessor:
         out.extend(ids[cursor:])
         positions, delta = prompt_positions(len(out), spans, self.merge, self.position_id_per_seconds)
         flat = all(s.kind == "audio" for s in spans)
-        return PreparedPrompt(out, media_data(ThinkerMedia(tuple(items), positions, delta, flat)))
+        return PreparedPrompt(out, media_data(ThinkerMedia(tuple(items), positions, delta, flat, tuple(spans))))
 
     @staticmethod
     def _audio_item(feat: torch.Tensor, pad_frames: int, rows: torch.Tensor) -> MediaItem:

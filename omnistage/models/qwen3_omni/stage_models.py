@@ -2,11 +2,12 @@
 
 - ``ThinkerStageModel``: token ids (and a request's media) in; hidden states for sampling out; runs the audio
   and vision encoders for the media rows a prefill chunk reaches and gives every row its 3-D position; sends
-  the Talker only the rows it uses (embeddings of user-turn rows, of the assistant header and of fed-back
-  answer tokens).
+  the Talker only the rows it uses (embeddings of user-turn text rows, of the assistant header and of fed-back
+  answer tokens; accept-layer hidden states of user-turn media rows).
 - ``TalkerStageModel``: builds each row's input from the request's intermediate state (prefill rows,
-  decode rows = code-predictor frame embedding + text row), runs the code predictor batched over every
-  request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
+  decode rows = code-predictor frame embedding + text row) and its position (the Talker prompt's own 3-D ids
+  for prefill rows of image/video prompts, ``index + delta`` after), runs the code predictor batched over
+  every request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
 - ``Code2WavStageModel``: one batched decode over chunks of different lengths.
 """
 
@@ -22,6 +23,7 @@ from omnistage.core.request import Request
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders, item_span
+from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, step_positions
 from omnistage.models.qwen3_omni.processor import MediaItem, thinker_media
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import (
@@ -29,6 +31,7 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     TextSpecials,
     build_talker_prefill,
     talker_decode_input,
+    talker_positions,
     talker_text_row,
     text_row_ready,
 )
@@ -50,7 +53,7 @@ class ThinkerStageModel:
     request's encoder outputs; they are let go by themselves once its prompt is fully prefilled.
     """
 
-    # Row-aligned aux outputs only (embeds): safe to rebuild after a graph replay.
+    # Row-aligned aux outputs only (embeds, accept-layer rows): safe to rebuild after a graph replay.
     supports_full_graph_aux_outputs = True
 
     def __init__(self, thinker: Thinker, encoders: MediaEncoders | None = None) -> None:
@@ -67,32 +70,25 @@ class ThinkerStageModel:
         """Positions become float (decode rows of media requests sit at fractional ids after a video):
         ``[N]`` when every row is text-like, ``[N, 3]`` when a chunk covers prompt rows of an image/video
         request; media rows and deepstack rows are added for prefill chunks that reach them."""
-        n = ctx.num_tokens_unpadded
-        pos = positions.float()
         media = [thinker_media(state) for state in ctx.states]
         if not any(m is not None for m in media):
-            return {"input_ids": input_ids, "positions": pos}, [_NO_UPDATES] * len(ctx.req_ids)
-        # Host-side bookkeeping, one tensor op per request; device copies happen once at the end.
+            return {"input_ids": input_ids, "positions": positions.float()}, [_NO_UPDATES] * len(ctx.req_ids)
         spans = [ctx.spans[r] for r in ctx.req_ids]
-        deltas = torch.tensor([0.0 if m is None else m.rope_delta for m in media], dtype=torch.float32)
-        lens = torch.tensor([e - s for s, e in spans])
-        row_delta = torch.zeros(pos.shape[0], dtype=torch.float32)
-        row_delta[:n] = torch.repeat_interleave(deltas, lens)
+        pos = step_positions(
+            positions, ctx.num_computed, spans, [None if m is None else m.prompt_positions for m in media]
+        )
+        kwargs = {"input_ids": input_ids, "positions": pos}
+        # Encoder rows for the prompt rows [a, b) each request's chunk covers (host bookkeeping).
         needs: list[tuple[str, MediaItem]] = []
         picks: list[tuple[MediaItem, int, int, torch.Tensor]] = []  # item, [o1, o2), step rows
-        table_rows: list[tuple[int, int, int, int]] = []  # batch index, step row, prompt [a, b)
         done: list[str] = []
-        for i, (req_id, lo, m) in enumerate(zip(ctx.req_ids, ctx.num_computed, media)):
+        for req_id, (s, e), lo, m in zip(ctx.req_ids, spans, ctx.num_computed, media):
             if m is None:
                 continue
-            s, e = spans[i]
             num_prompt = m.positions.shape[0]
             a, b = lo, min(lo + (e - s), num_prompt)
             if a >= b:
                 continue
-            if not m.flat:
-                table_rows.append((i, s, a, b))
-            row_delta[s : s + b - a] = 0.0  # prompt rows take their ids from the table (or are plain)
             for item in m.items:
                 o1, o2 = item_span(item, a, b)
                 if o1 < o2:
@@ -100,17 +96,6 @@ class ThinkerStageModel:
                     picks.append((item, o1, o2, item.rows[o1:o2] - a + s))
             if b == num_prompt:
                 done.append(req_id)
-        if table_rows:
-            # Built on the host from the spans (no device read): index + delta, then the tables' rows.
-            base = torch.zeros(pos.shape[0], dtype=torch.float32)
-            for lo, (s, e) in zip(ctx.num_computed, spans):
-                base[s:e] = torch.arange(lo, lo + e - s)
-            pos3 = (base + row_delta)[:, None].expand(-1, 3).contiguous()
-            for i, s, a, b in table_rows:
-                pos3[s : s + b - a] = media[i].positions[a:b]
-            kwargs = {"input_ids": input_ids, "positions": pos3.to(positions.device)}
-        else:
-            kwargs = {"input_ids": input_ids, "positions": pos + row_delta.to(positions.device)}
         if picks:
             self.encoders.acquire(needs)
             kwargs.update(self._media_rows(picks, positions.device))
@@ -133,7 +118,8 @@ class ThinkerStageModel:
     def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions, **media) -> OmniOutput:
         with torch.inference_mode():
             out = self.thinker(input_ids, positions, kv_caches, attn_meta, **media)
-        return OmniOutput(hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
+        aux = {"embeds": out.embeds, "accept": out.accept_hidden}
+        return OmniOutput(hidden_states=out.hidden, multimodal_outputs=aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -143,34 +129,47 @@ class ThinkerStageModel:
         return [_NO_UPDATES] * len(ctx.req_ids)
 
     def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        """Rows for the Talker, only for requests that asked for audio.
+        """Rows for the Talker, only for requests that asked for audio: layer-0 embeddings ("embeds" at
+        "positions") of the user-turn text rows, the assistant header and answer tokens; accept-layer hidden
+        states ("hidden" at "hidden_positions") of the user-turn audio/image/video rows.
 
         Which rows to send is decided on the host (positions follow from ``num_computed_tokens``, the
-        prompt mask is a host tensor), then one gather on the model's device picks them all: no
+        prompt masks are host tensors), then one gather per kind on the model's device picks them all: no
         per-request device syncs or copies in the step.
         """
-        picks, owners = [], []
+        embed_picks, hidden_picks, owners = [], [], []
         for req_id, start, state in zip(ctx.req_ids, ctx.num_computed, ctx.states):
             needed = state.get("talker_rows")
             if needed is None:
                 continue
             s, e = ctx.spans[req_id]
             pos = torch.arange(start, start + (e - s))
-            keep = pos >= needed.shape[0]
-            keep[~keep] = needed[pos[~keep]]
-            rows = torch.nonzero(keep).flatten()
-            if rows.numel():
-                picks.append(rows + s)
-                owners.append((req_id, pos[rows]))
-        if not picks:
+            in_prompt = pos < needed.shape[0]
+            keep = ~in_prompt
+            keep[in_prompt] = needed[pos[in_prompt]]
+            hidden = torch.zeros_like(in_prompt)
+            media_rows = state.get("talker_hidden_rows")
+            if media_rows is not None:
+                hidden[in_prompt] = media_rows[pos[in_prompt]]
+            rows, hrows = torch.nonzero(keep).flatten(), torch.nonzero(hidden).flatten()
+            if rows.numel() or hrows.numel():
+                embed_picks.append(rows + s)
+                hidden_picks.append(hrows + s)
+                owners.append((req_id, pos[rows], pos[hrows]))
+        if not owners:
             return {}
-        embeds = output.multimodal_outputs["embeds"]
+        mm = output.multimodal_outputs
         # Index-select copies: payloads own their rows, never a view of this step's buffers.
-        picked = embeds[torch.cat(picks).to(embeds.device)]
-        out, start = {}, 0
-        for req_id, pos in owners:
-            out[req_id] = {"positions": pos, "embeds": picked[start : start + pos.numel()]}
-            start += pos.numel()
+        embeds = mm["embeds"][torch.cat(embed_picks).to(mm["embeds"].device)]
+        hidden_index = torch.cat(hidden_picks)
+        hidden = mm["accept"][hidden_index.to(mm["accept"].device)] if hidden_index.numel() else None
+        out, e0, h0 = {}, 0, 0
+        for req_id, pos, hpos in owners:
+            out[req_id] = {"positions": pos, "embeds": embeds[e0 : e0 + pos.numel()]}
+            e0 += pos.numel()
+            if hpos.numel():
+                out[req_id].update(hidden_positions=hpos, hidden=hidden[h0 : h0 + hpos.numel()])
+                h0 += hpos.numel()
         return out
 
 
@@ -198,20 +197,23 @@ class TalkerStageModel:
 
     # ---- input construction (called by the Thinker -> Talker bridge) --------------------------------
     def build_prefill(
-        self, prompt_ids: Sequence[int], rows: Mapping[int, torch.Tensor], first_answer: torch.Tensor,
-        speaker_id: int,
-    ) -> tuple[torch.Tensor, list[int]]:
+        self, prompt_ids: Sequence[int], rows: Mapping[int, torch.Tensor], hidden_rows: Mapping[int, torch.Tensor],
+        first_answer: torch.Tensor, speaker_id: int, media_spans: Sequence[MediaSpan] = (),
+    ) -> tuple[torch.Tensor, list[int], PromptPositions | None]:
+        """(prefill rows, their ids, their 3-D positions or None when plain) from the Thinker rows sent:
+        ``rows`` layer-0 embeddings and ``hidden_rows`` accept-layer rows by prompt position, ``media_spans``
+        the Talker prompt's spans (``talker_inputs.talker_media_spans``)."""
         ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=first_answer.device)
-        # Rows the Talker does not read were never sent; zeros stand in for them and are not used.
-        embeds = first_answer.new_zeros(len(prompt_ids), first_answer.shape[-1])
-        if rows:
-            index = torch.tensor(list(rows), dtype=torch.long, device=first_answer.device)
-            embeds[index] = torch.stack(list(rows.values()))
         with torch.inference_mode():
             prefill, input_ids = build_talker_prefill(
-                self.talker, self.ids, ids, embeds, None, first_answer, speaker_id, self.specials
+                self.talker, self.ids, ids, _prompt_table(len(prompt_ids), rows, first_answer),
+                _prompt_table(len(prompt_ids), hidden_rows, first_answer) if hidden_rows else None,
+                first_answer, speaker_id, self.specials,
             )
-        return prefill, input_ids.tolist()
+        positions = talker_positions(
+            media_spans, prefill.shape[0], self.talker.spatial_merge_size, self.talker.position_id_per_seconds
+        )
+        return prefill, input_ids.tolist(), positions
 
     def project_text(self, rows: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -281,6 +283,8 @@ class TalkerStageModel:
             frames[token_rows] = codes
             for k, i in enumerate(idx):
                 updates[i] = {"decode_embeds": (*ctx.states[i].get("decode_embeds", ()), step_in[k].clone())}
+        prompts = [st.get("prefill_positions") for st in ctx.states]
+        positions = step_positions(positions, ctx.num_computed, [ctx.spans[r] for r in ctx.req_ids], prompts)
         return {"inputs_embeds": embeds, "positions": positions, "frames": frames}, updates
 
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
@@ -317,6 +321,15 @@ class TalkerStageModel:
 
     def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:
         return {r: {"codes": f.T.contiguous()} for r, f in self._frames(ctx, output).items()}
+
+
+def _prompt_table(num_rows: int, rows: Mapping[int, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """[num_rows, H] with the given rows at their positions; zeros stand in for rows that were never sent
+    (the Talker does not read them)."""
+    table = like.new_zeros(num_rows, like.shape[-1])
+    if rows:
+        table[torch.tensor(list(rows), dtype=torch.long, device=like.device)] = torch.stack(list(rows.values()))
+    return table
 
 
 def _code_predictor_row(row: SamplingRow) -> SamplingRow:

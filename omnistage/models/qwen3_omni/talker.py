@@ -3,8 +3,9 @@
 Names follow the checkpoint with ``talker.`` stripped: ``model.codec_embedding``, ``model.layers.N.*``,
 ``model.norm``, ``codec_head``, ``text_projection``, ``hidden_projection`` and ``code_predictor.*``.
 
-Positions (text-only input): row i of the talker sequence (prefill rows 0..L-1, decode step k at L+k) has
-position i; transformers' talker MRoPE reduces to that when no audio/image/video is in the prompt.
+Positions: ``[N]`` (equal ids on the three MRoPE axes: text-only prompts, where row i of the talker sequence
+sits at i, and decode rows at ``index + rope delta``) or ``[N, 3]`` (T, H, W) for prefill rows of a prompt with
+images or videos (``talker_inputs.talker_positions``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from omnistage.attention.backend import AttentionMetadata
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
 from omnistage.models.layers.mlp import ResizeMLP, check_activation
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, SampleFn
+from omnistage.models.qwen3_omni.mrope import MRopeRotary, mrope_sections
 
 # generate() keeps the top this-many codec ids for control tokens and never lets the talker sample them.
 NUM_RESERVED_CODEC_IDS = 1024
@@ -56,6 +58,11 @@ class Talker(nn.Module):
         self.num_code_groups = int(tcfg.num_code_groups)
 
         self.model = TalkerTextModel(self.cfg, self.vocab_size)
+        sections = mrope_sections(text_cfg, self.cfg.head_dim)
+        self.model.rotary = MRopeRotary(self.cfg.head_dim, self.cfg.rope_theta, sections)
+        # The Talker's own 3-D positions over its prompt read these (transformers: its talker config's values).
+        self.spatial_merge_size = int(tcfg.spatial_merge_size)
+        self.position_id_per_seconds = float(tcfg.position_id_per_seconds)
         self.codec_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
         if getattr(tcfg, "tie_word_embeddings", False):
             self.codec_head.weight = self.model.codec_embedding.weight

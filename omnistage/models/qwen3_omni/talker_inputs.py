@@ -1,4 +1,4 @@
-"""Talker input construction for one request, as the Thinker's output streams in (text-only positions).
+"""Talker input construction for one request, as the Thinker's output streams in.
 
 Prefill = the user turns of the prompt (every row whose latest ``<|im_start|>`` is followed by the user role
 id; text rows -> ``text_projection(thinker embedding)``, audio/image/video rows -> ``hidden_projection(thinker
@@ -9,15 +9,22 @@ codec_pad, codec_bos (talker codec embeddings).
 Decode step k (k = 0, 1, ...) adds one text row: projected answer token k+1, then tts_eos once, then tts_pad.
 "Answer tokens" are the generated tokens the Thinker embedded, i.e. fed back as input: every generated token
 but the last (the EOS, or the final token of a length-capped answer, is never embedded and never spoken).
+
+Positions: the Talker's own 3-D ids over its own prompt (user rows + the 9 assistant rows), from the Thinker
+prompt's media spans re-indexed to it (``talker_media_spans``, ``talker_positions``); decode rows continue at
+``index + rope delta``. Prompts without images or videos have plain positions.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, prompt_positions
 from omnistage.models.qwen3_omni.talker import Talker
 
 ASSISTANT_TEXT_ROWS = 9
@@ -92,17 +99,49 @@ def user_rows_mask(prompt_ids: torch.Tensor, ids: TalkerTokenIds) -> torch.Tenso
     return roles == ids.user
 
 
-def talker_prompt_rows(prompt_ids: list[int], ids: TalkerTokenIds) -> torch.Tensor:
-    """[P] bool: prompt rows the Talker reads (user turns + the final assistant header)."""
+def talker_prompt_rows(prompt_ids: Sequence[int], ids: TalkerTokenIds) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt rows the Talker reads, as two [P] bool masks: rows whose layer-0 embedding it reads (user-turn
+    text rows and the final assistant header) and rows whose accept-layer hidden state it reads (user-turn audio,
+    image and video rows)."""
     t = torch.tensor(list(prompt_ids), dtype=torch.long)
     if t.numel() < 3 or t[-3] != ids.im_start or t[-2] != ids.assistant:
         raise ValueError(
             "speech output needs a chat prompt that ends with the assistant header "
             "'<|im_start|>assistant\\n' (render it with add_generation_prompt=True)"
         )
-    needed = user_rows_mask(t, ids)
-    needed[-3:] = True
-    return needed
+    user = user_rows_mask(t, ids)
+    media = torch.isin(t, torch.tensor(ids.multimodal))
+    embeds = user & ~media
+    embeds[-3:] = True
+    return embeds, user & media
+
+
+def talker_media_spans(
+    spans: Sequence[MediaSpan], prompt_ids: Sequence[int], ids: TalkerTokenIds
+) -> tuple[MediaSpan, ...]:
+    """The Thinker prompt's media spans as the Talker's position rules see them in the Talker's own prompt.
+
+    Only user-turn rows are in that prompt: spans elsewhere drop out, the others are re-indexed (a span lies
+    within one turn, so its rows stay contiguous). A video with its audio track is taken as transformers'
+    Talker takes it: ``generate`` does not pass ``use_audio_in_video`` to its Talker, whose rope scan then
+    reads such a span as a video interleaved with its audio only while an image is still ahead of it in the
+    prompt; otherwise every row of the span gets plain sequential ids, as text does.
+    """
+    user = user_rows_mask(torch.tensor(list(prompt_ids), dtype=torch.long), ids)
+    index = torch.cumsum(user.long(), 0) - 1  # the Talker prompt row of each user row
+    kept = [dataclasses.replace(s, start=int(index[s.start])) for s in spans if bool(user[s.start])]
+    image_after = [any(k.kind == "image" for k in kept[i + 1 :]) for i in range(len(kept))]
+    return tuple(s for s, later in zip(kept, image_after) if s.kind != "video+audio" or later)
+
+
+def talker_positions(
+    spans: Sequence[MediaSpan], num_rows: int, spatial_merge_size: int, position_id_per_seconds: float
+) -> PromptPositions | None:
+    """The Talker prompt's 3-D ids (``num_rows`` = user rows + 9 assistant rows); None when they are plain."""
+    if all(s.kind == "audio" for s in spans):
+        return None
+    table, delta = prompt_positions(num_rows, spans, spatial_merge_size, position_id_per_seconds)
+    return PromptPositions(table, delta)
 
 
 def assistant_start(prompt_ids: torch.Tensor, ids: TalkerTokenIds) -> int:

@@ -21,7 +21,7 @@ from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder, paged_attend
-from omnistage.models.qwen3_omni.mrope import mrope_axis_of_frequency, mrope_cos_sin
+from omnistage.models.qwen3_omni.mrope import mrope_axis_of_frequency, mrope_cos_sin, mrope_sections
 
 
 @dataclass
@@ -53,8 +53,7 @@ class Thinker(nn.Module):
                 f"accept_hidden_layer={self.accept_hidden_layer} outside [0, {self.cfg.num_layers}] for the Thinker"
             )
         self.model = ThinkerTextModel(self.cfg, self.vocab_size)
-        rope = getattr(text_cfg, "rope_parameters", None) or {}
-        sections = rope.get("mrope_section") or _default_sections(self.cfg.head_dim)
+        sections = mrope_sections(text_cfg, self.cfg.head_dim)
         self.mrope_axis = nn.Buffer(mrope_axis_of_frequency(self.cfg.head_dim, sections), persistent=False)
         self.lm_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
         if getattr(config.thinker_config, "tie_word_embeddings", False):
@@ -107,9 +106,3 @@ class Thinker(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-
-def _default_sections(head_dim: int) -> list[int]:
-    """transformers' default mrope_section [24, 20, 20] when a config gives none (sized for head_dim 128)."""
-    if head_dim != 128:
-        raise ValueError(f"the thinker config has no mrope_section and head_dim {head_dim} != 128")
-    return [24, 20, 20]
