@@ -8,6 +8,7 @@ import base64
 import io
 import wave
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -38,15 +39,20 @@ def reference(q25_ckpt):
 
 
 @pytest.fixture(scope="module")
-def client(q25_ckpt):
+def server(q25_ckpt):
     metrics = ServerMetrics()
     omni = AsyncOmni(q25_ckpt, on_step=metrics.observe_step)
     assert omni.info.family == "qwen2_5_omni" and omni.info.voices == ("chelsie", "ethan")
     try:
         with ServerThread(create_app(omni, MODEL, metrics)) as srv:
-            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            yield srv.url
     finally:
         omni.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def test_chat_with_audio(client, reference):
@@ -78,3 +84,10 @@ def test_unknown_voice_is_a_400_listing_the_voices(client):
         body = err.body if "message" in err.body else err.body["error"]
         assert body["message"] == "unknown voice 'alloy'; available: ['chelsie', 'ethan']"
         assert body["param"] == param and body["code"] == "invalid_voice"
+
+
+def test_playground_describes_the_family(server):
+    info = httpx.get(server + "/playground/info").json()
+    assert info["family"] == "qwen2_5_omni" and info["output_modalities"] == ["text", "audio"]
+    assert info["voices"] == ["chelsie", "ethan"] and info["default_voice"] == "chelsie"
+    assert info["sample_rate"] == 24000
