@@ -67,7 +67,9 @@ class ThinkerStageModel:
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
         return [None] * len(ctx.req_ids)
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
         """{req_id: {"positions": [k] (host), "rows": [k, E]}} for speech requests: every row of their span.
 
         Rows are picked with one gather (the row indices are host data) and owned by the payload.
@@ -107,7 +109,6 @@ class TalkerStageModel:
         self.num_layers, self.num_kv_heads, self.head_dim = _dims(talker)
         self.embedding_size = talker.embedding_size
         self.eos_ids = frozenset(talker.ids.eos_ids)
-        self._step_codes: tuple[StepContext, dict[str, int]] | None = None
 
     @classmethod
     def for_speakers(
@@ -187,17 +188,13 @@ class TalkerStageModel:
         return {r: c for r, c in sampled.items() if c not in self.eos_ids}
 
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
-        # The runner builds this step's stage outputs right after postprocess, with the same context; the sampled
-        # codes are kept until then (stage_outputs is not given them).
-        self._step_codes = (ctx, self._spoken(sampled))
         return [None] * len(ctx.req_ids)
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
         """{req_id: {"codes": [1] host LongTensor}}: the code each request sampled this step."""
-        kept, self._step_codes = self._step_codes, None
-        if kept is None or kept[0] is not ctx:
-            raise RuntimeError("talker stage_outputs called without this step's postprocess")
-        return {r: {"codes": torch.tensor([c])} for r, c in kept[1].items()}
+        return {r: {"codes": torch.tensor([c])} for r, c in self._spoken(sampled).items()}
 
     def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:
         return {r: {"codes": torch.tensor([[c]])} for r, c in self._spoken(sampled).items()}
