@@ -89,8 +89,11 @@ class ARStageModel(Protocol):
     ) -> list[Mapping[str, Any] | None]:
         """State to keep for the next step, per request in batch order (e.g. last hidden)."""
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        """Per-request payloads for the next stage, sliced by the real spans."""
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
+        """Per-request payloads for the next stage, sliced by the real spans (``sampled``: this step's
+        tokens, for a stage whose samples are what the next stage consumes)."""
 
 
 class GenerationStageModel(Protocol):

@@ -132,7 +132,9 @@ class ThinkerStageModel:
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
         return [_NO_UPDATES] * len(ctx.req_ids)
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
         """Rows for the Talker, only for requests that asked for audio: layer-0 embeddings ("embeds" at
         "positions") of the user-turn text rows, the assistant header and answer tokens; accept-layer hidden
         states ("hidden" at "hidden_positions") of the user-turn audio/image/video rows.
@@ -320,7 +322,9 @@ class TalkerStageModel:
                 out[req_id] = mine
         return out
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
         return {r: {"frames": f} for r, f in self._frames(ctx, output).items()}
 
     def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:
