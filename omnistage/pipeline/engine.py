@@ -116,6 +116,7 @@ class OmniEngine:
             sample_rate=self.family.sample_rate,
             num_code_groups=self.family.num_code_groups,
             vocab_size=self.family.vocab_size,
+            input_modalities=tuple(self.family.input_modalities),
         )
 
     @property

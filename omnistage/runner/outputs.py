@@ -67,7 +67,8 @@ class ARStageModel(Protocol):
     ``emits_token_ids`` (default True: sampled ids go to the client as text tokens),
     ``client_outputs(ctx, output, sampled)`` (extra per-request client outputs),
     ``input_ready(state, request)`` (default True: False pauses the request, keeping its KV, until more
-    upstream input arrives).
+    upstream input arrives), ``resource_stats()`` (counts of what the model holds per request, e.g. cached
+    encoder outputs; merged into the stage's stats).
     """
 
     num_layers: int

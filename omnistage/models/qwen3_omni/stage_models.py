@@ -66,6 +66,10 @@ class ThinkerStageModel:
     def free(self, req_id: str) -> None:
         self.encoders.release(req_id)
 
+    def resource_stats(self) -> dict[str, int]:
+        """Cached encoder outputs and the requests holding any (both 0 once every prompt is prefilled)."""
+        return {"encoder_entries": len(self.encoders), "encoder_holders": len(self.encoders.held)}
+
     def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
         """Positions become float (decode rows of media requests sit at fractional ids after a video):
         ``[N]`` when every row is text-like, ``[N, 3]`` when a chunk covers prompt rows of an image/video
