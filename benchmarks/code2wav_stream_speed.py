@@ -1,0 +1,100 @@
+"""Code2Wav: per-frame cost of stateful streaming in chunks vs one-shot decoding of the same frames.
+
+B requests of F frames each. One-shot: one ``decode`` call over all B x F frames. Streaming: the B requests
+advance together, ``chunk`` frames per batched ``Code2WavStreamer.decode`` call, until F frames are done.
+Prints ms per frame (wall time / (B * F)), the ratio to one-shot, and the max abs difference of the
+streamed audio to one-shot. Each configuration is warmed up once (short run) before it is timed.
+
+    python benchmarks/code2wav_stream_speed.py --preset small --frames 300 --chunks 1 4 25 300 \
+        --batch 1 8 --threads 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+
+def load_code2wav(model_dir: str, dtype: torch.dtype):
+    from omnistage.models.loader import load_config, load_into
+    from omnistage.models.qwen3_omni.code2wav import Code2Wav
+
+    model = Code2Wav(load_config(model_dir).code2wav_config)
+    load_into(model, model_dir, "code2wav.", dtype)
+    return model.eval()
+
+
+def one_shot(model, codes: torch.Tensor) -> tuple[float, torch.Tensor]:
+    lengths = torch.full((codes.shape[0],), codes.shape[-1])
+    start = time.perf_counter()
+    with torch.no_grad():
+        wave, _ = model.decode(codes, lengths)
+    return time.perf_counter() - start, wave
+
+
+def streamed(streamer, codes: torch.Tensor, chunk: int) -> tuple[float, torch.Tensor]:
+    batch, _, frames = codes.shape
+    states = [None] * batch
+    pieces = []
+    start = time.perf_counter()
+    for pos in range(0, frames, chunk):
+        n = min(chunk, frames - pos)
+        out = streamer.decode(codes[:, :, pos : pos + n], [n] * batch, states)
+        states = out.states
+        pieces.append(out.wave)  # lockstep rows: every row has the same length
+    return time.perf_counter() - start, torch.cat(pieces, dim=1)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--frames", type=int, default=300)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 25, 300])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = ap.parse_args()
+
+    from benchmarks.thinker_throughput import resolve_model
+    from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
+
+    model = load_code2wav(resolve_model(args.model, args.preset), getattr(torch, args.dtype))
+    streamer = Code2WavStreamer(model)
+    cfg = model.config
+    gen = torch.Generator().manual_seed(0)
+    print(f"CPU: {cpu_name()}; {args.dtype}; hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
+          f"decoder_dim {cfg.decoder_dim}; {args.frames} frames per request")
+    print(f"{'threads':>7} {'batch':>5} {'mode':>10} {'ms/frame':>9} {'vs 1-shot':>9} {'max diff':>9}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch in args.batch:
+            codes = torch.randint(0, cfg.codebook_size, (batch, cfg.num_quantizers, args.frames), generator=gen)
+            one_shot(model, codes[..., : min(args.frames, 50)])  # warm-up
+            seconds, reference = one_shot(model, codes)
+            base = seconds / (batch * args.frames)
+            print(f"{threads:>7} {batch:>5} {'one-shot':>10} {base * 1e3:>9.3f} {1.0:>9.2f} {'':>9}")
+            for chunk in args.chunks:
+                streamed(streamer, codes[..., : min(args.frames, 2 * chunk)], chunk)  # warm-up
+                seconds, wave = streamed(streamer, codes, chunk)
+                per_frame = seconds / (batch * args.frames)
+                diff = (wave.float() - reference.float()).abs().max().item()
+                print(f"{threads:>7} {batch:>5} {'chunk ' + str(chunk):>10} {per_frame * 1e3:>9.3f} "
+                      f"{per_frame / base:>9.2f} {diff:>9.1e}")
+
+
+if __name__ == "__main__":
+    main()
