@@ -129,6 +129,13 @@ def test_zero_and_one_frame_answers(model):
     out = streamer.decode(codes, [1], [None])
     assert out.wave_lengths.tolist() == [model.samples_for_frames(1)]
     assert (out.wave[0] - one_shot(model, codes[0])).abs().max().item() <= TOL
+    # 70 frames fill a CPU row tile alone: the idle rows get tiles of their own with nothing to decode.
+    codes = random_codes(q, 71, seed=3)
+    out2 = streamer.decode(torch.cat((codes[..., :70], codes[..., 1:])), [70, 0], [None, out.states[0]])
+    assert out2.wave_lengths.tolist() == [model.samples_for_frames(70), 0]
+    assert torch.count_nonzero(out2.wave[1]) == 0
+    assert torch.equal(out2.states[1].buffer, out.states[0].buffer) and out2.states[1].frames == 1
+    assert (out2.wave[0] - one_shot(model, codes[0, :, :70])).abs().max().item() <= TOL
 
 
 def test_retry_after_failure_gives_identical_output(model, monkeypatch):

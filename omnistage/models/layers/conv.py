@@ -79,7 +79,9 @@ class CausalConv1d(nn.Module):
         return self.output_length(length) * self.stride - length
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = F.pad(hidden, (self.left_pad, self._right_pad(hidden.shape[-1])))
+        pad = (self.left_pad, self._right_pad(hidden.shape[-1]))
+        if pad != (0, 0):  # F.pad copies even when it pads nothing (kernel-1 convolutions)
+            hidden = F.pad(hidden, pad)
         return self.conv(hidden)
 
     @property
@@ -121,8 +123,35 @@ class CausalConvTranspose1d(nn.Module):
         return kept.clamp(min=0) if isinstance(kept, torch.Tensor) else max(kept, 0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.trim in (0, self.stride):
+            return self._forward_matmul(hidden)
         hidden = self.conv(hidden)
         return hidden[..., self.trim : hidden.shape[-1] - self.trim]
+
+    def _forward_matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        """kernel == stride or 2 * stride as one GEMM plus an overlap-add.
+
+        Same result as the trimmed ConvTranspose1d (up to float rounding), but torch's CPU transposed
+        convolution is slow for short inputs (a streaming call's few new frames: ~4x the GEMM's time).
+        Input position i gives ``kernel`` samples per channel from ``i * stride``; with kernel == 2 * stride
+        kept block j is the second half of input j's samples plus the first half of input j + 1's.
+        """
+        batch, channels, length = hidden.shape
+        out_channels, stride = self.conv.out_channels, self.stride
+        taps = 1 if self.trim == 0 else 2
+        weight = self.conv.weight.reshape(channels, out_channels * taps * stride)
+        bias = self.conv.bias
+        if bias is not None:  # added once per output sample: to the first tap block only
+            bias = F.pad(bias[:, None, None].expand(out_channels, 1, stride), (0, 0, 0, taps - 1)).reshape(-1)
+        rows = hidden.transpose(1, 2).reshape(batch * length, channels)
+        z = (rows @ weight if bias is None else torch.addmm(bias, rows, weight))
+        z = z.view(batch, length, out_channels, taps, stride).permute(0, 2, 1, 3, 4)
+        if taps == 1:
+            return z.reshape(batch, out_channels, length * stride)
+        blocks = max(length - 1, 0)
+        out = hidden.new_empty((batch, out_channels, blocks, stride))
+        torch.add(z[:, :, 1:, 0], z[:, :, :-1, 1], out=out)
+        return out.view(batch, out_channels, blocks * stride)
 
     @property
     def history_size(self) -> int:

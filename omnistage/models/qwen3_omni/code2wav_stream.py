@@ -197,6 +197,11 @@ class Code2WavStreamer:
     def _weight(self) -> torch.Tensor:
         return self.model.code_embedding.weight
 
+    @staticmethod
+    def _view(buffers: torch.Tensor, slot: StreamSlot) -> torch.Tensor:
+        """[B, *slot.shape] view of one slot in a batch of state buffers [B, state_size]."""
+        return buffers[:, slot.offset : slot.offset + slot.size].view(buffers.shape[0], *slot.shape)
+
     def initial_state(self) -> Code2WavStreamState:
         return Code2WavStreamState(
             0, torch.zeros(self.state_size, dtype=self._weight.dtype, device=self._weight.device)
@@ -245,19 +250,45 @@ class Code2WavStreamer:
             return Code2WavStreamOutput(empty, torch.zeros(batch, dtype=torch.long, device=device), tuple(checked))
 
         codes = model._fill_padding(codes[..., :width].to(device), torch.tensor(counts, device=device))
+        frames = [s.frames for s in checked]
         stacked = torch.stack([s.buffer for s in checked])
-        histories = {
-            slot.module: stacked[:, slot.offset : slot.offset + slot.size].view(batch, *slot.shape)
-            for slot in self.slots
-        }
-        step = StreamStep(histories, [s.frames for s in checked], counts, device)
+        packed = torch.empty_like(stacked)
+        sizes = [model.samples_for_frames(p + n) - model.samples_for_frames(p) for p, n in zip(frames, counts)]
+        wave = stacked.new_empty((batch, max(sizes)))
+        # Rows are independent: on CPU, tiles of rows whose signals stay in cache (as Code2Wav.decode does).
+        tile = batch if codes.is_cuda else max(1, model.CPU_TILE_SAMPLES // (width * model.samples_per_frame))
         with torch.no_grad():
-            wave = model._synthesize(codes, step)[:, 0]
-            packed = torch.cat([step.updated[slot.module].reshape(batch, -1) for slot in self.slots], dim=1)
-        wave_lengths = torch.tensor(step.lengths, device=device)
-        wave = wave[:, : max(step.lengths)]
-        wave = wave * (torch.arange(wave.shape[-1], device=device)[None, :] < wave_lengths[:, None])
+            for start in range(0, batch, tile):
+                rows = slice(start, start + tile)
+                self._decode_rows(codes[rows], frames[rows], counts[rows], stacked[rows], packed[rows], wave[rows])
         next_states = tuple(
             Code2WavStreamState(s.frames + n, buffer) for s, n, buffer in zip(checked, counts, packed.unbind(0))
         )
+        wave_lengths = torch.tensor(sizes, device=device)
         return Code2WavStreamOutput(wave, wave_lengths, next_states)
+
+    def _decode_rows(
+        self,
+        codes: torch.Tensor,
+        frames: list[int],
+        counts: list[int],
+        states: torch.Tensor,
+        next_states: torch.Tensor,
+        wave: torch.Tensor,
+    ) -> None:
+        """One batched pass over some rows: fills their next state buffers and their wave rows."""
+        width = max(counts)
+        if width == 0:
+            next_states.copy_(states)
+            wave.zero_()
+            return
+        step = StreamStep({slot.module: self._view(states, slot) for slot in self.slots}, frames, counts,
+                          codes.device)
+        out = self.model._synthesize(codes[..., :width], step)[:, 0]
+        for slot in self.slots:
+            self._view(next_states, slot).copy_(step.updated[slot.module])
+        out = out[:, : wave.shape[-1]]
+        lengths = torch.tensor(step.lengths, device=out.device)
+        valid = torch.arange(out.shape[-1], device=out.device)[None, :] < lengths[:, None]
+        torch.mul(out, valid, out=wave[:, : out.shape[-1]])
+        wave[:, out.shape[-1] :] = 0
