@@ -2,10 +2,12 @@
 
 B requests of F frames each. One-shot: one ``decode`` call over all B x F frames. Streaming: the B requests
 advance together, ``chunk`` frames per batched ``Code2WavStreamer.decode`` call, until F frames are done.
-Prints ms per frame (wall time / (B * F)), the ratio to one-shot, and the max abs difference of the
-streamed audio to one-shot. Each configuration is warmed up once (short run) before it is timed.
+Prints ms per frame (time / (B * F)) as wall time and as this process's CPU time (on a machine shared with
+other jobs the CPU time is the steadier number; with several threads it adds up all of them), the ratio to
+one-shot (CPU time), and the max abs difference of the streamed audio to one-shot. Each configuration is
+warmed up once (short run) before it is timed.
 
-    python benchmarks/code2wav_stream_speed.py --preset small --frames 300 --chunks 1 4 25 300 \
+    python -m benchmarks.code2wav_stream_speed --preset small --frames 300 --chunks 1 4 25 300 \
         --batch 1 8 --threads 1 2
 """
 
@@ -27,25 +29,35 @@ def load_code2wav(model_dir: str, dtype: torch.dtype):
     return model.eval()
 
 
-def one_shot(model, codes: torch.Tensor) -> tuple[float, torch.Tensor]:
+class Timer:
+    """Wall and process CPU seconds of a block."""
+
+    def __enter__(self) -> Timer:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def one_shot(model, codes: torch.Tensor) -> tuple[Timer, torch.Tensor]:
     lengths = torch.full((codes.shape[0],), codes.shape[-1])
-    start = time.perf_counter()
-    with torch.no_grad():
+    with Timer() as timer, torch.no_grad():
         wave, _ = model.decode(codes, lengths)
-    return time.perf_counter() - start, wave
+    return timer, wave
 
 
-def streamed(streamer, codes: torch.Tensor, chunk: int) -> tuple[float, torch.Tensor]:
+def streamed(streamer, codes: torch.Tensor, chunk: int) -> tuple[Timer, torch.Tensor]:
     batch, _, frames = codes.shape
     states = [None] * batch
     pieces = []
-    start = time.perf_counter()
-    for pos in range(0, frames, chunk):
-        n = min(chunk, frames - pos)
-        out = streamer.decode(codes[:, :, pos : pos + n], [n] * batch, states)
-        states = out.states
-        pieces.append(out.wave)  # lockstep rows: every row has the same length
-    return time.perf_counter() - start, torch.cat(pieces, dim=1)
+    with Timer() as timer:
+        for pos in range(0, frames, chunk):
+            n = min(chunk, frames - pos)
+            out = streamer.decode(codes[:, :, pos : pos + n], [n] * batch, states)
+            states = out.states
+            pieces.append(out.wave)  # lockstep rows: every row has the same length
+    return timer, torch.cat(pieces, dim=1)
 
 
 def cpu_name() -> str:
@@ -78,22 +90,23 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"CPU: {cpu_name()}; {args.dtype}; hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
           f"decoder_dim {cfg.decoder_dim}; {args.frames} frames per request")
-    print(f"{'threads':>7} {'batch':>5} {'mode':>10} {'ms/frame':>9} {'vs 1-shot':>9} {'max diff':>9}")
+    print(f"{'threads':>7} {'batch':>5} {'mode':>10} {'wall ms':>8} {'CPU ms':>8} {'vs 1-shot':>9} {'max diff':>9}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batch:
             codes = torch.randint(0, cfg.codebook_size, (batch, cfg.num_quantizers, args.frames), generator=gen)
             one_shot(model, codes[..., : min(args.frames, 50)])  # warm-up
-            seconds, reference = one_shot(model, codes)
-            base = seconds / (batch * args.frames)
-            print(f"{threads:>7} {batch:>5} {'one-shot':>10} {base * 1e3:>9.3f} {1.0:>9.2f} {'':>9}")
+            timer, reference = one_shot(model, codes)
+            frames = batch * args.frames
+            base = timer.cpu / frames
+            print(f"{threads:>7} {batch:>5} {'one-shot':>10} {timer.wall / frames * 1e3:>8.2f} {base * 1e3:>8.2f} "
+                  f"{1.0:>9.2f} {'':>9}")
             for chunk in args.chunks:
                 streamed(streamer, codes[..., : min(args.frames, 2 * chunk)], chunk)  # warm-up
-                seconds, wave = streamed(streamer, codes, chunk)
-                per_frame = seconds / (batch * args.frames)
+                timer, wave = streamed(streamer, codes, chunk)
                 diff = (wave.float() - reference.float()).abs().max().item()
-                print(f"{threads:>7} {batch:>5} {'chunk ' + str(chunk):>10} {per_frame * 1e3:>9.3f} "
-                      f"{per_frame / base:>9.2f} {diff:>9.1e}")
+                print(f"{threads:>7} {batch:>5} {'chunk ' + str(chunk):>10} {timer.wall / frames * 1e3:>8.2f} "
+                      f"{timer.cpu / frames * 1e3:>8.2f} {timer.cpu / frames / base:>9.2f} {diff:>9.1e}")
 
 
 if __name__ == "__main__":

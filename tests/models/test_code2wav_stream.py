@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from test_code2wav import build_pair, random_codes
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 from omnistage.models.loader import load_config, load_into
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
@@ -199,6 +200,25 @@ def test_bfloat16_smoke(tiny_ckpt):
         assert got.shape == (model.samples_for_frames(codes.shape[-1]),)
         assert torch.isfinite(got).all()
         assert got.float().std() > 0.01
+
+
+def test_state_layout_of_the_real_model():
+    """Per request: K and V of the last 71 frames per layer, the last inputs of every causal convolution
+    ((k - 1) * dilation each) and the last input of each decoder block's transposed convolution."""
+    hf_config = Qwen3OmniMoeCode2WavConfig()  # the real model's sizes; meta device allocates nothing
+    with torch.device("meta"):
+        streamer = Code2WavStreamer(Code2Wav(hf_config))
+    slots = {slot.name: slot.shape for slot in streamer.slots}
+    assert slots["pre_transformer.layers.7.self_attn.v_proj"] == (16, 71, 64)
+    assert slots["upsample.1.1.dwconv"] == (1024, 6)
+    assert slots["decoder.0"] == (1024, 6)
+    assert slots["decoder.1.block.1"] == (1536, 1)  # transposed convolution
+    assert slots["decoder.1.block.4.conv1"] == (768, 54)  # dilation 9
+    assert slots["decoder.6"] == (96, 6)
+    assert len(slots) == 16 + 2 + 1 + 4 * (1 + 3) + 1
+    kv = 8 * 2 * 16 * 71 * 64
+    assert streamer.state_size == kv + 134_208  # 5.2 MB per request in float32, 90% of it attention
+    assert streamer.slots[-1].offset + streamer.slots[-1].size == streamer.state_size
 
 
 def test_bad_inputs_are_rejected(model):
