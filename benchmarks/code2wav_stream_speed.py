@@ -21,10 +21,10 @@ import torch
 
 
 def load_code2wav(model_dir: str, dtype: torch.dtype):
-    from omnistage.models.loader import load_config, load_into
-    from omnistage.models.qwen3_omni.code2wav import Code2Wav
+    from omnistage.models.loader import load_into
+    from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 
-    model = Code2Wav(load_config(model_dir).code2wav_config)
+    model = Code2Wav(Code2WavConfig.from_checkpoint(model_dir))
     load_into(model, model_dir, "code2wav.", dtype)
     return model.eval()
 

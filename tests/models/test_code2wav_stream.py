@@ -11,8 +11,8 @@ import torch
 from test_code2wav import build_pair, random_codes
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
-from omnistage.models.loader import load_config, load_into
-from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.loader import load_into
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, Code2WavStreamState
 
 TOL = 1e-4  # float32 streaming vs one-shot (measured ~1e-6)
@@ -20,7 +20,7 @@ TOL = 1e-4  # float32 streaming vs one-shot (measured ~1e-6)
 
 @functools.cache
 def _load(model_dir) -> Code2Wav:
-    model = Code2Wav(load_config(model_dir).code2wav_config)
+    model = Code2Wav(Code2WavConfig.from_checkpoint(model_dir))
     load_into(model, model_dir, "code2wav.")
     return model.eval()
 
@@ -188,7 +188,7 @@ def test_seamless_past_300_frames_where_chunked_decode_is_not():
 
 
 def test_bfloat16_smoke(tiny_ckpt):
-    model = Code2Wav(load_config(tiny_ckpt).code2wav_config)
+    model = Code2Wav(Code2WavConfig.from_checkpoint(tiny_ckpt))
     load_into(model, tiny_ckpt, "code2wav.", torch.bfloat16)
     streamer = Code2WavStreamer(model.eval())
     assert streamer.initial_state().buffer.dtype == torch.bfloat16

@@ -18,9 +18,11 @@ below takes an optional ``stream`` (one streaming call's carried state) and then
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -109,6 +111,14 @@ class Code2WavConfig:
     @property
     def samples_per_frame(self) -> int:
         return math.prod(self.upsample_rates + self.upsampling_ratios)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path) -> Code2WavConfig:
+        """The ``code2wav_config`` section of a Qwen3-Omni checkpoint's config.json."""
+        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        if "code2wav_config" not in raw:
+            raise ValueError(f"{model_dir}/config.json has no code2wav_config section")
+        return cls.from_hf(raw["code2wav_config"])
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> Code2WavConfig:
