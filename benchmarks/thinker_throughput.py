@@ -48,13 +48,13 @@ def run_omnistage(omni, texts, lens) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def resolve_model(model: str | None, preset: str) -> str:
-    """The given checkpoint dir, or the preset built into a temp dir (seed 0)."""
+def resolve_model(model: str | None, preset: str, family: str = "qwen3_omni") -> str:
+    """The given checkpoint dir, or the family's preset built into a temp dir (seed 0)."""
     if model is not None:
         return model
     from omnistage.testing.checkpoint import build_checkpoint
 
-    return str(build_checkpoint(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0))
+    return str(build_checkpoint(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0, family=family))
 
 
 def hf_inputs(tok, texts):

@@ -18,6 +18,14 @@ def gqa_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def q25_ckpt():
+    """The tiny Qwen2.5-Omni checkpoint (seed 0), shared with the model tests."""
+    from omnistage.testing.qwen2_5_omni.reference import tiny_checkpoint
+
+    return tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
 def hf_model_factory():
     """Call with a checkpoint path: transformers' float32 reference model, cached per path (do not modify)."""
     from omnistage.testing.reference import load_hf_reference

@@ -11,7 +11,12 @@ from pathlib import Path
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from omnistage.testing.checkpoint import build_checkpoint
 
-    path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
+    try:
+        path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed, max_shard_bytes=args.max_shard_bytes,
+                                family=args.family)
+    except ValueError as exc:  # e.g. a preset the family does not have
+        print(f"omnistage make-checkpoint: error: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 
@@ -81,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-checkpoint", help="write a random Qwen3-Omni checkpoint in the HF format")
+    p = sub.add_parser("make-checkpoint", help="write a random Qwen3-Omni or Qwen2.5-Omni checkpoint in the HF format")
     p.add_argument("dir")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "tiny-gqa", "small"])
+    p.add_argument("--family", default="qwen3_omni", choices=["qwen3_omni", "qwen2_5_omni"])
+    p.add_argument("--preset", default="tiny", help="tiny, tiny-gqa (qwen3_omni only) or small")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="split the weights into shards + model.safetensors.index.json above this size")

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (its own ``CollectorRegistry``, so several apps can share a process).
 
-Gauges (queue depths, KV usage, per-request records and bridge states per stage) are refreshed from the
-engine client's ``resource_stats()`` at scrape time; counters and histograms are fed by the server per request and by the engine's ``on_step``
-hook per stage step (the hook runs on the engine thread; prometheus_client is thread-safe).
+Gauges (queue depths, KV usage, per-request records, bridge states and cached encoder outputs per stage) are
+refreshed from the engine client's ``resource_stats()`` at scrape time; counters and histograms are fed by the
+server per request and by the engine's ``on_step`` hook per stage step (the hook runs on the engine thread;
+prometheus_client is thread-safe).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class ServerMetrics:
                              registry=r)
         self.bridge_entries = Gauge("omnistage_bridge_entries", "Per-request states held by a stage's input bridge",
                                     ["stage"], registry=r)
+        self.encoder_entries = Gauge("omnistage_encoder_cache_entries",
+                                     "Media encoder outputs a stage holds for prompts not yet prefilled", ["stage"],
+                                     registry=r)
         self.pending = Gauge("omnistage_pending_payloads", "Upstream payloads queued in a stage, not yet run",
                              ["stage"], registry=r)
         self.in_flight = Gauge("omnistage_requests_in_flight", "Requests tracked by the orchestrator", registry=r)
@@ -81,6 +85,8 @@ class ServerMetrics:
             self.bridge_entries.labels(stage).set(s.get("bridge_entries", 0))
             if "pending_chunks" in s:
                 self.pending.labels(stage).set(s["pending_chunks"])
+            if "encoder_entries" in s:
+                self.encoder_entries.labels(stage).set(s["encoder_entries"])
         self.in_flight.set(stats.get("requests", 0))
 
     def render(self) -> bytes:
@@ -90,9 +96,10 @@ class ServerMetrics:
 class RequestTimer:
     """Per-request latency bookkeeping; call ``tokens``/``audio`` as deltas arrive and ``finish`` once."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int, start: float | None = None) -> None:
+        """``start``: when the request was submitted (``time.monotonic()``; default now)."""
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.start = time.monotonic() if start is None else start
         self.last_token: float | None = None
         self.first_audio: float | None = None
         self.num_tokens = 0

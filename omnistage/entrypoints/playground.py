@@ -5,14 +5,16 @@ from a CDN, works offline) that talks to the same streaming ``POST /v1/chat/comp
 
 - ``model``: the name to pass as ``model``; ``family``: the model family;
 - ``built_in``: true for the built-in test model (random weights; the page says so);
-- ``output_modalities`` (e.g. ``["text", "audio"]``) and ``input_modalities`` (``["text"]``; the page shows
-  its microphone / audio-file controls when this lists ``"audio"`` and its image control for ``"image"``);
+- ``output_modalities`` (e.g. ``["text", "audio"]``) and ``input_modalities`` (``["text"]``, plus ``"audio"``,
+  ``"image"``, ``"video"`` for a model with towers; the page shows its microphone / audio-file controls when this
+  lists ``"audio"`` and its image control for ``"image"``, and sends what they hold with the next message as
+  ``input_audio`` / ``image_url`` parts);
 - ``voices``, ``default_voice``, ``sample_rate`` (of the streamed pcm16; empty / null without speech);
 - ``max_model_len``: the prompt stage's context limit;
 - ``sampling``: the text stage's defaults (``temperature``, ``top_p``, ``max_tokens``).
 
-``input_modalities`` is read from ``app.state.input_modalities``: the chat endpoint sets it when it accepts
-media parts; until then the media controls stay hidden.
+``input_modalities`` is read from ``app.state.input_modalities``, which ``create_app`` sets from the model's
+towers (``ModelInfo.input_modalities``).
 """
 
 from __future__ import annotations

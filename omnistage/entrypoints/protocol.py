@@ -53,11 +53,26 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class InputAudio(_Request):
+    data: Text  # base64
+    format: Text
+
+
+class MediaURL(_Request):
+    url: Text  # a data: URL, or a local file under the server's allowed media directory
+    detail: Literal["auto", "low", "high"] | None = None  # image_url only; accepted, the model's processor decides
+
+
 class ContentPart(_Request):
-    """One part of a message's content. Only ``text`` parts are supported; the server names the others."""
+    """One part of a message's content: ``text``, or media (``input_audio``, ``image_url``, ``audio_url``,
+    ``video_url``) in user messages; the field named like the type holds it. The server names the others."""
 
     type: Text
     text: Text | None = None
+    input_audio: InputAudio | None = None
+    image_url: MediaURL | None = None
+    audio_url: MediaURL | None = None
+    video_url: MediaURL | None = None
 
 
 class ChatMessage(_Request):
@@ -79,6 +94,14 @@ class StreamOptions(_Request):
 
 class ResponseFormat(_Request):
     type: Text
+
+
+class MMProcessorKwargs(_Request):
+    """Options of the model's media processing (vLLM's ``mm_processor_kwargs``); unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    use_audio_in_video: bool = False  # videos bring their audio track, interleaved with the frames by time
+    fps: float | None = Field(None, gt=0, le=1000, allow_inf_nan=False)  # frames sampled per second of video
 
 
 class StageSamplingParams(_Request):
@@ -127,6 +150,7 @@ class ChatCompletionRequest(_Request):
     response_format: ResponseFormat | None = None
     web_search_options: Any = None
     talker: StageSamplingParams | None = None  # extension: talker sampling (see server docs)
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # extension (as vLLM)
 
 
 class SpeechRequest(_Request):

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server over ``AsyncOmni``.
 
-Endpoints: ``POST /v1/chat/completions`` (text, or text + audio), ``POST /v1/audio/speech``,
+Endpoints: ``POST /v1/chat/completions`` (text, audio, images and video in; text, or text + audio out),
+``POST /v1/audio/speech``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Choices worth knowing as a client:
@@ -36,8 +37,9 @@ Choices worth knowing as a client:
 Validation before admission (nothing reaches the engine unless all of it passes). Every rejection is a
 400 with OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` whose ``param`` names the field
 (``messages.0.content``, ``talker.seed``, ...), unless said otherwise:
-- Body: larger than ``ServerLimits.max_body_bytes`` (default: 12 bytes per prompt character + 1 MiB, i.e.
-  1.8 MB for a 4096-token context) -> 413 ``request_too_large`` (no ``param``); not UTF-8, not JSON, or
+- Body: larger than ``ServerLimits.max_body_bytes`` (default: 12 bytes per prompt character + the media byte
+  limit as base64 + 1 MiB, i.e. 13.0 MB for a 4096-token context and the default media limits; 1.8 MB for a
+  model without media input) -> 413 ``request_too_large`` (no ``param``); not UTF-8, not JSON, or
   nested deeper than Python's JSON parser allows (about 1000 levels, rejected as soon as the parser gets
   there) -> 400 ``invalid_json`` (no ``param``).
 - Types and text: JSON Schema's strict types (``true`` is not a number, ``"0.5"`` is not a number, ``1e9``
@@ -57,17 +59,48 @@ Validation before admission (nothing reaches the engine unless all of it passes)
   tokenizing (at most one message per token of context; ``max_prompt_chars``, default 16 per token) and its
   tokens after; any over -> 400 ``context_length_exceeded`` on ``messages`` / ``input``. Speech ``input``
   holds at most 4096 characters (OpenAI's limit).
-- Content parts: only ``text``. ``input_audio``, ``image_url``, ``audio_url``, ``video_url``, ``file`` -> 400
-  "not supported yet" naming the part (code ``unsupported_content``); any other type -> 400.
+- Content parts: ``text``, and media in user messages (below). ``file`` -> 400 naming the part (code
+  ``unsupported_content``), as is a media part the model has no encoder for; any other type -> 400 on its ``type``.
 - Fields that would change the answer but are not implemented -> 400 ``unsupported_parameter``:
   ``logprobs: true``, ``top_logprobs`` > 0, ``tools``, ``functions``, ``tool_choice`` / ``function_call``
   other than "none", ``tool_calls`` in a message, ``response_format`` other than ``{"type": "text"}``,
   ``web_search_options``, speech ``instructions``, speech ``speed`` != 1. Unknown voices, audio formats and
   modalities are 400s too. Other unknown fields change nothing and are ignored (the SDK sends some).
 
+Media input (models with audio / vision towers; ``GET /playground/info`` lists them in ``input_modalities``):
+user messages may hold ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"
+| "mp3" | "flac" | "ogg" | "opus" | "webm" | "m4a" | "aac" | "mp4"}}`` (decoded by content, the format name is
+checked only), ``{"type": "image_url", "image_url": {"url": ...}}`` (``detail`` accepted and ignored: the
+model's processor sizes images), ``audio_url`` and ``video_url`` likewise. A URL is a data URL
+(``data:<image|audio|video>/<subtype>;base64,<data>``, its media type matching the part) or, only when the server
+was started with ``--allowed-media-dir DIR``, a local file: a path (relative ones from DIR) or a ``file://``
+URL that resolves, symlinks followed, strictly inside DIR. The server has no network: http(s) URLs are
+refused. ``mm_processor_kwargs`` (as vLLM): ``use_audio_in_video`` (videos bring their audio track,
+interleaved with the frames by time) and ``fps`` (frames sampled per second of video, default 2); other keys
+are refused. Audio is mixed to mono and resampled to 16 kHz; videos are sampled at ``fps`` (at most 768
+frames). Limits per request (``media_input.MediaLimits``, ``omnistage serve --max-media-*``), each checked
+as early as it can be: media parts (default 16, counted before anything is read); encoded bytes, all parts
+together (8 MiB: the base64 length is checked before decoding, a file's size before reading it); seconds of
+audio, all clips and video tracks together (300 s, about 3900 tokens); pixels per image and per video frame
+(4096 x 4096); per video, seconds (60), frames decoded (1800) and the pixels of the frames sampled from it
+(2**27, 384 MiB as RGB: 60 s of 720p or 32 s of 1080p at 2 frames per second; a lower ``fps`` samples fewer).
+Seconds, pixels and frames are read from the file's header before decoding where the format states them, and
+counted again while decoding (so a lying header costs at most the limit's worth of work); a video is decoded
+twice (count, then keep only the sampled frames). The context length is checked once the prompt is rendered
+(an image of N pixels costs about N / 1024 tokens after the processor's resizing, audio about 13 tokens per
+second). A bad media part is a 400 whose message starts with the part (``content part messages.1.content.2:
+...``) and whose ``param`` is the part: code ``invalid_media`` (malformed base64 or data URL, a media type that
+is not the part's, a file that cannot be decoded or is missing, media in a non-user message, a video without
+the audio track ``use_audio_in_video`` needs, audio too short for the model), ``media_limit_exceeded``, or
+``media_url_not_allowed`` (http(s) or other schemes, local files when none are allowed or outside DIR; the
+message never shows where a path resolves). With ``"modalities": ["text", "audio"]`` the answer to a media
+prompt is spoken too (the Talker conditions on the media rows as transformers' does). Decoding runs in the
+preprocessing pool, and a client that disconnects before its first output (e.g. while its media are being
+encoded) is aborted at once.
+
 Bounded work: the body is kept only up to the limit (the rest of a bigger one, up to 64 MiB, is read and
-dropped so the client reads the 413; beyond that the connection is closed); JSON parsing, validation,
-prompt rendering, tokenization and audio encoding run in a small thread pool, never on the event loop, so
+dropped so the client reads the 413; beyond that the connection is closed); JSON parsing, validation, media
+decoding, prompt rendering, tokenization and audio encoding run in a small thread pool, never on the event loop, so
 ``/health`` and streaming clients keep being served while a huge request is being rejected; after a big
 body, freed heap pages are handed back to the OS (``malloc_trim``).
 
@@ -89,9 +122,10 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +142,21 @@ from omnistage.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParam
 from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from omnistage.entrypoints.media_input import (
+    DEFAULT_MAX_AUDIO_SECONDS,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_ITEMS,
+    DEFAULT_MAX_VIDEO_FRAMES,
+    DEFAULT_MAX_VIDEO_PIXELS,
+    DEFAULT_MAX_VIDEO_SECONDS,
+    PART_KINDS,
+    MediaBudget,
+    MediaBytes,
+    MediaLimits,
+    MediaReader,
+    MediaRejection,
+)
 from omnistage.entrypoints.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from omnistage.entrypoints.playground import router as playground_router
 from omnistage.entrypoints.protocol import (
@@ -118,6 +167,7 @@ from omnistage.entrypoints.protocol import (
     ChatMessage,
     Choice,
     ChunkDelta,
+    ContentPart,
     ModelCard,
     ModelList,
     SpeechRequest,
@@ -142,7 +192,6 @@ MAX_SPEECH_INPUT_CHARS = 4096  # OpenAI's limit
 PROMPT_CHARS_PER_TOKEN = 16  # default character budget per token of context (real text averages ~4)
 BODY_BYTES_PER_PROMPT_CHAR = 12  # an astral character JSON-escaped as a surrogate pair (12 bytes)
 BODY_BYTES_EXTRA = 1 << 20
-MEDIA_PARTS = ("input_audio", "image_url", "audio_url", "video_url", "file")
 DRAIN_BYTES = 64 << 20  # how much of an oversized body is read and dropped to deliver the 413
 TRIM_AFTER_BYTES = 1 << 16  # after a body this big (parsed and tokenized in the pool threads), trim the heap
 
@@ -151,11 +200,14 @@ TRIM_AFTER_BYTES = 1 << 16  # after a body this big (parsed and tokenized in the
 class ServerLimits:
     """What a request may cost before it is admitted. ``None`` = derived from the Thinker's context length:
     ``PROMPT_CHARS_PER_TOKEN`` characters per token, and a body that fits such a prompt however it is
-    escaped (``BODY_BYTES_PER_PROMPT_CHAR``) plus ``BODY_BYTES_EXTRA`` for everything else."""
+    escaped (``BODY_BYTES_PER_PROMPT_CHAR``), plus the media limit's bytes as base64, plus
+    ``BODY_BYTES_EXTRA`` for everything else. ``media``: per-request media limits and the allowed media
+    directory (``media_input.MediaLimits``)."""
 
     max_body_bytes: int | None = None
     max_prompt_chars: int | None = None
-    preprocess_threads: int = 2  # parse / validate / tokenize / encode off the event loop
+    preprocess_threads: int = 2  # parse / validate / decode media / tokenize / encode off the event loop
+    media: MediaLimits = MediaLimits()
 
     def __post_init__(self) -> None:
         check_positive_int(self.preprocess_threads, "preprocess_threads")
@@ -166,8 +218,10 @@ class ServerLimits:
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
 
-    def body_bytes(self, max_model_len: int) -> int:
-        return self.max_body_bytes or BODY_BYTES_PER_PROMPT_CHAR * self.prompt_chars(max_model_len) + BODY_BYTES_EXTRA
+    def body_bytes(self, max_model_len: int, media: bool = True) -> int:
+        """``media``: whether the model takes media input (else no room is made for it)."""
+        text = BODY_BYTES_PER_PROMPT_CHAR * self.prompt_chars(max_model_len)
+        return self.max_body_bytes or text + (self.media.base64_bytes if media else 0) + BODY_BYTES_EXTRA
 
 
 class APIError(Exception):
@@ -337,6 +391,8 @@ class _Translator:
         self.max_prompt_chars = limits.prompt_chars(self.info.max_model_len)
         # Token ids a request may name (logit_bias): the text stage's logits, else the tokenizer's.
         self.vocab_size = self.info.vocab_size or len(omni.tokenizer)
+        self.media = MediaReader(limits.media)
+        self.input_kinds = frozenset(self.info.input_modalities) - {"text"}  # audio / image / video the model takes
 
     def check_model(self, model: str) -> None:
         if model != self.served_model_name:
@@ -353,19 +409,25 @@ class _Translator:
                            param=param, code="invalid_voice")
         return name
 
-    def prompt(self, messages: list[dict[str, str]], param: str) -> PreparedPrompt:
+    def prompt(self, messages: list[dict[str, Any]], param: str, **options: Any) -> PreparedPrompt:
+        """Render and tokenize; ``options`` go to the model's media processing (``use_audio_in_video``)."""
         if not messages:
             raise APIError(400, "messages must not be empty", param=param)
         if len(messages) >= self.info.max_model_len:  # each message costs at least one token
             raise APIError(400, f"{len(messages)} messages cannot fit in this model's context of "
                                 f"{self.info.max_model_len} tokens", param=param, code="context_length_exceeded")
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(_text_chars(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:  # before tokenizing: the tokenizer's work is bounded by this
             raise APIError(400, f"The prompt has {chars} characters; this server accepts at most "
                                 f"{self.max_prompt_chars}", param=param, code="context_length_exceeded")
         try:
-            prepared = self.omni.render_prompt(messages)
+            prepared = self.omni.render_prompt(messages, **options)
         except ValueError as exc:
+            part = _PROCESSOR_PART.search(str(exc))
+            if part is not None:  # the model's processor refused a media part: name it as the API does
+                where = f"messages.{part[1]}.content.{part[2]}"
+                raise APIError(400, f"content part {where}{str(exc)[part.end():]}", param=where,
+                               code="invalid_media") from exc
             limit = self.info.max_model_len - 1
             if "at most" in str(exc):
                 raise APIError(400, f"This model's maximum context length is {limit} tokens; {exc}", param=param,
@@ -423,31 +485,72 @@ class _Translator:
             raise APIError(400, f"invalid sampling parameters: {exc}") from exc
         return out
 
-    def messages(self, messages: list[ChatMessage]) -> list[dict[str, str]]:
-        out = []
+    def messages(self, messages: list[ChatMessage], budget: MediaBudget
+                 ) -> tuple[list[dict[str, Any]], list[MediaBytes]]:
+        """API messages -> the engine's chat messages, and their media parts read (checked, not decoded yet:
+        ``decode_media`` puts the decoded parts in their place). A message without media keeps its text
+        parts joined into one string."""
+        out: list[dict[str, Any]] = []
+        media: list[MediaBytes] = []
         for i, m in enumerate(messages):
             if m.tool_calls:
                 raise _unsupported(f"messages.{i}.tool_calls", "tool calls are not supported")
             if m.function_call is not None:
                 raise _unsupported(f"messages.{i}.function_call", "function calls are not supported")
+            content: str | list[Any] = m.content or ""
             if isinstance(m.content, list):
+                parts: list[Any] = []
                 for j, part in enumerate(m.content):
-                    where = f"messages.{i}.content.{j}"
-                    if part.type in MEDIA_PARTS:
-                        raise APIError(400, f"content part {where} has type {part.type!r}, which is not supported "
-                                            "yet: only text parts are accepted", param=where,
-                                       code="unsupported_content")
-                    if part.type != "text":
-                        raise APIError(400, f"content part {where} has unknown type {part.type!r}; supported: "
-                                            "'text'", param=f"{where}.type")
-                    if part.text is None:
-                        raise APIError(400, f"content part {where} of type 'text' needs a 'text' string",
-                                       param=f"{where}.text")
-                text = "".join(p.text for p in m.content)
-            else:
-                text = m.content or ""
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-        return out
+                    parts.append(self.part(m.role, part, f"messages.{i}.content.{j}", budget))
+                    if isinstance(parts[-1], MediaBytes):
+                        media.append(parts[-1])
+                if any(isinstance(p, MediaBytes) for p in parts):
+                    content = parts
+                else:
+                    content = "".join(p["text"] for p in parts)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return out, media
+
+    def part(self, role: str, part: ContentPart, where: str, budget: MediaBudget) -> dict[str, str] | MediaBytes:
+        if part.type == "text":
+            if part.text is None:
+                raise APIError(400, f"content part {where} of type 'text' needs a 'text' string", param=f"{where}.text")
+            return {"type": "text", "text": part.text}
+        kind = PART_KINDS.get(part.type)
+        if kind is None:
+            if part.type == "file":
+                raise APIError(400, f"content part {where} has type 'file', which is not supported: send audio as "
+                                    "'input_audio' or 'audio_url', images as 'image_url', video as 'video_url'",
+                               param=where, code="unsupported_content")
+            supported = ["text", *PART_KINDS] if self.input_kinds else ["text"]
+            raise APIError(400, f"content part {where} has unknown type {part.type!r}; supported: "
+                                f"{', '.join(map(repr, supported))}", param=f"{where}.type")
+        if kind not in self.input_kinds:
+            raise APIError(400, f"content part {where} has type {part.type!r}, but this model takes no {kind} input",
+                           param=where, code="unsupported_content")
+        if role != "user":
+            raise APIError(400, f"content part {where}: media parts are accepted in user messages only, not in "
+                                f"{role!r} messages", param=where, code="invalid_media")
+        body = getattr(part, part.type)
+        if body is None:
+            raise APIError(400, f"content part {where} of type {part.type!r} needs a {part.type!r} object",
+                           param=f"{where}.{part.type}")
+        try:
+            return self.media.read(budget, where, part.type, body)
+        except MediaRejection as exc:
+            raise APIError(400, str(exc), param=exc.where, code=exc.code) from None
+
+    def decode_media(self, messages: list[dict[str, Any]], budget: MediaBudget, use_audio_in_video: bool,
+                     fps: float | None) -> None:
+        """Decode every media part (in prompt order) and put it in its place in ``messages``."""
+        for m in messages:
+            if isinstance(m["content"], list):
+                for j, p in enumerate(m["content"]):
+                    if isinstance(p, MediaBytes):
+                        try:
+                            m["content"][j] = self.media.decode(budget, p, use_audio_in_video, fps)
+                        except MediaRejection as exc:
+                            raise APIError(400, str(exc), param=exc.where, code=exc.code) from None
 
     def stops(self, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -497,14 +600,17 @@ class _Translator:
                 fmt = audio_format.normalize_format(audio.format if audio else "wav")
             except ValueError as exc:
                 raise APIError(400, str(exc), param="audio.format") from exc
-        messages = self.messages(req.messages)
+        budget = self.media.budget()
+        messages, media = self.messages(req.messages, budget)
         stops = self.stops(req.stop)
-        prompt = self.prompt(messages, "messages")
+        mm = req.mm_processor_kwargs
+        if mm is not None and not self.input_kinds:
+            raise APIError(400, "mm_processor_kwargs is not supported: this model takes no media input",
+                           param="mm_processor_kwargs", code="unsupported_parameter")
         if req.max_completion_tokens is not None:
             max_tokens, max_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, max_param = req.max_tokens, "max_tokens"
-        self.check_context(len(prompt.token_ids), max_tokens, max_param)
         stop_ids = self.single_token_stops(stops)
         thinker = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                    "repetition_penalty": req.repetition_penalty, "frequency_penalty": req.frequency_penalty,
@@ -514,6 +620,15 @@ class _Translator:
         if stop_ids:
             thinker["stop_token_ids"] = tuple(sorted(stop_ids))
         params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
+        # Everything cheap has passed: now the media are decoded, then the prompt rendered.
+        options = {}
+        if media:
+            uav = mm is not None and mm.use_audio_in_video
+            self.decode_media(messages, budget, uav, mm.fps if mm is not None else None)
+            if uav:
+                options["use_audio_in_video"] = True
+        prompt = self.prompt(messages, "messages", **options)
+        self.check_context(len(prompt.token_ids), max_tokens, max_param)
         job = _Job(prompt, ("text", "audio") if "audio" in modalities else ("text",), params, speaker,
                    stops, frozenset(stop_ids))
         return req, job, fmt
@@ -554,6 +669,16 @@ class _Translator:
         return req, _Job(prompt, ("text", "audio"), params, speaker), fmt
 
 
+# Where the model's processor names a part ("messages[1].content[2]: ..."): the same indices as the API's.
+_PROCESSOR_PART = re.compile(r"messages\[(\d+)\]\.content\[(\d+)\]")
+
+
+def _text_chars(content: str | list[Any]) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(p["text"]) for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
 def _greedy(temperature: float | None) -> bool:
     return temperature is not None and temperature < GREEDY_TEMPERATURE_EPS
 
@@ -588,15 +713,19 @@ class _Run:
         self.error: str | None = None  # why the engine failed this request
 
     async def start(self) -> None:
+        submitted = time.monotonic()  # latencies count from here: queueing, media encoding and prefill included
         self._agen = self.omni.generate(self.job.prompt, self.job.modalities, self.job.params,
                                         self.job.speaker, self.request_id)
         try:
             self._first = await self._agen.__anext__()
+        except asyncio.CancelledError:  # the client left before any output: the request was aborted
+            RequestTimer(self.metrics, self.job.num_prompt_tokens, submitted).finish("abort", None)
+            raise
         except StopAsyncIteration as exc:
             raise APIError(500, "engine returned no output", "server_error") from exc
         except Exception as exc:
             raise _submit_error(exc) from exc
-        self.timer = RequestTimer(self.metrics, self.job.num_prompt_tokens)
+        self.timer = RequestTimer(self.metrics, self.job.num_prompt_tokens, submitted)
 
     def _text(self, piece: str) -> str:
         piece = self.stopper.feed(piece)
@@ -698,7 +827,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
         metrics = ServerMetrics()
         omni.add_step_listener(metrics.observe_step)
     tr = _Translator(omni, name, limits)
-    max_body_bytes = limits.body_bytes(omni.info.max_model_len)
+    max_body_bytes = limits.body_bytes(omni.info.max_model_len, media=bool(tr.input_kinds))
     pool = ThreadPoolExecutor(limits.preprocess_threads, thread_name_prefix="omnistage-preprocess")
 
     @contextlib.asynccontextmanager
@@ -711,6 +840,8 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.state.omni, app.state.metrics, app.state.served_model_name = omni, metrics, name
     app.state.limits, app.state.preprocess_pool = limits, pool
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
+    # What chat messages may hold (the playground shows its media controls from this).
+    app.state.input_modalities = ("text", *sorted(tr.input_kinds))
     app.include_router(realtime_router(omni, name, metrics, pool, realtime_limits))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
@@ -769,13 +900,14 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
         rid = _request_id(raw, "chatcmpl")
         req, job, fmt = await translate(tr.chat, raw)
         run = _Run(omni, job, rid, metrics)
-        await run.start()
+        if not await _unless_gone(run.start(), raw):
+            return Response(status_code=CLIENT_CLOSED)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_chat_stream(run, name, include_usage), media_type="text/event-stream")
         texts, audio = [], []
-        events = await _collect_unless_gone(run, raw)
-        if events is None:
+        events: list[tuple[str, Any]] = []
+        if not await _unless_gone(_collect(run, events), raw):
             return Response(status_code=CLIENT_CLOSED)
         for kind, value in events:
             (texts if kind == "text" else audio).append(value)
@@ -796,13 +928,14 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
         rid = _request_id(raw, "speech")
         req, job, fmt = await translate(tr.speech, raw)
         run = _Run(omni, job, rid, metrics)
-        await run.start()
+        if not await _unless_gone(run.start(), raw):
+            return Response(status_code=CLIENT_CLOSED)
         if req.stream_format == "sse":
             return StreamingResponse(_speech_sse(run), media_type="text/event-stream")
         if fmt == "pcm16":
             return StreamingResponse(_speech_pcm(run), media_type=audio_format.MEDIA_TYPES[fmt])
-        events = await _collect_unless_gone(run, raw)
-        if events is None:
+        events: list[tuple[str, Any]] = []
+        if not await _unless_gone(_collect(run, events), raw):
             return Response(status_code=CLIENT_CLOSED)
         audio = [v for kind, v in events if kind == "audio"]
         _check_finish(run)
@@ -829,25 +962,26 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but log
 DISCONNECT_POLL_S = 0.25
 
 
-async def _collect_unless_gone(run: _Run, raw: Request) -> list[tuple[str, Any]] | None:
-    """All events of a non-streamed request, or None if the client disconnected first — then the request
-    is aborted in every stage (cancelling the consumer closes the engine stream)."""
-    items: list[tuple[str, Any]] = []
+async def _collect(run: _Run, into: list[tuple[str, Any]]) -> None:
+    async for item in run.events():
+        into.append(item)
 
-    async def consume() -> None:
-        async for item in run.events():
-            items.append(item)
 
-    task = asyncio.create_task(consume())
+async def _unless_gone(work: Coroutine[Any, Any, Any], raw: Request) -> bool:
+    """Await ``work`` (submitting a request and waiting for its first output, or collecting all of it) while
+    watching the client: True once it is done, False if the client disconnected first — then ``work`` is
+    cancelled, which closes the engine stream and so aborts the request in every stage (a long prefill, e.g.
+    while its media are being encoded, included)."""
+    task = asyncio.ensure_future(work)
     while not task.done():
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if not task.done() and await raw.is_disconnected():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            return None
+            return False
     task.result()
-    return items
+    return True
 
 
 async def _chat_stream(run: _Run, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -950,10 +1084,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help=f"reject prompts with more characters, before tokenizing (default: {PROMPT_CHARS_PER_TOKEN} "
                         "per token of context)")
+    m = p.add_argument_group("media input (per request)")
+    m.add_argument("--allowed-media-dir", default=None,
+                   help="let media parts name local files (paths or file:// URLs) inside this directory "
+                        "(default: none; data: URLs only)")
+    m.add_argument("--max-media-items", type=int, default=DEFAULT_MAX_ITEMS, help="media parts per request (default: %(default)s)")
+    m.add_argument("--max-media-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="encoded media bytes per request, all parts together (default: %(default)s)")
+    m.add_argument("--max-audio-seconds", type=float, default=DEFAULT_MAX_AUDIO_SECONDS,
+                   help="seconds of audio per request, all clips and video tracks together (default: %(default)s)")
+    m.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="pixels per image and per video frame (default: %(default)s)")
+    m.add_argument("--max-video-seconds", type=float, default=DEFAULT_MAX_VIDEO_SECONDS, help="seconds per video (default: %(default)s)")
+    m.add_argument("--max-video-frames", type=int, default=DEFAULT_MAX_VIDEO_FRAMES,
+                   help="frames decoded per video file (before sampling) (default: %(default)s)")
+    m.add_argument("--max-video-pixels", type=int, default=DEFAULT_MAX_VIDEO_PIXELS,
+                   help="pixels of all frames sampled from one video (default: %(default)s)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars)
+    media = MediaLimits(max_items=args.max_media_items, max_bytes=args.max_media_bytes,
+                        max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
+                        max_video_seconds=args.max_video_seconds, max_video_frames=args.max_video_frames,
+                        max_video_pixels=args.max_video_pixels, allowed_dir=args.allowed_media_dir)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits)
     return 0

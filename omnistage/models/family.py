@@ -186,6 +186,7 @@ class ModelFamily(ABC):
 
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
+    input_modalities: tuple[str, ...] = ("text",)  # what prompts may hold (e.g. + "audio", "image", "video")
     sample_rate: int | None = None  # of the audio output, when the family speaks
     num_code_groups: int | None = None  # codec codes per frame, when the family emits codes
     samples_per_frame: int | None = None  # output audio samples per codec frame, when the family speaks

@@ -21,6 +21,7 @@ from omnistage.models.family import ModelFamily
 # name -> module that defines (and registers) the family
 BUILTIN_FAMILIES: Mapping[str, str] = {
     "qwen3_omni": "omnistage.models.qwen3_omni.family",
+    "qwen2_5_omni": "omnistage.models.qwen2_5_omni.family",
 }
 _FAMILIES: dict[str, type[ModelFamily]] = {}
 

@@ -130,4 +130,5 @@ class ARStage(BridgedStage):
             "records": len(self.runner.records),
             "batch_size": len(self.runner.batch),
             "bridge_entries": self._bridge_entries(),
+            **self._model_stats(),
         }

@@ -40,6 +40,7 @@ class ModelInfo:
     sample_rate: int | None = None
     num_code_groups: int | None = None
     vocab_size: int | None = None  # width of the text stage's logits (token ids a request may name)
+    input_modalities: tuple[str, ...] = ("text",)  # what prompts may hold: + "audio", "image", "video"
     samples_per_frame: int | None = None  # audio samples per codec frame (the Talker reads one text token per frame)
 
 
@@ -51,8 +52,9 @@ class EngineClient(Protocol):
     def dead(self) -> BaseException | None:
         """The error that stopped the engine, or None while it serves."""
 
-    def render_prompt(self, prompt: Any) -> Any:
-        """str | chat messages -> a prepared prompt (token ids + per-request data); thread-safe."""
+    def render_prompt(self, prompt: Any, **options: Any) -> Any:
+        """str | chat messages -> a prepared prompt (token ids + per-request data); thread-safe. ``options`` go
+        to the model's media processing (e.g. ``use_audio_in_video=True``)."""
 
     def generate(
         self,

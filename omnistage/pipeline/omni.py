@@ -174,9 +174,10 @@ class AsyncOmni:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def render_prompt(self, prompt: Prompt) -> PreparedPrompt:
-        """Render and validate a prompt (tokenizer work only: safe to call from any thread)."""
-        return self.engine.render_prompt(prompt)
+    def render_prompt(self, prompt: Prompt, **options: Any) -> PreparedPrompt:
+        """Render and validate a prompt (tokenizer and media processing only: safe to call from any thread);
+        ``options`` go to the family's prompt rendering (e.g. ``use_audio_in_video=True``)."""
+        return self.engine.render_prompt(prompt, **options)
 
     def add_step_listener(self, fn: Callable[[Any], None]) -> None:
         self.engine.orchestrator.listeners.append(fn)
@@ -249,7 +250,10 @@ class AsyncOmni:
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
+        accepted = False
+
         def submit() -> str:
+            nonlocal accepted
             waiting = self.engine.num_waiting()
             if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are already waiting")
@@ -257,12 +261,21 @@ class AsyncOmni:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._streams[rid] = (loop, q)
             try:
-                return self.engine.add_request(prompt, modalities, sampling_params, speaker, rid)
+                out = self.engine.add_request(prompt, modalities, sampling_params, speaker, rid)
             except BaseException:
                 self._streams.pop(rid, None)
                 raise
+            accepted = True
+            return out
 
-        await self._call(submit)
+        try:
+            await self._call(submit)
+        except asyncio.CancelledError:
+            # Given up while the submission was queued: it still runs on the engine thread; the abort runs
+            # after it there (commands run in order) and only if it was accepted (not another request's id).
+            if self.dead is None:
+                await self._call(lambda: accepted and self._abort_now(rid))
+            raise
         finished = False
         try:
             while True:
@@ -277,14 +290,15 @@ class AsyncOmni:
             if not finished:
                 await self.abort(rid)
 
-    async def abort(self, request_id: str) -> bool:
-        def do() -> bool:
-            self._streams.pop(request_id, None)
-            return self.engine.abort(request_id)
+    def _abort_now(self, request_id: str) -> bool:
+        """Abort on the engine thread."""
+        self._streams.pop(request_id, None)
+        return self.engine.abort(request_id)
 
+    async def abort(self, request_id: str) -> bool:
         if self.dead is not None:
             return False
-        return await self._call(do)
+        return await self._call(lambda: self._abort_now(request_id))
 
     async def resource_stats(self) -> dict[str, Any]:
         return await self._call(self.engine.resource_stats)

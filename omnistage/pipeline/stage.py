@@ -155,6 +155,11 @@ class BridgedStage:
     def _bridge_entries(self) -> int:
         return len(self.bridge) if self.bridge is not None else 0
 
+    def _model_stats(self) -> dict[str, Any]:
+        """What the stage model says it holds (its optional ``resource_stats()``)."""
+        fn = getattr(self.runner.model, "resource_stats", None)
+        return dict(fn()) if fn is not None else {}
+
 
 def culprit(exc: BaseException, scheduled: list[str]) -> str | None:
     """The one request a step failure belongs to, if it can be told: the request a ``RequestError``

@@ -177,7 +177,7 @@ class ARRunner:
             sampled = dict(zip(ctx.sample_req_ids, tokens))
         # The hooks get this step's live context; what they return may outlive the step, so hand it over.
         post = self._hand_over(self.model.postprocess(ctx, output, sampled))
-        stage_outputs = self._hand_over(self.model.stage_outputs(ctx, output))
+        stage_outputs = self._hand_over(self.model.stage_outputs(ctx, output, sampled))
         client_hook = getattr(self.model, "client_outputs", None)
         client = self._hand_over(client_hook(ctx, output, sampled)) if client_hook is not None else {}
         # Commit: prepare-time updates, then postprocess updates (nothing above changed a record).

@@ -67,7 +67,8 @@ class ARStageModel(Protocol):
     ``emits_token_ids`` (default True: sampled ids go to the client as text tokens),
     ``client_outputs(ctx, output, sampled)`` (extra per-request client outputs),
     ``input_ready(state, request)`` (default True: False pauses the request, keeping its KV, until more
-    upstream input arrives).
+    upstream input arrives), ``resource_stats()`` (counts of what the model holds per request, e.g. cached
+    encoder outputs; merged into the stage's stats).
     """
 
     num_layers: int
@@ -88,8 +89,11 @@ class ARStageModel(Protocol):
     ) -> list[Mapping[str, Any] | None]:
         """State to keep for the next step, per request in batch order (e.g. last hidden)."""
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
-        """Per-request payloads for the next stage, sliced by the real spans."""
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
+        """Per-request payloads for the next stage, sliced by the real spans (``sampled``: this step's
+        tokens, for a stage whose samples are what the next stage consumes)."""
 
 
 class GenerationStageModel(Protocol):

@@ -42,17 +42,30 @@ def build_state(config: Qwen3OmniMoeConfig, seed: int, dtype: torch.dtype) -> di
     return {k: v.to(dtype) for k, v in state.items()}
 
 
+FAMILIES = ("qwen3_omni", "qwen2_5_omni")
+
+
 def build_checkpoint(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, max_shard_bytes: int | None = None
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    family: str = "qwen3_omni",
 ) -> Path:
-    """Write a complete checkpoint directory and return its path.
+    """Write a complete checkpoint directory of model `family` and return its path.
 
     Files: config.json, generation_config.json, model.safetensors (or shards + index when
-    `max_shard_bytes` is exceeded), tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, and the
-    processor's files: preprocessor_config.json (audio features + images), video_preprocessor_config.json,
-    chat_template.json.
-    The same (preset, seed) gives byte-identical files.
+    `max_shard_bytes` is exceeded), tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, and for
+    qwen3_omni the processor's files: preprocessor_config.json (audio features + images),
+    video_preprocessor_config.json, chat_template.json; for qwen2_5_omni spk_dict.pt (text-only, no
+    processor files). The same (family, preset, seed) gives byte-identical files.
     """
+    if family == "qwen2_5_omni":
+        from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint as build_qwen2_5_omni
+
+        return build_qwen2_5_omni(out_dir, preset, seed, max_shard_bytes)
+    if family != "qwen3_omni":
+        raise ValueError(f"unknown model family {family!r}; choose from {list(FAMILIES)}")
     spec = get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

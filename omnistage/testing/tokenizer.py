@@ -9,7 +9,8 @@ followed by the Qwen special tokens in the order the real vocabulary has them. S
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
@@ -130,10 +131,13 @@ class TokenizerIds:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}): {self}")
 
 
-def train_tokenizer(bpe_vocab_size: int = 735) -> Tokenizer:
+def train_tokenizer(
+    bpe_vocab_size: int = 735, added_tokens: Sequence[tuple[str, bool]] = QWEN_ADDED_TOKENS
+) -> Tokenizer:
     """Train the byte-level BPE on the built-in corpus and append the Qwen added tokens.
 
-    `bpe_vocab_size` counts the 256 byte symbols and the learned merges; the added tokens come after.
+    `bpe_vocab_size` counts the 256 byte symbols and the learned merges; the added tokens come after, in the
+    order of `added_tokens` ((content, special) pairs; the default is Qwen3-Omni's list).
     """
     if bpe_vocab_size <= 256:
         raise ValueError(f"bpe_vocab_size must exceed the 256-symbol byte alphabet, got {bpe_vocab_size}")
@@ -155,7 +159,7 @@ def train_tokenizer(bpe_vocab_size: int = 735) -> Tokenizer:
     )
     tok.train_from_iterator(training_corpus(), trainer=trainer)
     # Added one at a time so ids follow the Qwen order exactly.
-    for content, special in QWEN_ADDED_TOKENS:
+    for content, special in added_tokens:
         token = AddedToken(content, special=special, normalized=False, single_word=False, lstrip=False, rstrip=False)
         if special:
             tok.add_special_tokens([token])
@@ -168,18 +172,28 @@ def train_tokenizer(bpe_vocab_size: int = 735) -> Tokenizer:
     return tok
 
 
+def token_id(tok: Tokenizer, text: str) -> int:
+    """The id of a (special) token; KeyError if the tokenizer lacks it."""
+    i = tok.token_to_id(text)
+    if i is None:
+        raise KeyError(f"token {text!r} missing from the tokenizer")
+    return i
+
+
+def single_token_id(tok: Tokenizer, text: str) -> int:
+    """The id `text` encodes to; RuntimeError unless it is exactly one token."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    if len(ids) != 1:
+        raise RuntimeError(f"{text!r} is not a single token: {ids}")
+    return ids[0]
+
+
 def tokenizer_ids(tok: Tokenizer) -> TokenizerIds:
     def tid(text: str) -> int:
-        i = tok.token_to_id(text)
-        if i is None:
-            raise KeyError(f"token {text!r} missing from the tokenizer")
-        return i
+        return token_id(tok, text)
 
     def word(text: str) -> int:
-        ids = tok.encode(text, add_special_tokens=False).ids
-        if len(ids) != 1:
-            raise RuntimeError(f"{text!r} is not a single token: {ids}")
-        return ids[0]
+        return single_token_id(tok, text)
 
     return TokenizerIds(
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
@@ -203,9 +217,18 @@ def tokenizer_ids(tok: Tokenizer) -> TokenizerIds:
     )
 
 
-def _tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
+@dataclass(frozen=True)
+class TokenizerFlavor:
+    """What differs between the Qwen omni tokenizers: added tokens, processor attributes, chat template."""
+
+    added_tokens: Sequence[tuple[str, bool]] = QWEN_ADDED_TOKENS
+    extra_special_tokens: Mapping[str, str] = field(default_factory=lambda: dict(_EXTRA_SPECIAL_TOKENS))
+    chat_template: str = CHAT_TEMPLATE
+
+
+def _tokenizer_config(tok: Tokenizer, model_max_length: int, flavor: TokenizerFlavor) -> dict:
     decoder = {}
-    for content, special in QWEN_ADDED_TOKENS:
+    for content, special in flavor.added_tokens:
         decoder[str(tok.token_to_id(content))] = {
             "content": content,
             "lstrip": False,
@@ -217,13 +240,15 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
     return {
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": decoder,
-        "additional_special_tokens": [c for c, special in QWEN_ADDED_TOKENS if special and c != "<|endoftext|>"],
-        "extra_special_tokens": dict(_EXTRA_SPECIAL_TOKENS),
+        "additional_special_tokens": [
+            c for c, special in flavor.added_tokens if special and c != "<|endoftext|>"
+        ],
+        "extra_special_tokens": dict(flavor.extra_special_tokens),
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": flavor.chat_template,
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
         "model_max_length": model_max_length,
@@ -232,13 +257,20 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
     }
 
 
-def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int = 32768) -> None:
-    """Write tokenizer.json, tokenizer_config.json, vocab.json and merges.txt into `out_dir`."""
+def save_tokenizer(
+    tok: Tokenizer, out_dir: Path, model_max_length: int = 32768, flavor: TokenizerFlavor | None = None
+) -> None:
+    """Write tokenizer.json, tokenizer_config.json, vocab.json and merges.txt into `out_dir`.
+
+    `flavor` picks the model family's added tokens and chat template (default: Qwen3-Omni's).
+    """
+    flavor = TokenizerFlavor() if flavor is None else flavor
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"), pretty=True)
     (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(tok, model_max_length), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        json.dumps(_tokenizer_config(tok, model_max_length, flavor), indent=2, ensure_ascii=False) + "\n",
+        encoding="utf-8",
     )
     # vocab.json / merges.txt as the hub ships them, for loaders that read BPE files directly.
     model = json.loads(tok.to_str())["model"]

@@ -90,6 +90,8 @@ def browser():
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--autoplay-policy=no-user-gesture-required", "--window-size=1200,900",
+                 # The microphone: granted without asking, fed by Chromium's test signal.
+                 "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
                  f"--user-data-dir={profile}"):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
@@ -151,7 +153,8 @@ def _finished(browser, i=0, timeout=120.0):
 def test_info_describes_the_served_model(server):
     info = httpx.get(server + "/playground/info").json()
     assert info["model"] == MODEL and info["family"] == "qwen3_omni" and info["built_in"] is True
-    assert info["output_modalities"] == ["text", "audio"] and info["input_modalities"] == ["text"]
+    assert info["output_modalities"] == ["text", "audio"]
+    assert info["input_modalities"] == ["text", "audio", "image", "video"]  # the built-in model has towers
     assert info["voices"] == ["aiden", "chelsie", "ethan"] and info["default_voice"] == "ethan"
     assert info["sample_rate"] == 24000 and info["max_model_len"] == 4096
     assert info["sampling"] == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 256}  # the packaged preset
@@ -166,12 +169,12 @@ def test_info_describes_the_served_model(server):
 def test_spoken_answer_streams_plays_and_equals_the_api(server, browser):
     _open(browser, server)
     assert browser.execute_script("return document.activeElement.id") == "prompt"  # type right away
-    # Every control has a label (keyboard and screen-reader use); media input is hidden (not advertised).
+    # Every control has a label (keyboard and screen-reader use); media input is shown (the model has towers).
     unlabeled = browser.execute_script(
         """return [...document.querySelectorAll('input, select, textarea')]
             .filter(e => e.labels.length === 0).map(e => e.id);""")
     assert unlabeled == []
-    assert browser.execute_script("return document.getElementById('media-controls').offsetParent") is None
+    assert browser.execute_script("return document.getElementById('media-controls').offsetParent") is not None
     notice = browser.execute_script("return document.getElementById('notice').textContent")
     assert "random" in notice
     _set(browser, "temperature", 0)
@@ -288,11 +291,14 @@ def test_api_error_is_shown_on_the_page(server, browser):
     # The failed turn is not kept in the conversation.
     assert browser.execute_script("return window.omnistagePlayground.history.length") == 0
     # Keyboard only: the focus is back in the message box, Tab walks the controls in reading order.
+    from selenium.webdriver.common.action_chains import ActionChains
+
     order = [browser.execute_script("return document.activeElement.id")]
-    for _ in range(6):
-        browser.switch_to.active_element.send_keys(Keys.TAB)
+    for _ in range(9):  # key presses to the page: sent to a file input, keys would be taken for a file name
+        ActionChains(browser).send_keys(Keys.TAB).perform()
         order.append(browser.execute_script("return document.activeElement.id"))
-    assert order == ["prompt", "send", "new-chat", "speech", "voice", "temperature", "max-tokens"], order
+    assert order == ["prompt", "record", "audio-file", "image-file", "send", "new-chat", "speech", "voice",
+                     "temperature", "max-tokens"], order
 
 
 def test_error_inside_the_stream_is_shown_on_the_page(server, browser):
@@ -311,3 +317,58 @@ def test_error_inside_the_stream_is_shown_on_the_page(server, browser):
     assert "injected fault in stage 'code2wav'" in a["errorShown"], a["errorShown"]
     assert "HTTP" not in a["errorShown"]  # reported in the event stream, not by a status line
     assert httpx.get(server + "/health").status_code == 200
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def test_media_from_files_and_the_microphone_go_with_the_next_message(server, browser, tmp_path):
+    import soundfile
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    rng = np.random.default_rng(5)
+    wav, png = tmp_path / "question.wav", tmp_path / "photo.png"
+    soundfile.write(str(wav), (rng.standard_normal(16000) * 0.1).astype(np.float32), 16000)
+    Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(png)
+    _open(browser, server)
+    browser.find_element(By.ID, "audio-file").send_keys(str(wav))
+    browser.find_element(By.ID, "image-file").send_keys(str(png))
+    _wait(lambda: browser.execute_script("return window.omnistagePlayground.attachments.length") == 2,
+          30, what="the files to be attached")
+    record = browser.find_element(By.ID, "record")  # Chromium's fake microphone: a beep
+    record.click()
+    _wait(lambda: record.get_attribute("aria-pressed") == "true", 30, what="recording to start")
+    time.sleep(1.0)
+    record.click()
+    _wait(lambda: browser.execute_script("return window.omnistagePlayground.attachments.length") == 3,
+          30, what="the recording to be attached")
+    shown = browser.execute_script("""return [...document.querySelectorAll('#attachments li')]
+        .map(li => [li.firstChild.textContent, li.querySelector('button').getAttribute('aria-label')]);""")
+    assert shown[:2] == [["audio: question.wav", "Remove question.wav"], ["image: photo.png", "Remove photo.png"]]
+    assert re.fullmatch(r"audio: recording-3\.(webm|ogg)", shown[2][0]), shown
+    _set(browser, "temperature", 0)
+    _set(browser, "max-tokens", 8)
+    _ask(browser, "What is in these?")
+    a = _finished(browser)
+    assert a["state"] == "done" and a["error"] is None and a["text"], a
+    parts = a["request"]["messages"][-1]["content"]
+    assert [p["type"] for p in parts] == ["input_audio", "image_url", "input_audio", "text"]
+    assert parts[0]["input_audio"] == {"data": _b64(wav.read_bytes()), "format": "wav"}
+    assert parts[1]["image_url"] == {"url": "data:image/png;base64," + _b64(png.read_bytes())}
+    assert parts[2]["input_audio"]["format"] in ("webm", "ogg") and len(parts[2]["input_audio"]["data"]) > 1000
+    assert parts[3] == {"type": "text", "text": "What is in these?"}
+    user = browser.find_element(By.CSS_SELECTOR, ".msg.user .text").text
+    assert user.startswith("[audio: question.wav] [image: photo.png] [audio: recording-3.") and "What is in" in user
+    assert browser.execute_script("return document.getElementById('attachments').hidden")  # sent, cleared
+    # The API gives the same answer to the same request, spoken and all.
+    body = {**a["request"], "stream": False, "audio": {"voice": "ethan", "format": "pcm16"}}
+    body.pop("stream_options")
+    reply = httpx.post(server + "/v1/chat/completions", json=body, timeout=120).json()
+    assert reply["choices"][0]["message"]["content"] == a["text"]
+    page_pcm = np.frombuffer(base64.b64decode(browser.execute_script(
+        "return window.omnistagePlayground.answers[0].pcmBase64()")), dtype="<i2")
+    api_pcm = np.frombuffer(base64.b64decode(reply["choices"][0]["message"]["audio"]["data"]), dtype="<i2")
+    assert page_pcm.shape == api_pcm.shape and page_pcm.size > 0
+    assert np.abs(page_pcm.astype(np.int32) - api_pcm.astype(np.int32)).max() <= MAX_INT16_DIFF

@@ -355,13 +355,19 @@ def test_a_tiny_temperature_is_greedy_in_every_stage(server, fake, client):
     assert p["thinker"].greedy and p["talker"].greedy
 
 
-def test_media_content_parts_are_named_as_not_supported_yet(server, fake):
+def test_media_content_parts_are_refused_by_a_model_without_towers(server, fake):
     before = len(fake.submitted)
-    for kind in ("input_audio", "image_url", "audio_url", "video_url", "file"):
-        msg = {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": kind, kind: {"url": "x"}}]}
+    bodies = {"input_audio": {"data": "AAAA", "format": "wav"}, "image_url": {"url": "data:image/png;base64,AAAA"},
+              "audio_url": {"url": "data:audio/wav;base64,AAAA"}, "video_url": {"url": "data:video/mp4;base64,AAAA"},
+              "file": {"file_id": "f"}}
+    for kind, body in bodies.items():
+        msg = {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": kind, kind: body}]}
         err = _assert_error(_post(server, "/v1/chat/completions", _chat(messages=[msg])), 400,
                             "messages.0.content.1", "unsupported_content")
-        assert "not supported yet" in err["message"] and repr(kind) in err["message"]
+        assert repr(kind) in err["message"]
+        assert ("not supported" if kind == "file" else "this model takes no") in err["message"]
+    err = _assert_error(_post(server, "/v1/chat/completions", _chat(mm_processor_kwargs={"use_audio_in_video": True})),
+                        400, "mm_processor_kwargs", "unsupported_parameter")
     assert len(fake.submitted) == before
 
 

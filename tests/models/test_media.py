@@ -8,7 +8,14 @@ import soundfile
 import soxr
 from PIL import Image
 
-from omnistage.models.media import MediaError, load_audio, load_image, load_video
+from omnistage.models.media import (
+    DecodeLimits,
+    MediaError,
+    MediaLimitError,
+    load_audio,
+    load_image,
+    load_video,
+)
 from omnistage.testing.media_files import write_video
 
 RATE = 22050
@@ -92,3 +99,47 @@ def test_video_arrays_and_errors():
         load_video(frames[0])
     with pytest.raises(MediaError, match="fps"):
         load_video(frames, fps=0)
+
+
+def _bound(exc_info) -> str:
+    return exc_info.value.bound
+
+
+def test_decode_limits_bound_audio_images_and_videos(tmp_path):
+    """Over a limit -> MediaLimitError naming the bound (from the header when it says, else while decoding);
+    at the limit -> the same result as without limits."""
+    flac = tmp_path / "three.flac"
+    soundfile.write(str(flac), _tone(3.0, 16000), 16000)
+    with pytest.raises(MediaLimitError, match="lasts 3.00 s; at most 2 s") as e:
+        load_audio(flac, limits=DecodeLimits(max_audio_seconds=2))
+    assert _bound(e) == "max_audio_seconds"
+    assert np.array_equal(load_audio(flac, limits=DecodeLimits(max_audio_seconds=3)), load_audio(flac))
+    with pytest.raises(MediaLimitError):  # arrays too
+        load_audio(_tone(3.0, 16000), limits=DecodeLimits(max_audio_seconds=2))
+    frames = np.random.default_rng(2).integers(0, 256, (20, 24, 32, 3), dtype=np.uint8)  # 2 s at 10 fps
+    mkv = tmp_path / "clip.mkv"
+    write_video(mkv, frames, 10, _tone(2.0, 16000))
+    with pytest.raises(MediaLimitError) as e:  # the track, through PyAV (libsndfile cannot read Matroska)
+        load_audio(mkv, limits=DecodeLimits(max_audio_seconds=1))
+    assert _bound(e) == "max_audio_seconds"
+    with pytest.raises(MediaLimitError) as e:
+        load_video(mkv, with_audio=True, limits=DecodeLimits(max_audio_seconds=1))
+    assert _bound(e) == "max_audio_seconds"
+    for limits, bound in ((DecodeLimits(max_video_frames=19), "max_video_frames"),
+                          (DecodeLimits(max_video_seconds=1.5), "max_video_seconds"),
+                          (DecodeLimits(max_image_pixels=24 * 32 - 1), "max_image_pixels"),
+                          (DecodeLimits(max_video_pixels=4 * 24 * 32 - 1), "max_video_pixels")):  # 4 sampled
+        with pytest.raises(MediaLimitError) as e:
+            load_video(mkv, limits=limits)
+        assert _bound(e) == bound
+    at_limit = DecodeLimits(max_video_frames=20, max_video_seconds=2, max_image_pixels=24 * 32, max_audio_seconds=2,
+                            max_video_pixels=10 * 24 * 32)  # 10 frames sampled at 5 fps
+    bounded, free = load_video(mkv, 5, True, limits=at_limit), load_video(mkv, 5, True)
+    assert np.array_equal(bounded.frames, free.frames) and bounded.fps == free.fps
+    assert np.array_equal(bounded.audio, free.audio)
+    png = tmp_path / "x.png"
+    Image.fromarray(frames[0]).save(png)
+    with pytest.raises(MediaLimitError, match="32x24") as e:
+        load_image(png, limits=DecodeLimits(max_image_pixels=700))
+    assert _bound(e) == "max_image_pixels"
+    assert np.array_equal(np.asarray(load_image(png, limits=DecodeLimits(max_image_pixels=768))), frames[0])

@@ -1,6 +1,7 @@
 """AsyncOmni: per-request streams of text deltas and audio chunks; closing a stream aborts the request."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -78,3 +79,52 @@ def test_bad_request_raises_at_submit_and_the_engine_lives_on(async_omni):
 
     tokens, _, _, last = asyncio.run(main())
     assert last.finished and len(tokens) == 8
+
+
+def test_giving_up_while_the_submission_is_queued_aborts_it_once_accepted(async_omni):
+    """A caller cancelled while its submission waits for the engine thread (e.g. the HTTP client left): the
+    submission still runs there, and the request is aborted right after it; a submission that is refused
+    (an id already in flight) aborts nothing, least of all the request that owns that id."""
+    gate, blocked = threading.Event(), threading.Event()
+    gate.set()
+
+    def hold(_events) -> None:
+        if not gate.is_set():
+            blocked.set()
+            gate.wait(30)
+
+    async_omni.add_step_listener(hold)
+    long = {"thinker": SamplingParams(temperature=0.0, max_tokens=2000, min_tokens=2000, ignore_eos=True)}
+
+    async def give_up_while_queued(request_id: str) -> None:
+        before = async_omni._commands.qsize()
+        task = asyncio.ensure_future(async_omni.generate("Hi", ["text"], long, request_id=request_id).__anext__())
+        while async_omni._commands.qsize() == before:  # the submission is queued behind the held engine
+            await asyncio.sleep(0.001)
+        task.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def main():
+        running = async_omni.generate("Tell me a story.", ["text"], long, request_id="owner")
+        await running.__anext__()
+        stats = []
+        for rid in ("late", "owner"):  # a fresh id, then the running request's own id (refused at submit)
+            blocked.clear()
+            gate.clear()
+            assert await asyncio.to_thread(blocked.wait, 30)
+            await give_up_while_queued(rid)
+            stats.append(await async_omni.resource_stats())  # runs after the submission and the abort
+        still = await running.__anext__()  # the owner is untouched by the refused duplicate
+        await running.aclose()
+        return stats, still, await async_omni.resource_stats()
+
+    try:
+        (after_late, after_dup), still, end = asyncio.run(main())
+    finally:
+        gate.set()
+        async_omni.engine.orchestrator.listeners.remove(hold)
+    assert after_late["requests"] == 1 and after_dup["requests"] == 1  # only the owner
+    assert not still.finished and still.new_token_ids
+    assert end["requests"] == 0 and async_omni.num_unfinished == 0

@@ -51,7 +51,7 @@ class TokenModel:
     def postprocess(self, ctx, output, sampled):
         return [None] * len(ctx.req_ids)
 
-    def stage_outputs(self, ctx, output):
+    def stage_outputs(self, ctx, output, sampled):
         out = {}
         for req, start in zip(ctx.requests, ctx.num_computed):
             s, e = ctx.spans[req.req_id]

@@ -1,9 +1,10 @@
-"""Pipeline properties under random traffic, on the real engine (tiny checkpoint, float32).
+"""Pipeline properties under random traffic, on the real engine (tiny checkpoints, float32), for every model
+family.
 
 Random mixes of text-only and text+audio requests arrive at staggered steps; some are aborted; the KV
-pools of the Thinker and the Talker are small enough to force preemption in both; Code2Wav chunk sizes
-are random; sampling is greedy or seeded with temperature > 0. Every surviving request must equal its solo
-run (tokens and codes exactly, audio to float rounding), every aborted one gets its final event, and
+pools of the Thinker and the Talker are small enough to force preemption in both; the generation stage's
+chunking is random; sampling is greedy or seeded with temperature > 0. Every surviving request must equal its
+solo run (tokens and codes exactly, audio to float rounding), every aborted one gets its final event, and
 afterwards every stage holds nothing. Failures injected into one request of a stage stay with that
 request.
 """
@@ -11,6 +12,8 @@ request.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -27,27 +30,61 @@ PROMPTS = [
     "Tell me a short story about the sea and a small boat.",
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Why?"}],
 ]
-SEEDS = (0, 1, 2)
 
 
-def tight_engine(ckpt, rng: random.Random) -> OmniEngine:
+def _code2wav_args(rng: random.Random) -> dict:
     chunk = rng.randint(2, 8)
-    bridge = {"first_chunk_frames": rng.randint(1, 6), "chunk_frames": chunk, "left_context_frames": rng.randint(1, chunk - 1)}
-    small = {"block_size": 4, "max_model_len": 64, "max_num_seqs": 4, "max_num_batched_tokens": 32}
+    return {"first_chunk_frames": rng.randint(1, 6), "chunk_frames": chunk, "left_context_frames": rng.randint(1, chunk - 1)}
+
+
+def _token2wav_args(rng: random.Random) -> dict:
+    return {"chunk_blocks": rng.randint(1, 3), "past_blocks": rng.randint(0, 2), "future_blocks": rng.randint(0, 2)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the scenarios need to know about a family: its tiny checkpoint (a fixture), KV pools small enough
+    to preempt, its generation stage and random chunking for it."""
+
+    name: str
+    checkpoint: str
+    max_model_len: int
+    thinker_blocks: int
+    talker_blocks: int
+    generation_stage: str
+    random_bridge_args: Callable[[random.Random], dict]
+    seeds: tuple[int, ...]
+    seed_every_talker: bool = False  # the audio depends on the request's seed even when the Talker is greedy
+
+
+FAMILIES = {
+    "qwen3_omni": Family("qwen3_omni", "tiny_ckpt", 64, 22, 18, "code2wav", _code2wav_args, (0, 1, 2)),
+    # Prompts carry the ~100-token speech system prompt; Token2Wav's ODE noise follows the request's seed.
+    "qwen2_5_omni": Family("qwen2_5_omni", "q25_ckpt", 160, 60, 56, "token2wav", _token2wav_args, (0, 1),
+                           seed_every_talker=True),
+}
+
+
+def tight_engine(ckpt, rng: random.Random, family: Family = FAMILIES["qwen3_omni"]) -> OmniEngine:
+    bridge = family.random_bridge_args(rng)
+    small = {"block_size": 4, "max_model_len": family.max_model_len, "max_num_seqs": 4, "max_num_batched_tokens": 32,
+             "kv_cache_bytes": None}
     overrides = {"stages": {
-        "thinker": {"scheduler": {**small, "num_blocks": 22}, "sampling": {"max_tokens": 16}},
-        "talker": {"scheduler": {**small, "num_blocks": 18}, "sampling": {"max_tokens": 24}},
-        "code2wav": {"bridge_args": bridge, "scheduler": {"max_num_seqs": 2}},
+        "thinker": {"scheduler": {**small, "num_blocks": family.thinker_blocks}, "sampling": {"max_tokens": 16}},
+        "talker": {"scheduler": {**small, "num_blocks": family.talker_blocks}, "sampling": {"max_tokens": 24}},
+        family.generation_stage: {"bridge_args": bridge, "scheduler": {"max_num_seqs": 2}},
     }}
-    return OmniEngine(EngineArgs(str(ckpt)), load_pipeline_config("qwen3_omni", overrides))
+    return OmniEngine(EngineArgs(str(ckpt)), load_pipeline_config(family.name, overrides))
 
 
-def random_request(rng: random.Random) -> dict:
+def random_request(rng: random.Random, family: Family) -> dict:
     sampled = rng.random() < 0.5
     thinker = SamplingParams(temperature=0.8 if sampled else 0.0, top_k=20 if sampled else 0,
                              seed=rng.randrange(2**31) if sampled else None, max_tokens=rng.randint(2, 10))
     talker = SamplingParams(temperature=0.9 if sampled else 0.0, top_k=50, repetition_penalty=1.05 if sampled else 1.0,
                             seed=rng.randrange(2**31) if sampled else None, max_tokens=rng.randint(4, 20))
+    if family.seed_every_talker and talker.seed is None:
+        talker = talker.replace(seed=rng.randrange(2**31))
     audio = rng.random() < 0.7
     return {"prompt": rng.choice(PROMPTS), "modalities": ["text", "audio"] if audio else ["text"],
             "params": {"thinker": thinker, "talker": talker}}
@@ -125,14 +162,16 @@ def count_preemptions(engine: OmniEngine) -> dict[str, int]:
     return counts
 
 
-def test_random_traffic_with_preemption_aborts_and_sampling_equals_solo_runs(tiny_ckpt):
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
+def test_random_traffic_with_preemption_aborts_and_sampling_equals_solo_runs(family, request):
+    ckpt = request.getfixturevalue(family.checkpoint)
     totals = {"requests": 0, "audio": 0, "sampled": 0, "aborted": 0, "thinker_preemptions": 0,
               "talker_preemptions": 0}
-    for seed in SEEDS:
+    for seed in family.seeds:
         rng = random.Random(seed)
-        engine = tight_engine(tiny_ckpt, rng)
+        engine = tight_engine(ckpt, rng, family)
         preemptions = count_preemptions(engine)
-        requests = {f"s{seed}-r{i}": random_request(rng) for i in range(7)}
+        requests = {f"s{seed}-r{i}": random_request(rng, family) for i in range(7)}
         arrivals: dict[int, list[str]] = {}
         for r in requests:
             arrivals.setdefault(rng.randint(0, 12), []).append(r)
@@ -159,7 +198,7 @@ def test_random_traffic_with_preemption_aborts_and_sampling_equals_solo_runs(tin
         totals["aborted"] += sum(mixed[r]["finish"] == "abort" for r in requests)
         totals["thinker_preemptions"] += preemptions["thinker"]
         totals["talker_preemptions"] += preemptions["talker"]
-    print("property test:", totals)
+    print(f"property test ({family.name}):", totals)
     # The scenarios exercised what they are for.
     assert totals["thinker_preemptions"] > 0 and totals["talker_preemptions"] > 0
     assert totals["aborted"] > 0 and totals["sampled"] > 0 and totals["audio"] > 0

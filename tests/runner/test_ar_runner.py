@@ -48,7 +48,7 @@ class IdentityModel:
             for i, r in enumerate(ctx.req_ids)
         ]
 
-    def stage_outputs(self, ctx, output):
+    def stage_outputs(self, ctx, output, sampled):
         rows = output.multimodal_outputs["rows"]
         return {r: {"rows": rows[s:e]} for r, (s, e) in ctx.spans.items()}
 

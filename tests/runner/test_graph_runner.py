@@ -119,9 +119,9 @@ class LiveSpy(DeclaredModel):
         self.calls.append(("post", ctx, ctx.states, output))
         return super().postprocess(ctx, output, sampled)
 
-    def stage_outputs(self, ctx, output):
+    def stage_outputs(self, ctx, output, sampled):
         self.calls.append(("stage", ctx, ctx.states, output))
-        return super().stage_outputs(ctx, output)
+        return super().stage_outputs(ctx, output, sampled)
 
 
 def test_hooks_after_replay_receive_the_live_step_context():
@@ -169,8 +169,8 @@ class ViewKeeper(DeclaredModel):
             {**(u or {}), "last_row": hidden[ctx.spans[r][1] - 1]} for u, r in zip(updates, ctx.req_ids)
         ]
 
-    def stage_outputs(self, ctx, output):
-        out = super().stage_outputs(ctx, output)
+    def stage_outputs(self, ctx, output, sampled):
+        out = super().stage_outputs(ctx, output, sampled)
         for r in out:
             out[r]["fresh"] = OwnedBatchTensor(torch.full((1,), float(ctx.index(r))))
         return out
@@ -213,7 +213,7 @@ def test_owned_outputs_are_handed_over_without_copy_and_a_false_claim_is_caught(
     assert isinstance(fresh, torch.Tensor) and fresh.item() in (0.0, 1.0)
 
     class Liar(DeclaredModel):
-        def stage_outputs(self, ctx, output):
+        def stage_outputs(self, ctx, output, sampled):
             return {r: {"rows": OwnedBatchTensor(output.hidden_states[s:e])} for r, (s, e) in ctx.spans.items()}
 
     with pytest.raises(OwnershipError):
@@ -271,7 +271,7 @@ def test_declared_model_with_empty_aux_raises():
             out = super().forward(kv_caches, attn_meta, input_ids, positions, salts)
             return OmniOutput(out.hidden_states)
 
-        def stage_outputs(self, ctx, output):
+        def stage_outputs(self, ctx, output, sampled):
             return {}
 
     sched, runner = make_graph(Empty())
@@ -305,8 +305,8 @@ def test_unpadded_multimodal_fields_coexist_with_padded_hidden():
             out.multimodal_outputs["tags"] = tags
             return out
 
-        def stage_outputs(self, ctx, output):
-            out = super().stage_outputs(ctx, output)
+        def stage_outputs(self, ctx, output, sampled):
+            out = super().stage_outputs(ctx, output, sampled)
             tags = output.multimodal_outputs["tags"]
             assert tags.shape[0] == ctx.num_tokens_unpadded == output.hidden_states.shape[0]
             for r, (s, e) in ctx.spans.items():

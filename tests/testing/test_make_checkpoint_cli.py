@@ -6,6 +6,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 from omnistage.entrypoints.cli import main
 from omnistage.models.loader import load_weights
 from omnistage.models.qwen3_omni.config import load_config
+from omnistage.models.registry import family_for_checkpoint
 
 
 def test_make_checkpoint_writes_a_loadable_dir(tmp_path, capsys):
@@ -24,3 +25,13 @@ def test_make_checkpoint_sharded(tmp_path):
     assert main(["make-checkpoint", str(out), "--max-shard-bytes", "2000000"]) == 0
     assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
     assert len(load_weights(out, "thinker.model.")) > 0
+
+
+def test_make_checkpoint_of_another_family(tmp_path, capsys, q25_ckpt):
+    out = tmp_path / "q25"
+    assert main(["make-checkpoint", str(out), "--family", "qwen2_5_omni", "--preset", "tiny"]) == 0
+    for name in ("config.json", "model.safetensors", "spk_dict.pt", "tokenizer.json"):
+        assert (out / name).read_bytes() == (q25_ckpt / name).read_bytes(), name  # the builder's, byte for byte
+    assert family_for_checkpoint(out).name == "qwen2_5_omni"  # what serve --model / Omni(model=) pick
+    assert main(["make-checkpoint", str(tmp_path / "x"), "--family", "qwen2_5_omni", "--preset", "tiny-gqa"]) == 2
+    assert "unknown qwen2_5_omni preset 'tiny-gqa'; choose from ['small', 'tiny']" in capsys.readouterr().err

@@ -118,6 +118,7 @@ class ResponseRun:
         self.prompt: PreparedPrompt | None = None
         self.text_done = False
         self.timer: RequestTimer | None = None
+        self.submitted: float | None = None  # when the request went to the engine (latency metrics count from it)
         self.finish_reason: str | None = None
         specials = getattr(self.tokenizer, "all_special_ids", None) or [self.tokenizer.eos_token_id]
         self.special_ids = frozenset(int(t) for t in specials if t is not None)
@@ -171,10 +172,11 @@ class ResponseRun:
             params = stage_params(self.info, self.config)
             modalities = ("text", "audio") if self.wants_audio else ("text",)
             stream = self.session.ctx.omni.generate(self.prompt, modalities, params, self.voice, self.id)
+            self.submitted = time.monotonic()
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     if self.timer is None:
-                        self.timer = RequestTimer(metrics, len(self.prompt.token_ids))
+                        self.timer = RequestTimer(metrics, len(self.prompt.token_ids), self.submitted)
                     if await self._delta(delta):
                         break  # a tool-call answer whose text is complete: the rest is not wanted
             self.status = self.status if self.status != "in_progress" else "completed"
@@ -371,6 +373,8 @@ class ResponseRun:
                 m.text = self.played_text()
             m.status = "completed" if self.status == "completed" else "incomplete"
             m.token_ids = self.token_ids
+        if self.timer is None and self.submitted is not None:  # ended before its first output
+            self.timer = RequestTimer(self.session.ctx.metrics, len(self.prompt.token_ids), self.submitted)
         if self.timer is not None:
             self.timer.finish(self.finish_reason or "abort", self.info.sample_rate)
         self.session.ctx.metrics.realtime_turns.labels(self.status).inc()

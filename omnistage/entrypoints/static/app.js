@@ -8,7 +8,9 @@ const $ = (id) => document.getElementById(id);
 
 const state = {
   info: null,
-  history: [],   // [{role, content}] sent with every request
+  history: [],   // [{role, content}] sent with every request (content: a string, or parts with media)
+  attachments: [], // [{kind, name, part}]: media going with the next message
+  recorder: null,  // the MediaRecorder while recording
   answers: [],   // one record per assistant answer (see newAnswer)
   current: null, // the answer streaming now
   player: null,
@@ -98,6 +100,97 @@ class Player {
     this.sources.clear();
     this.nextStart = 0;
   }
+}
+
+// ---- media input ---------------------------------------------------------------------------------
+// Container formats the server's input_audio takes (it decodes by content; the name must be one of these).
+const AUDIO_FORMATS = ["wav", "mp3", "flac", "ogg", "opus", "webm", "m4a", "aac", "mp4"];
+
+function readBase64(blob) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result.slice(reader.result.indexOf(",") + 1));
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(blob);
+  });
+}
+
+function audioFormat(name, type) {
+  const ext = (name.includes(".") ? name.split(".").pop() : "").toLowerCase();
+  if (AUDIO_FORMATS.includes(ext)) return ext;
+  const sub = (type.split("/")[1] || "").split(";")[0].replace(/^x-/, "").replace(/^mpeg$/, "mp3");
+  return AUDIO_FORMATS.includes(sub) ? sub : "wav";
+}
+
+function mediaStatus(text) {
+  $("media-status").textContent = text;
+  $("media-status").hidden = !text;
+}
+
+async function attach(kind, blob, name) {
+  const data = await readBase64(blob);
+  const part = kind === "image"
+    ? { type: "image_url",
+        image_url: { url: `data:${blob.type.startsWith("image/") ? blob.type : "image/png"};base64,${data}` } }
+    : { type: "input_audio", input_audio: { data, format: audioFormat(name, blob.type) } };
+  state.attachments.push({ kind, name, part });
+  showAttachments();
+}
+
+function showAttachments() {
+  const list = $("attachments");
+  list.replaceChildren();
+  state.attachments.forEach((a, i) => {
+    const li = document.createElement("li");
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", `Remove ${a.name}`);
+    remove.addEventListener("click", () => { state.attachments.splice(i, 1); showAttachments(); });
+    li.append(`${a.kind}: ${a.name}`, remove);
+    list.append(li);
+  });
+  list.hidden = state.attachments.length === 0;
+}
+
+async function onFile(kind, input) {
+  for (const file of input.files) await attach(kind, file, file.name);
+  input.value = ""; // the same file can be chosen again
+}
+
+async function toggleRecording() {
+  const button = $("record");
+  if (state.recorder) { state.recorder.stop(); return; }
+  let stream;
+  try {
+    stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+  } catch (err) {
+    mediaStatus(`Cannot record: ${err.message || err}`);
+    return;
+  }
+  const chunks = [];
+  const recorder = new MediaRecorder(stream);
+  recorder.ondataavailable = (e) => { if (e.data.size) chunks.push(e.data); };
+  recorder.onstop = async () => {
+    stream.getTracks().forEach((t) => t.stop());
+    const type = recorder.mimeType || "audio/webm";
+    const ext = type.includes("ogg") ? "ogg" : type.includes("mp4") ? "mp4" : "webm";
+    try { // sending waits until the recording is attached
+      await attach("audio", new Blob(chunks, { type }), `recording-${state.attachments.length + 1}.${ext}`);
+      mediaStatus("");
+    } catch (err) {
+      mediaStatus(`Cannot read the recording: ${err.message || err}`);
+    } finally {
+      state.recorder = null;
+      button.textContent = "Record";
+      button.setAttribute("aria-pressed", "false");
+    }
+  };
+  state.recorder = recorder;
+  recorder.start();
+  button.textContent = "Stop recording";
+  button.setAttribute("aria-pressed", "true");
+  mediaStatus("Recording…");
 }
 
 // ---- page ----------------------------------------------------------------------------------------
@@ -267,13 +360,17 @@ function setBusy(busy) {
 
 async function send() {
   const prompt = $("prompt").value;
-  if (!prompt.trim() || state.current || !state.info) return;
+  if ((!prompt.trim() && !state.attachments.length) || state.current || !state.info || state.recorder) return;
   if (!state.player) state.player = new Player(state.info.sample_rate || 24000);
   state.player.resume(); // inside the click / key press: allowed to start audio
   state.player.reset();
   $("prompt").value = "";
-  addMessage("user", prompt);
-  state.history.push({ role: "user", content: prompt });
+  const media = state.attachments.splice(0);
+  showAttachments();
+  const shown = media.map((a) => `[${a.kind}: ${a.name}]`).join(" ");
+  addMessage("user", shown ? `${shown}${prompt ? "\n" + prompt : ""}` : prompt);
+  const content = media.length ? [...media.map((a) => a.part), { type: "text", text: prompt }] : prompt;
+  state.history.push({ role: "user", content });
   const body = requestBody();
   const answer = newAnswer(body);
   const controller = new AbortController();
@@ -321,6 +418,8 @@ function stop() {
 function newChat() {
   if (state.current) return;
   state.history = [];
+  state.attachments = [];
+  showAttachments();
   $("log").replaceChildren();
   $("prompt").focus();
 }
@@ -380,6 +479,9 @@ document.addEventListener("DOMContentLoaded", () => {
   document.addEventListener("keydown", (e) => { if (e.key === "Escape") stop(); });
   $("new-chat").addEventListener("click", newChat);
   $("speech").addEventListener("change", () => { $("voice").disabled = !$("speech").checked; });
+  $("audio-file").addEventListener("change", (e) => onFile("audio", e.target));
+  $("image-file").addEventListener("change", (e) => onFile("image", e.target));
+  $("record").addEventListener("click", toggleRecording);
   init();
   $("prompt").focus();
 });

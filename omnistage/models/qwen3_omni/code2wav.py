@@ -12,21 +12,27 @@ the transposed convolutions drop the trailing samples that would need a later fr
 frames determines a prefix of the waveform: right-padded batches and chunked decoding with left context are
 exact. The cost is that ``n`` frames give ``samples_for_frames(n) = n * samples_per_frame - k`` samples
 (k = 555 for the real model), and chunked decoding loses those ``k`` samples at every chunk end, exactly
-like the reference implementation.
+like the reference implementation. ``code2wav_stream`` decodes chunks without those losses: every module
+below takes an optional ``stream`` (one streaming call's carried state) and then runs on new frames only.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT
+
+if TYPE_CHECKING:
+    from omnistage.models.qwen3_omni.code2wav_stream import StreamStep
 
 DEFAULT_SAMPLE_RATE = 24000
 
@@ -107,6 +113,14 @@ class Code2WavConfig:
         return math.prod(self.upsample_rates + self.upsampling_ratios)
 
     @classmethod
+    def from_checkpoint(cls, model_dir: str | Path) -> Code2WavConfig:
+        """The ``code2wav_config`` section of a Qwen3-Omni checkpoint's config.json."""
+        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        if "code2wav_config" not in raw:
+            raise ValueError(f"{model_dir}/config.json has no code2wav_config section")
+        return cls.from_hf(raw["code2wav_config"])
+
+    @classmethod
     def from_hf(cls, hf_config: Any) -> Code2WavConfig:
         """From transformers' ``Qwen3OmniMoeCode2WavConfig`` or the ``code2wav_config`` dict of config.json."""
 
@@ -165,9 +179,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(length, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim], half-split layout
+        return self.at(torch.arange(length, device=self.inv_freq.device), dtype)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., head_dim] for integer positions of any shape."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)  # half-split layout
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -190,7 +207,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        stream: StreamStep | None = None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
@@ -198,6 +220,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = _apply_rotary(q, cos, sin)
         k = _apply_rotary(k, cos, sin)
+        if stream is not None:  # prepend the window's earlier keys/values (rotated at their own positions)
+            k = stream.extend(self.k_proj, k, dim=2)
+            v = stream.extend(self.v_proj, v, dim=2)
         if self.num_kv_heads != self.num_heads:
             group = self.num_heads // self.num_kv_heads
             k = k.repeat_interleave(group, dim=1)
@@ -229,9 +254,14 @@ class TransformerLayer(nn.Module):
         self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        stream: StreamStep | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask, stream))
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -253,18 +283,32 @@ class Code2WavTransformer(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.resolved_head_dim, config.rope_theta)
         self.window = config.sliding_window
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden]. Every row starts at position 0 (right padding only)."""
+    def forward(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
+        """x: [B, T, hidden]. Without ``stream`` every row starts at position 0 (right padding only); with
+        it, row b continues its request at frame ``stream.frames[b]``."""
         length = x.shape[1]
-        cos, sin = self.rotary_emb(length, x.dtype)
-        mask = sliding_causal_mask(length, self.window, x.device)
+        if stream is None:
+            cos, sin = self.rotary_emb(length, x.dtype)
+            mask = sliding_causal_mask(length, self.window, x.device)
+        else:
+            cos, sin = self.rotary_emb.at(stream.frame_positions(length), x.dtype)
+            cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+            mask = stream.attention_mask(length, self.window)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, stream)
         return self.norm(x)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Convolutional part
+
+
+def _conv(conv: CausalConv1d, x: torch.Tensor, stream: StreamStep | None) -> torch.Tensor:
+    return conv(x) if stream is None or conv.history_size == 0 else stream.conv(conv, x)
+
+
+def _conv_transpose(conv: CausalConvTranspose1d, x: torch.Tensor, stream: StreamStep | None) -> torch.Tensor:
+    return conv(x) if stream is None else stream.conv_transpose(conv, x)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -276,8 +320,8 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dwconv(x).transpose(1, 2)
+    def forward(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
+        h = _conv(self.dwconv, x, stream).transpose(1, 2)
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).transpose(1, 2)
 
@@ -308,8 +352,8 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, kernel_size=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+    def forward(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
+        return x + _conv(self.conv2, self.act2(_conv(self.conv1, self.act1(x), stream)), stream)
 
 
 class DecoderBlock(nn.Module):
@@ -319,9 +363,10 @@ class DecoderBlock(nn.Module):
         layers += [ResidualUnit(out_dim, dilation) for dilation in (1, 3, 9)]
         self.block = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.block:
-            x = layer(x)
+    def forward(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
+        x = _conv_transpose(self.block[1], self.block[0](x), stream)
+        for unit in self.block[2:]:
+            x = unit(x, stream)
         return x
 
 
@@ -390,14 +435,18 @@ class Code2Wav(nn.Module):
                 f"[{int(codes.min())}, {int(codes.max())}]"
             )
 
-    def _synthesize(self, codes: torch.Tensor) -> torch.Tensor:
+    def _synthesize(self, codes: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
         hidden = self.code_embedding(codes.long() + self.code_offset).mean(1)
-        hidden = self.pre_transformer(hidden).transpose(1, 2)  # [B, hidden, T]
-        for stage in self.upsample:
-            for layer in stage:
-                hidden = layer(hidden)
+        hidden = self.pre_transformer(hidden, stream).transpose(1, 2)  # [B, hidden, T]
+        for upsample, convnext in self.upsample:
+            hidden = convnext(_conv_transpose(upsample, hidden, stream), stream)
         for layer in self.decoder:
-            hidden = layer(hidden)
+            if isinstance(layer, CausalConv1d):
+                hidden = _conv(layer, hidden, stream)
+            elif isinstance(layer, DecoderBlock):
+                hidden = layer(hidden, stream)
+            else:
+                hidden = layer(hidden)
         return hidden.clamp(-1.0, 1.0)
 
     # On CPU the decoder's [rows, channels, samples] activations fall out of cache when many rows run at
@@ -428,6 +477,14 @@ class Code2Wav(nn.Module):
         if lengths.numel() and (lengths.min() < 1 or lengths.max() > codes.shape[-1]):
             raise ValueError(f"lengths must lie in [1, {codes.shape[-1]}], got {lengths.tolist()}")
 
+    def _fill_padding(self, codes: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Checked codes with positions >= lengths[b] set to 0: padding may hold anything (e.g. -1), and
+        causality keeps it out of valid samples."""
+        valid = torch.arange(codes.shape[-1], device=codes.device)[None, :] < lengths[:, None]  # [B, T]
+        codes = codes.masked_fill(~valid[:, None, :], 0)
+        self._check_codes(codes)
+        return codes
+
     def decode(self, codes: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One batched call over right-padded requests.
 
@@ -439,11 +496,7 @@ class Code2Wav(nn.Module):
         lengths = lengths.to(device=codes.device, dtype=torch.long)
         self._check_lengths(codes, lengths)
         frames = int(lengths.max()) if lengths.numel() else 0
-        codes = codes[..., :frames]
-        valid = torch.arange(frames, device=codes.device)[None, :] < lengths[:, None]  # [B, T]
-        # Padding may hold anything (e.g. -1): replace it with a valid id. Causality keeps it out of valid samples.
-        codes = codes.masked_fill(~valid[:, None, :], 0)
-        self._check_codes(codes)
+        codes = self._fill_padding(codes[..., :frames], lengths)
         wave_lengths = self._walk_length(lengths)
         if frames == 0:
             return codes.new_zeros((codes.shape[0], 0), dtype=self.code_embedding.weight.dtype), wave_lengths

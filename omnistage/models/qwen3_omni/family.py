@@ -162,6 +162,16 @@ class Qwen3OmniFamily(ModelFamily):
             return None
         return Qwen3OmniInputProcessor(self.model_dir, self.tokenizer, self.config)
 
+    @cached_property
+    def input_modalities(self) -> tuple[str, ...]:
+        """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
+        if not (self.model_dir / "preprocessor_config.json").is_file():
+            return ("text",)
+        names = checkpoint_files(self.model_dir)
+        audio = any(n.startswith("thinker.audio_tower.") for n in names)
+        vision = any(n.startswith("thinker.visual.") for n in names)
+        return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
+
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, **kwargs: Any
     ) -> PreparedPrompt:

@@ -66,6 +66,10 @@ class ThinkerStageModel:
     def free(self, req_id: str) -> None:
         self.encoders.release(req_id)
 
+    def resource_stats(self) -> dict[str, int]:
+        """Cached encoder outputs and the requests holding any (both 0 once every prompt is prefilled)."""
+        return {"encoder_entries": len(self.encoders), "encoder_holders": len(self.encoders.held)}
+
     def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
         """Positions become float (decode rows of media requests sit at fractional ids after a video):
         ``[N]`` when every row is text-like, ``[N, 3]`` when a chunk covers prompt rows of an image/video
@@ -128,7 +132,9 @@ class ThinkerStageModel:
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
         return [_NO_UPDATES] * len(ctx.req_ids)
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
         """Rows for the Talker, only for requests that asked for audio: layer-0 embeddings ("embeds" at
         "positions") of the user-turn text rows, the assistant header and answer tokens; accept-layer hidden
         states ("hidden" at "hidden_positions") of the user-turn audio/image/video rows.
@@ -316,7 +322,9 @@ class TalkerStageModel:
                 out[req_id] = mine
         return out
 
-    def stage_outputs(self, ctx: StepContext, output: OmniOutput) -> dict[str, dict[str, Any]]:
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
         return {r: {"frames": f} for r, f in self._frames(ctx, output).items()}
 
     def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:

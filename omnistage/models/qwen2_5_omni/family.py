@@ -1,0 +1,187 @@
+"""Qwen2.5-Omni as a model family: Thinker (AR, text) -> Talker (AR, one codec token per step) -> Token2Wav
+(generation: DiT + BigVGAN, streamed in overlapping windows).
+
+Declares the parts and bridges the runtime builds, renders chat prompts (text content; the speech system prompt
+as the default system turn), maps voices to the speakers of ``spk_dict.pt`` and turns one user request into the
+per-stage requests. Per-request data travels in ``StageRequest.data``: the Thinker's ``speech`` flag, the
+Talker's prompt length and voice, Token2Wav's voice and noise seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.family import (
+    BridgeSpec,
+    BuildContext,
+    ModelFamily,
+    PartSpec,
+    PreparedPrompt,
+    StageRequest,
+    no_args,
+)
+from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTalker, talker2token2wav_args
+from omnistage.models.qwen2_5_omni.loading import (
+    ARCHITECTURE,
+    load_config,
+    load_talker,
+    load_thinker,
+    load_thinker_embedding,
+    load_token2wav,
+)
+from omnistage.models.qwen2_5_omni.prompt import with_speech_system_prompt
+from omnistage.models.qwen2_5_omni.stage_models import (
+    SAMPLE_RATE,
+    SPEECH_KEY,
+    TalkerStageModel,
+    ThinkerStageModel,
+    Token2WavStageModel,
+)
+from omnistage.models.qwen2_5_omni.streaming import ChunkPlan
+from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
+from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
+from omnistage.models.registry import register_family
+
+ROLES = ("system", "user", "assistant")
+PREFERRED_VOICE = "chelsie"  # transformers' generate(speaker="Chelsie") default
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{model_dir}: no eos_token_id in generation_config.json or the tokenizer")
+    return (int(tokenizer.eos_token_id),)
+
+
+@register_family
+class Qwen25OmniFamily(ModelFamily):
+    name = "qwen2_5_omni"
+    architectures = (ARCHITECTURE,)
+    preset_file = "qwen2_5_omni.yaml"
+    parts = {
+        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
+        "talker": PartSpec(ExecutionType.AR),
+        "token2wav": PartSpec(ExecutionType.GENERATION),
+    }
+    bridges = {
+        "thinker2talker": BridgeSpec(no_args),
+        "talker2token2wav": BridgeSpec(talker2token2wav_args),
+    }
+    sample_rate = SAMPLE_RATE
+    num_code_groups = 1  # one codec token per Talker step
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__(model_dir)
+        self.config = load_config(self.model_dir)
+        self.ids = TalkerTokenIds.from_config(self.config)
+        has_speakers = (self.model_dir / SPEAKER_FILE).is_file()
+        self.speakers: dict[str, Speaker] = load_speakers(self.model_dir) if has_speakers else {}
+        # The API names voices in lower case; resolve_voice maps them back to the spk_dict.pt keys.
+        self.voices = tuple(sorted(name.lower() for name in self.speakers))
+        if self.voices:
+            self.default_voice = PREFERRED_VOICE if PREFERRED_VOICE in self.voices else self.voices[0]
+
+    # ---- stage side ---------------------------------------------------------------------------------
+    def build_model(self, ctx: BuildContext) -> Any:
+        part = ctx.stage.model_part
+        if part == "thinker":
+            return ThinkerStageModel(load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device))
+        if part == "talker":
+            talker = load_talker(self.model_dir, self.config, ctx.dtype, ctx.device)
+            # The Talker reads a few rows of the Thinker's embedding table (text specials, speaker bos rows).
+            embed = load_thinker_embedding(self.model_dir, ctx.dtype, ctx.device)
+            return TalkerStageModel.for_speakers(talker, embed, self.speakers)
+        if part == "token2wav":
+            return Token2WavStageModel(load_token2wav(self.model_dir, self.config, ctx.device))
+        raise ValueError(f"unknown part {part!r}")
+
+    def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Any:
+        if name == "thinker2talker":
+            return ThinkerToTalker(model.ids)
+        if name == "talker2token2wav":
+            dit = model.token2wav.code2wav_dit_model
+            return TalkerToToken2Wav(ChunkPlan(**args), dit.block_size, dit.repeats, dit.mel_dim)
+        raise ValueError(f"unknown bridge {name!r}")
+
+    # ---- request side -------------------------------------------------------------------------------
+    @cached_property
+    def tokenizer(self) -> Any:
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return _eos_ids(self.model_dir, self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.thinker_config.text_config.vocab_size)
+
+    def render_prompt(
+        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, **kwargs: Any
+    ) -> PreparedPrompt:
+        """Messages with string content. A conversation without a system turn gets Qwen2.5-Omni's speech system
+        prompt (the model speaks only under it), whether or not this request asks for audio: a request's text
+        then does not depend on its modalities."""
+        if kwargs:
+            raise ValueError(f"unknown prompt options {sorted(kwargs)}")
+        if use_audio_in_video:
+            raise ValueError("use_audio_in_video needs video input, which Qwen2.5-Omni here does not take")
+        for m in messages:
+            if m.get("role") not in ROLES:
+                raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError("Qwen2.5-Omni takes text content only here (a string per message); audio, image "
+                                 "and video input are not supported")
+        ids = self.tokenizer.apply_chat_template(with_speech_system_prompt(messages), add_generation_prompt=True,
+                                                 tokenize=True)
+        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return PreparedPrompt(list(ids))
+
+    def stage_requests(
+        self,
+        req_id: str,
+        prompt: PreparedPrompt,
+        stages: Sequence[StageConfig],
+        params: Mapping[str, SamplingParams],
+        voice: str | None,
+    ) -> dict[str, StageRequest]:
+        ids = tuple(prompt.token_ids)
+        by_part = {s.model_part: s for s in stages}
+        out: dict[str, StageRequest] = {}
+        thinker_data: dict[str, Any] = {}
+        if "talker" in by_part:
+            if not self.speakers:
+                raise ValueError(f"this checkpoint has no {SPEAKER_FILE}: request modalities ['text'] only")
+            speaker = resolve_voice(voice or self.default_voice, self.speakers)  # unknown: lists the voices
+            talker = by_part["talker"]
+            need = len(ids) + 2
+            if need > talker.scheduler.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens; the Talker (max_model_len "
+                                 f"{talker.scheduler.max_model_len}) can speak for at most "
+                                 f"{talker.scheduler.max_model_len - 2}")
+            thinker_data[SPEECH_KEY] = True
+            talker_params = params[talker.name]
+            out[talker.name] = StageRequest(req_id, talker_params, None, self.ids.eos_ids,
+                                            {"num_prompt": len(ids), "voice": speaker})
+            if "token2wav" in by_part:
+                # The ODE's initial noise follows the request's seed (the Talker's): seeded requests repeat.
+                out[by_part["token2wav"].name] = StageRequest(req_id, data={"voice": speaker,
+                                                                            "seed": talker_params.seed})
+        elif "token2wav" in by_part:
+            raise ValueError("the token2wav stage needs the talker stage")
+        thinker = by_part["thinker"]
+        out[thinker.name] = StageRequest(req_id, params[thinker.name], ids, self.eos_token_ids, thinker_data)
+        return out

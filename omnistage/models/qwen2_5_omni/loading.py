@@ -1,0 +1,94 @@
+"""Read a Qwen2.5-Omni checkpoint directory: config, the three parts' weights, speakers.
+
+Weights load strictly by hub name (``thinker.*`` without the audio/vision towers, ``talker.*``,
+``token2wav.*``) through the shared safetensors loader, into modules built directly in the serving dtype on the
+serving device; Token2Wav stays float32 whatever the serving dtype, as transformers keeps it (the reference runs
+the ODE and the vocoder in float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Qwen2_5OmniConfig
+
+from omnistage.models.loader import building, load_into, load_weights
+from omnistage.models.qwen2_5_omni.talker import Talker
+from omnistage.models.qwen2_5_omni.thinker import Thinker
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.voices import load_speakers
+
+ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
+THINKER_TOWERS = ("audio_tower.", "visual.")
+
+
+@contextlib.contextmanager
+def quiet_config_checks() -> Iterator[None]:
+    """Silence transformers' config validation while building a Qwen2.5-Omni config or model: the Talker's
+    text-side ids (Thinker rows) lie past its codec vocabulary, as in the released checkpoint, and are flagged."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
+    """config.json as a Qwen2_5OmniConfig. A missing ``thinker_config.vision_start_token_id`` (read by
+    transformers but not declared) takes the talker config's value."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir} has no config.json; is it a Qwen2.5-Omni checkpoint directory?")
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    if ARCHITECTURE not in raw.get("architectures", []):
+        raise ValueError(f"{model_dir} is not a Qwen2.5-Omni checkpoint (architectures {raw.get('architectures')})")
+    thinker = raw.setdefault("thinker_config", {})
+    thinker.setdefault("vision_start_token_id", raw.get("talker_config", {}).get("vision_start_token_id"))
+    with quiet_config_checks():
+        config = Qwen2_5OmniConfig.from_dict(raw)
+    config._name_or_path = str(model_dir)
+    return config
+
+
+def load_thinker(
+    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Thinker:
+    with building(dtype, device):
+        thinker = Thinker(config)
+    tied = thinker.lm_head.weight is thinker.model.embed_tokens.weight  # a tied checkpoint stores no lm_head
+    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS + (("lm_head.",) if tied else ()))
+    return thinker.eval()
+
+
+def load_talker(
+    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Talker:
+    with building(dtype, device):
+        talker = Talker(config)
+    load_into(talker, model_dir, "talker.", dtype)
+    return talker.eval()
+
+
+def load_thinker_embedding(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Embedding:
+    """The Thinker's token embedding table alone (the Talker reads a few of its rows)."""
+    table = load_weights(model_dir, "thinker.model.embed_tokens.", dtype)["weight"]
+    return nn.Embedding.from_pretrained(table.to(device))
+
+
+def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig, device: str = "cpu") -> Token2Wav:
+    with building(torch.float32, device):
+        token2wav = Token2Wav(config)
+    load_into(token2wav, model_dir, "token2wav.", torch.float32)
+    token2wav.set_speakers(load_speakers(model_dir))
+    return token2wav.eval()

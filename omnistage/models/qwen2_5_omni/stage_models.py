@@ -1,0 +1,213 @@
+"""Qwen2.5-Omni's three parts as stage models (``omnistage.runner.outputs.ARStageModel`` and
+``GenerationStageModel``).
+
+- ``ThinkerStageModel``: token ids in, hidden states out; for requests that speak (``speech`` in their state,
+  from ``StageRequest.data``) it sends the Talker every row it processed this step: embedding + final hidden,
+  with their positions (a recompute after preemption sends rows again; the bridge keeps the first copy).
+- ``TalkerStageModel``: per-request state (written by the Thinker -> Talker bridge): ``prompt_rows`` [P, E],
+  ``answer_rows`` (tuple of [E]), ``text_done``; ``voice`` from ``StageRequest.data``; it caches
+  ``prefill_embeds`` itself. Prefill rows come from that state; a decode row is the codec embedding of its input
+  id (the code sampled the step before) plus its text row, so a recompute after preemption needs nothing stored.
+  ``input_ready`` pauses a request whose next text row has not arrived. The codes it samples go downstream and
+  to the client (its EOS ids dropped): the code sampled at step t is spoken, none lags behind.
+- ``Token2WavStageModel``: one batched call over Token2Wav windows (see ``token2wav`` / ``streaming``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from omnistage.attention.backend import AttentionMetadata
+from omnistage.core.request import Request
+from omnistage.models.qwen2_5_omni.talker import Talker
+from omnistage.models.qwen2_5_omni.talker_inputs import (
+    TextSpecials,
+    build_prefill,
+    text_row_ready,
+    text_rows_for_steps,
+    text_specials,
+)
+from omnistage.models.qwen2_5_omni.thinker import Thinker
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavWindow
+from omnistage.models.qwen2_5_omni.voices import Speaker
+from omnistage.runner.outputs import OmniOutput, StepContext
+
+SPEECH_KEY = "speech"  # Thinker request state: this request feeds a Talker
+SAMPLE_RATE = 24000  # Qwen2.5-Omni's BigVGAN: 100 mel frames per second, hop 240
+
+
+def _dims(model: Thinker | Talker) -> tuple[int, int, int]:
+    return model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
+
+
+class ThinkerStageModel:
+    # Its only aux output is row-aligned (``embeds`` [N, H]): safe to rebuild after a graph replay.
+    supports_full_graph_aux_outputs = True
+
+    def __init__(self, thinker: Thinker) -> None:
+        self.thinker = thinker
+        self.num_layers, self.num_kv_heads, self.head_dim = _dims(thinker)
+
+    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
+        return {"input_ids": input_ids, "positions": positions}, [None] * len(ctx.req_ids)
+
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
+        with torch.inference_mode():
+            out = self.thinker(input_ids, positions, kv_caches, attn_meta)
+        return OmniOutput(hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.thinker.compute_logits(hidden)
+
+    def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
+        return [None] * len(ctx.req_ids)
+
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
+        """{req_id: {"positions": [k] (host), "rows": [k, E]}} for speech requests: every row of their span.
+
+        Rows are picked with one gather (the row indices are host data) and owned by the payload.
+        """
+        picks, owners = [], []
+        for req_id, start, state in zip(ctx.req_ids, ctx.num_computed, ctx.states):
+            if not state.get(SPEECH_KEY):
+                continue
+            s, e = ctx.spans[req_id]
+            picks.append(torch.arange(s, e))
+            owners.append((req_id, torch.arange(start, start + e - s)))
+        if not picks:
+            return {}
+        hidden = output.hidden_states
+        index = torch.cat(picks).to(hidden.device)
+        rows = output.multimodal_outputs["embeds"][index] + hidden[index]
+        out, start = {}, 0
+        for req_id, pos in owners:
+            out[req_id] = {"positions": pos, "rows": rows[start : start + pos.numel()]}
+            start += pos.numel()
+        return out
+
+
+class TalkerStageModel:
+    # transformers' penalty sees the Talker's prompt ids (codec_mask x P, codec_pad, codec_bos) too.
+    penalty_includes_prompt = True
+    # The sampled ids are codec codes, not text: clients get them as "codes" [1, k] instead.
+    emits_token_ids = False
+
+    def __init__(self, talker: Talker, specials: TextSpecials, speaker_bos_embeds: Mapping[str, torch.Tensor]) -> None:
+        """``specials``: Thinker embeddings of tts_text_end / tts_text_pad; ``speaker_bos_embeds``: the Thinker
+        embedding of each voice's bos token (see ``for_speakers``)."""
+        self.talker = talker
+        self.ids = talker.ids
+        self.specials = specials
+        self.speaker_bos_embeds = dict(speaker_bos_embeds)
+        self.num_layers, self.num_kv_heads, self.head_dim = _dims(talker)
+        self.embedding_size = talker.embedding_size
+        self.eos_ids = frozenset(talker.ids.eos_ids)
+
+    @classmethod
+    def for_speakers(
+        cls, talker: Talker, thinker_embed_tokens: torch.nn.Module, speakers: Mapping[str, Speaker]
+    ) -> TalkerStageModel:
+        """Take the few Thinker embedding rows the Talker reads (text specials, speaker bos rows)."""
+        device = thinker_embed_tokens.weight.device
+        with torch.inference_mode():
+            specials = text_specials(thinker_embed_tokens, talker.ids)
+            bos = {name: thinker_embed_tokens(torch.tensor(s.bos_token, device=device)) for name, s in speakers.items()}
+        return cls(talker, specials, bos)
+
+    def input_ready(self, state: Mapping[str, Any], request: Request) -> bool:
+        """Whether the request's next step has its text row (decode step ``num_output_tokens - 1`` needs answer
+        row ``num_output_tokens``, or the Thinker's end); False pauses it until the bridge delivers more."""
+        n = request.num_output_tokens
+        if n == 0:
+            return True  # the prefill carries its own rows
+        return text_row_ready(n - 1, len(state.get("answer_rows", ())), bool(state.get("text_done")))
+
+    def _prefill(self, req_id: str, state: Mapping[str, Any]) -> torch.Tensor:
+        cached = state.get("prefill_embeds")
+        if cached is not None:
+            return cached
+        if state.get("prompt_rows") is None or not state.get("answer_rows"):
+            raise RuntimeError(f"talker request {req_id!r} scheduled before its Thinker rows arrived")
+        with torch.inference_mode():
+            return build_prefill(
+                self.talker, state["prompt_rows"], self.speaker_bos_embeds[state["voice"]], state["answer_rows"][0]
+            )
+
+    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
+        embeds = torch.zeros(input_ids.shape[0], self.embedding_size, dtype=self.specials.pad.dtype,
+                             device=input_ids.device)
+        updates: list[dict[str, Any] | None] = [None] * len(ctx.req_ids)
+        decode_rows: list[int] = []
+        decode_steps: list[int] = []
+        owners: list[int] = []
+        for i, req_id in enumerate(ctx.req_ids):
+            st = ctx.states[i]
+            prefill = self._prefill(req_id, st)
+            if st.get("prefill_embeds") is None:
+                updates[i] = {"prefill_embeds": prefill, "prompt_rows": None}  # the rows live on in the prefill
+            s, e = ctx.spans[req_id]
+            lo = ctx.num_computed[i]  # this span's first position (host data: no sync)
+            n = prefill.shape[0]
+            a, b = lo, min(lo + e - s, n)
+            if a < b:
+                embeds[s : s + b - a] = prefill[a:b]
+            for pos in range(max(lo, n), lo + e - s):  # decode rows (several only when recomputing)
+                decode_rows.append(s + pos - lo)
+                decode_steps.append(pos - n)
+                owners.append(i)
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=input_ids.device)
+            text = text_rows_for_steps(
+                torch.tensor(decode_steps),
+                [ctx.states[i]["answer_rows"] for i in owners],
+                [bool(ctx.states[i].get("text_done")) for i in owners],
+                self.specials,
+            )
+            with torch.inference_mode():
+                embeds[rows] = self.talker.embed_codec(input_ids[rows]) + text.to(embeds.dtype)
+        return {"inputs_embeds": embeds, "positions": positions}, updates
+
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions) -> OmniOutput:
+        with torch.inference_mode():
+            hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta)
+        return OmniOutput(hidden_states=hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.talker.compute_logits(hidden)
+
+    def _spoken(self, sampled: Mapping[str, int]) -> dict[str, int]:
+        """This step's codes per request; an EOS id (codec_pad / codec_eos) ends the speech and is not a code."""
+        return {r: c for r, c in sampled.items() if c not in self.eos_ids}
+
+    def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
+        return [None] * len(ctx.req_ids)
+
+    def stage_outputs(
+        self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
+        """{req_id: {"codes": [1] host LongTensor}}: the code each request sampled this step."""
+        return {r: {"codes": torch.tensor([c])} for r, c in self._spoken(sampled).items()}
+
+    def client_outputs(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]) -> dict[str, dict]:
+        return {r: {"codes": torch.tensor([[c]])} for r, c in self._spoken(sampled).items()}
+
+
+class Token2WavStageModel:
+    def __init__(self, token2wav: Token2Wav) -> None:
+        self.token2wav = token2wav
+
+    def forward_batch(self, payloads: list[Token2WavWindow], states: list[Mapping[str, Any]]):
+        """``audio`` [B, S] (row b = payloads[b]'s kept samples, zero-padded), ``audio_lengths`` [B]; the stage
+        keeps no per-request state (a window carries everything its audio depends on)."""
+        with torch.inference_mode():
+            waves = self.token2wav.decode_windows(payloads)
+        lengths = torch.tensor([w.numel() for w in waves])
+        return {"audio": pad_sequence(waves, batch_first=True), "audio_lengths": lengths}, [None] * len(payloads)

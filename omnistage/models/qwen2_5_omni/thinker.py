@@ -1,0 +1,58 @@
+"""Qwen2.5-Omni Thinker text model over flattened token rows and a paged KV cache.
+
+Parameter names follow the hub checkpoint with ``thinker.`` stripped: ``model.embed_tokens``,
+``model.layers.N.*``, ``model.norm``, ``lm_head``. The audio and vision towers (``thinker.audio_tower.*``,
+``thinker.visual.*``) are not part of this module: text-only input for now.
+
+What the Talker reads from the Thinker is one row per processed token: its layer-0 embedding plus its
+final-normed hidden state (transformers' ``hidden_states[i][0] + hidden_states[i][-1]``), for every prompt row
+and for every generated token the Thinker feeds back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.attention.backend import AttentionMetadata
+from omnistage.models.qwen2_5_omni.decoder import Qwen2PagedDecoder, decoder_config
+
+
+@dataclass
+class ThinkerOutput:
+    hidden: torch.Tensor  # [N, H] final-normed; feeds compute_logits
+    embeds: torch.Tensor  # [N, H] layer-0 input embeddings
+
+    @property
+    def talker_rows(self) -> torch.Tensor:
+        """[N, H] embedding + final hidden: what the Talker consumes for each of these rows."""
+        return self.embeds + self.hidden
+
+
+class Thinker(nn.Module):
+    """Built from the full Qwen2_5OmniConfig (reads ``thinker_config.text_config``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        text_cfg = config.thinker_config.text_config
+        self.cfg = decoder_config(text_cfg)
+        self.vocab_size = int(text_cfg.vocab_size)
+        self.model = Qwen2PagedDecoder(self.cfg, self.vocab_size)
+        self.lm_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
+        if getattr(config.thinker_config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata
+    ) -> ThinkerOutput:
+        embeds = self.embed(input_ids)
+        return ThinkerOutput(hidden=self.model(embeds, positions, kv_caches, attn_meta), embeds=embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,83 @@
+"""transformers' Qwen2.5-Omni as the float32 reference (tests, benchmarks), and the explicit Talker mask.
+
+``generate`` drops an all-ones attention mask before the model runs, and the Talker adds the codec pad/bos
+embeddings to its last two prefill rows only when it gets a mask; so an unpadded request runs without them
+while the same request padded in a batch runs with them. ``explicit_talker_mask`` makes every Talker forward
+receive the mask ``generate`` would have carried (ones over cache + new rows) — the reference behaviour
+omnistage follows (see ``omnistage.models.qwen2_5_omni.talker_inputs``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
+
+
+@functools.cache
+def tiny_checkpoint() -> Path:
+    """The tiny Qwen2.5-Omni checkpoint (seed 0), built once per process into a temporary directory that is
+    removed at exit (the tests' shared checkpoint)."""
+    from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint
+
+    out = Path(tempfile.mkdtemp(prefix="omnistage-q25-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return build_checkpoint(out, preset="tiny", seed=0)
+
+
+@functools.cache
+def _load(path: str):
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    with quiet_config_checks():
+        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def load_hf_reference(path: str | Path):
+    """``Qwen2_5OmniForConditionalGeneration`` in float32, eval mode, cached per resolved path (shared: do not
+    modify). Greedy speech with the checkpoint's own ids: ``generate(ids, speaker=..., thinker_do_sample=False,
+    talker_do_sample=False, talker_eos_token_id=[codec_pad, codec_eos], talker_max_new_tokens=n)``."""
+    return _load(str(Path(path).resolve()))
+
+
+@contextlib.contextmanager
+def explicit_talker_mask(model) -> Iterator[None]:
+    """Within the block, every Talker forward without a mask gets an all-ones one of its full length."""
+    talker = model.talker
+    original = talker.forward
+
+    @functools.wraps(original)  # generate() validates its kwargs against the forward's signature
+    def forward(*args, **kwargs):
+        if kwargs.get("attention_mask") is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            past = cache.get_seq_length() if cache is not None else 0
+            rows = kwargs.get("inputs_embeds")
+            rows = kwargs["input_ids"] if rows is None else rows
+            kwargs["attention_mask"] = torch.ones(rows.shape[0], past + rows.shape[1], dtype=torch.long)
+        return original(*args, **kwargs)
+
+    talker.forward = forward
+    try:
+        yield
+    finally:
+        del talker.forward
+
+
+@contextlib.contextmanager
+def codes_only(model) -> Iterator[None]:
+    """Within the block, ``generate`` stops at the Talker's codes: Token2Wav is not run (one silent sample per
+    code comes back instead of the waveform)."""
+    model.token2wav.forward = lambda code, **_: torch.zeros(code.shape[-1])
+    try:
+        yield
+    finally:
+        del model.token2wav.forward
