@@ -6,11 +6,10 @@ speech, silence) with server VAD; measured per session, on the client: ``input_a
 received -> first ``response.output_audio.delta`` received (the end of speech is where the server's VAD
 decides it; the silence that decides it is not counted).
 
-Beside it, the same figure without the realtime layer: the committed clip of each session as an audio chat
-message straight into ``AsyncOmni.generate`` (render + submit -> first audio chunk), N at once. (The HTTP
-chat API does not take ``input_audio`` yet, so the engine call stands in for it.) A second table: a typed
-turn (``response.create``) -> first audio delta, beside a streamed HTTP chat request with the same text ->
-first audio chunk.
+Beside it, the same figure for the HTTP API: the committed clip of each session as a streamed chat request
+with ``input_audio`` (WAV), N at once, each sent as far after the first as its user stopped speaking after
+the first user (request sent -> first audio chunk). A second table: a typed turn (``response.create``) ->
+first audio delta, beside a streamed HTTP chat request with the same text -> first audio chunk.
 
     python benchmarks/realtime_bench.py --preset small --sessions 1 8 --threads 2
 """
@@ -20,13 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import json
 import socket
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -35,9 +32,6 @@ from benchmarks.thinker_throughput import resolve_model
 
 RATE = 24000
 CHUNK_MS = 100
-# The engine side renders prompts in a pool as large as the server's preprocessing pool (ServerLimits default),
-# so N prompts reach the engine as staggered as the server's do.
-RENDER_POOL = ThreadPoolExecutor(2, thread_name_prefix="bench-render")
 
 
 def speech_like(seconds: float, seed: int) -> np.ndarray:
@@ -102,7 +96,7 @@ async def recv(conn) -> dict:
 
 async def spoken_turn(url: str, model: str, args, seed: int, t_start: float) -> tuple[float, np.ndarray]:
     """One session, one spoken turn in real time from ``t_start`` (a moment every session of a round shares,
-    so N users stop speaking together, as the engine side's N requests arrive together): (speech end -> first
+    so N users stop speaking together, as the HTTP side's N requests arrive together): (speech end -> first
     answer audio, the committed clip)."""
     import openai
 
@@ -133,23 +127,15 @@ async def spoken_turn(url: str, model: str, args, seed: int, t_start: float) -> 
                 return latency, clip
 
 
-async def engine_turn(omni, clip: np.ndarray, args, delay: float) -> float:
-    """The same clip straight into the engine ``delay`` s after the first user of its round stopped speaking (the
-    users' turns end as far apart as in the realtime run): render (in a 2-thread pool, as the server does) +
-    submit -> first audio."""
-    await asyncio.sleep(delay)
-    from omnistage.core.sampling_params import SamplingParams
+async def http_audio_turn(url: str, model: str, args, clip: np.ndarray, delay: float) -> float:
+    """The same clip as a streamed HTTP chat request with ``input_audio``, sent ``delay`` s after the first user
+    of its round stopped speaking: request sent -> first audio chunk."""
+    from omnistage.entrypoints.audio_format import encode_wav
 
-    params = {"thinker": SamplingParams(temperature=0, max_tokens=args.thinker_tokens, min_tokens=args.thinker_tokens),
-              "talker": SamplingParams(temperature=0, max_tokens=args.talker_tokens, repetition_penalty=1.0)}
-    messages = [{"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768, RATE)}]}]
-    t0 = time.perf_counter()
-    prompt = await asyncio.get_running_loop().run_in_executor(RENDER_POOL, omni.render_prompt, messages)
-    async with contextlib.aclosing(omni.generate(prompt, ("text", "audio"), params)) as stream:  # closing aborts
-        async for d in stream:
-            if d.audio is not None and d.audio.numel():
-                return time.perf_counter() - t0
-    raise RuntimeError("no output")
+    await asyncio.sleep(delay)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(encode_wav(clip, RATE)).decode(),
+                                                   "format": "wav"}}
+    return await first_http_audio(url, chat_body(model, args, [part]))
 
 
 async def typed_turn(url: str, model: str, args, text: str) -> float:
@@ -169,13 +155,21 @@ async def typed_turn(url: str, model: str, args, text: str) -> float:
         return latency
 
 
-async def http_turn(url: str, model: str, args, text: str) -> float:
-    import httpx
-
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "stream": True, "temperature": 0,
+def chat_body(model: str, args, content) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "stream": True, "temperature": 0,
             "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
             "max_tokens": args.thinker_tokens, "min_tokens": args.thinker_tokens,
             "talker": {"temperature": 0, "repetition_penalty": 1.0, "max_tokens": args.talker_tokens}}
+
+
+async def http_turn(url: str, model: str, args, text: str) -> float:
+    return await first_http_audio(url, chat_body(model, args, text))
+
+
+async def first_http_audio(url: str, body: dict) -> float:
+    """Streamed chat request -> its first audio chunk (closing the stream then aborts the request)."""
+    import httpx
+
     async with httpx.AsyncClient(timeout=600) as http:
         t0 = time.perf_counter()
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -190,26 +184,26 @@ def stats(xs: list[float]) -> str:
     return f"{statistics.median(xs):6.3f} {xs[min(len(xs) - 1, int(0.9 * len(xs)))]:6.3f}"
 
 
-async def bench(args, omni, url: str, model: str) -> None:
+async def bench(args, url: str, model: str) -> None:
     text = "tell me about the sea and the boat"
     # Warm-up of every path (the first audio features, the first speech) before anything is timed.
     top = max(args.sessions)
     warm = await asyncio.gather(*[spoken_turn(url, model, args, 90 + i, time.perf_counter() + 1.0) for i in range(top)])
-    await asyncio.gather(*[engine_turn(omni, clip, args, 0.0) for _, clip in warm])
+    await asyncio.gather(*[http_audio_turn(url, model, args, clip, 0.0) for _, clip in warm])
     await asyncio.gather(*[typed_turn(url, model, args, text) for _ in range(top)])
     await asyncio.gather(*[http_turn(url, model, args, text) for _ in range(top)])
     print(f"\nspoken turn, speech end -> first audio; seconds, median p90 over sessions x {args.rounds} rounds "
           "(the two sides alternate which goes first)")
-    print(f"{'N':>3} | {'realtime (VAD stop)':>19} | {'AsyncOmni.generate':>18} | ratio")
+    print(f"{'N':>3} | {'realtime (VAD stop)':>19} | {'HTTP input_audio':>18} | ratio")
     for n in args.sessions:
         rt, eng = [], []
         for r in range(args.rounds):
             # The clips the realtime side commits (same VAD, same audio) and when each user stops speaking.
             spans = [committed(turn_audio(100 * r + i)) for i in range(n)]
             first_end = min(end for _, end in spans)
-            engine_side = [engine_turn(omni, clip, args, (end - first_end) / 1000) for clip, end in spans]
+            http_side = [http_audio_turn(url, model, args, clip, (end - first_end) / 1000) for clip, end in spans]
             if r % 2:  # alternate which side goes first
-                eng += await asyncio.gather(*engine_side)
+                eng += await asyncio.gather(*http_side)
                 await asyncio.sleep(0.5)
             t_start = time.perf_counter() + 1.0  # after every session has connected
             results = await asyncio.gather(*[spoken_turn(url, model, args, 100 * r + i, t_start) for i in range(n)])
@@ -217,7 +211,7 @@ async def bench(args, omni, url: str, model: str) -> None:
             assert all(np.array_equal(clip, c) for (_, clip), (c, _) in zip(results, spans))
             await asyncio.sleep(0.5)
             if not r % 2:
-                eng += await asyncio.gather(*engine_side)
+                eng += await asyncio.gather(*http_side)
                 await asyncio.sleep(0.5)
         print(f"{n:>3} | {stats(rt):>19} | {stats(eng):>18} | {statistics.median(rt) / statistics.median(eng):5.2f}",
               flush=True)
@@ -266,7 +260,7 @@ def main() -> None:
           f"(first audio chunk: {dict(pipeline.stage('code2wav').bridge_args)})")
     try:
         with Server(create_app(omni, name, metrics, realtime_limits=RealtimeLimits(max_sessions=top))) as srv:
-            asyncio.run(bench(args, omni, srv.url, name))
+            asyncio.run(bench(args, srv.url, name))
     finally:
         omni.shutdown()
 

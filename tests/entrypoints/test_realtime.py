@@ -1,6 +1,6 @@
 """Realtime sessions on the real engine (AsyncOmni on the tiny checkpoint, uvicorn on 127.0.0.1) driven by
-the official openai SDK's realtime client: answers equal the HTTP chat completion / the engine's own answer
-for the same history (greedy), barge-in and a vanished client free every stage."""
+the official openai SDK's realtime client: answers (text and audio) equal the HTTP chat completion for the same
+history (greedy; spoken turns as input_audio), barge-in and a vanished client free every stage."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from realtime_client import client, of, text_of, until
 from server_thread import ServerThread
 from test_server import _idle
 
-from omnistage.core.sampling_params import SamplingParams
-from omnistage.entrypoints.audio_format import to_int16
+from omnistage.entrypoints.audio_format import encode_wav
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime.config import FunctionTool
 from omnistage.entrypoints.realtime.tools import call_text, response_text, system_text
@@ -55,22 +54,6 @@ def server(engine):
         yield srv
 
 
-def _params() -> dict[str, SamplingParams]:
-    return {"thinker": SamplingParams(temperature=0.0, max_tokens=N, min_tokens=N),
-            "talker": SamplingParams(temperature=0.0, max_tokens=FRAMES, repetition_penalty=1.0)}
-
-
-async def _engine_answer(omni, messages, modalities=("text",)) -> tuple[str, np.ndarray | None]:
-    """The engine's own greedy answer to these chat messages (text, int16 audio or None)."""
-    ids, audio = [], []
-    async for d in omni.generate(omni.render_prompt(messages), modalities, _params(), "ethan"):
-        ids += d.new_token_ids
-        if d.audio is not None:
-            audio.append(to_int16(d.audio))
-    text = omni.tokenizer.decode(ids, skip_special_tokens=True)
-    return text, (np.concatenate(audio) if audio else None)
-
-
 async def _wait_idle(omni) -> dict:
     deadline = time.monotonic() + 20
     stats = await omni.resource_stats()
@@ -79,6 +62,24 @@ async def _wait_idle(omni) -> dict:
         stats = await omni.resource_stats()
     assert _idle(stats), stats
     return stats
+
+
+async def _http_answer(url: str, messages: list[dict]) -> tuple[str, np.ndarray, dict]:
+    """The HTTP chat completion for the same history (greedy, same limits): text, int16 audio, usage."""
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": N, "min_tokens": N,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "talker": TALKER}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    ref = resp.json()
+    msg = ref["choices"][0]["message"]
+    return msg["content"], np.frombuffer(base64.b64decode(msg["audio"]["data"]), dtype="<i2"), ref["usage"]
+
+
+def _input_audio(clip: np.ndarray) -> dict:
+    """The clip as the HTTP API's input_audio part (a 24 kHz WAV)."""
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(encode_wav(clip, 24000)).decode(),
+                                                   "format": "wav"}}
 
 
 def _user(text: str) -> dict:
@@ -109,38 +110,30 @@ def test_text_turns_stream_text_and_audio_equal_to_http_chat(server):
             await conn.session.update(session={"type": "realtime", "instructions": "Be brief.", **GREEDY})
             await until(conn, "session.updated")
             history = [{"role": "system", "content": "Be brief."}]
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-                for prompt in ("Hi", "Tell me a short story about the sea."):
-                    await conn.conversation.item.create(item=_user(prompt))
-                    await conn.response.create()
-                    events = await until(conn, "response.done")
-                    done = _check_done(events, "incomplete")  # 8 tokens of a longer answer
-                    assert done.status_details.reason == "max_output_tokens"
-                    text = text_of(events)
-                    assert of(events, "response.output_audio_transcript.done")[0].transcript == text
-                    assert done.output[0].content[0].transcript == text
-                    assert done.usage.output_token_details.text_tokens == N
-                    assert done.usage.output_token_details.audio_tokens > 0
-                    history.append({"role": "user", "content": prompt})
-                    body = {"model": MODEL, "messages": history, "temperature": 0, "max_tokens": N, "min_tokens": N,
-                            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
-                            "talker": TALKER}
-                    ref = (await http.post("/v1/chat/completions", json=body)).json()
-                    msg = ref["choices"][0]["message"]
-                    assert text == msg["content"]
-                    assert done.usage.input_tokens == ref["usage"]["prompt_tokens"]
-                    _check_audio(_audio(events), np.frombuffer(base64.b64decode(msg["audio"]["data"]), dtype="<i2"))
-                    deltas = of(events, "response.output_audio.delta")
-                    assert max(pcm(e.delta).size for e in deltas) <= 12000  # at most 0.5 s per delta
-                    if done.usage.output_token_details.audio_tokens > 25:  # beyond the first chunk: streamed
-                        assert len(deltas) >= 2
-                    history.append({"role": "assistant", "content": text})
+            for prompt in ("Hi", "Tell me a short story about the sea."):
+                await conn.conversation.item.create(item=_user(prompt))
+                await conn.response.create()
+                events = await until(conn, "response.done")
+                done = _check_done(events, "incomplete")  # exactly N tokens: the length limit ends it
+                assert done.status_details.reason == "max_output_tokens"
+                text = text_of(events)
+                assert of(events, "response.output_audio_transcript.done")[0].transcript == text
+                assert done.output[0].content[0].transcript == text
+                assert done.usage.output_token_details.text_tokens == N
+                assert done.usage.output_token_details.audio_tokens > 0
+                deltas = of(events, "response.output_audio.delta")
+                assert max(pcm(e.delta).size for e in deltas) <= 12000  # at most 0.5 s per delta
+                history.append({"role": "user", "content": prompt})
+                want, want_audio, usage = await _http_answer(server.url, history)
+                assert text == want
+                assert done.usage.input_tokens == usage["prompt_tokens"]
+                _check_audio(_audio(events), want_audio)
+                history.append({"role": "assistant", "content": text})
 
     asyncio.run(scenario())
 
 
-def test_spoken_turn_with_server_vad_is_answered_as_the_engine_answers_that_audio(server, engine):
-    omni, _ = engine
+def test_spoken_turn_with_server_vad_is_answered_as_http_chat_answers_that_audio(server):
     sent = np.concatenate([silence(0.6), speech_like(1.2, seed=1), silence(0.9)])
 
     async def scenario():
@@ -155,9 +148,7 @@ def test_spoken_turn_with_server_vad_is_answered_as_the_engine_answers_that_audi
             assert 600 - 300 - 40 <= start.audio_start_ms <= 600 - 300 + 60
             assert of(events, "input_audio_buffer.committed")[0].item_id == start.item_id
             clip = sent[start.audio_start_ms * 24:stop.audio_end_ms * 24]
-            messages = [{"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768,
-                                                                                 24000)}]}]
-            want, want_audio = await _engine_answer(omni, messages, ("text", "audio"))
+            want, want_audio, _ = await _http_answer(server.url, [{"role": "user", "content": [_input_audio(clip)]}])
             assert text_of(events) == want and want
             done = _check_done(events, "incomplete")
             assert done.usage.input_token_details.audio_tokens > 0
@@ -206,9 +197,8 @@ def test_barge_in_cancels_everywhere_and_the_next_turn_starts_from_what_was_play
             assert stop.item_id == started.item_id
             clip = np.concatenate(sent)[started.audio_start_ms * 24:stop.audio_end_ms * 24]
             messages = [{"role": "user", "content": "Tell me everything."}, {"role": "assistant", "content": played},
-                        {"role": "user", "content": [{"type": "audio", "audio": (clip.astype(np.float32) / 32768,
-                                                                                 24000)}]}]
-            want, want_audio = await _engine_answer(omni, messages, ("text", "audio"))
+                        {"role": "user", "content": [_input_audio(clip)]}]
+            want, want_audio, _ = await _http_answer(server.url, messages)
             assert text_of(events) == want
             _check_audio(_audio(events), want_audio)
 
@@ -243,8 +233,7 @@ def test_a_client_that_vanishes_mid_response_frees_everything(server, engine):
     assert metric(re.escape(cancelled)) == before + 1
 
 
-def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server, engine):
-    omni, _ = engine
+def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server):
 
     async def scenario():
         async with client(server.url).realtime.connect(model=MODEL) as conn:
@@ -257,8 +246,9 @@ def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server, 
             system = system_text("", [FunctionTool("get_weather", WEATHER["description"],
                                                    json.dumps(WEATHER["parameters"]))])
             history = [{"role": "system", "content": system}, {"role": "user", "content": "Weather in Paris?"}]
-            want, _ = await _engine_answer(omni, history)
-            assert text_of(first) == want and _audio(first).size > 0  # no call: the held speech is released
+            want, want_audio, _ = await _http_answer(server.url, history)
+            assert text_of(first) == want  # no call: the held speech is released, as HTTP speaks it
+            _check_audio(_audio(first), want_audio)
             # A call the client adds (as if the model had made it) and its result: the next answer hears both.
             await conn.conversation.item.create(item={"type": "function_call", "call_id": "call_1",
                                                       "name": "get_weather", "arguments": '{"city": "Paris"}'})
@@ -269,7 +259,8 @@ def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server, 
             second = await until(conn, "response.done")
             history += [{"role": "assistant", "content": want + "\n" + call_text("get_weather", '{"city": "Paris"}')},
                         {"role": "user", "content": response_text('{"temp": 21}')}]
-            want2, _ = await _engine_answer(omni, history)
+            want2, want_audio2, _ = await _http_answer(server.url, history)
             assert text_of(second) == want2
+            _check_audio(_audio(second), want_audio2)
 
     asyncio.run(scenario())
