@@ -18,7 +18,9 @@ token per codec frame, so the audio of the first ``n`` frames covers the ``n`` t
 Cancellation (``response.cancel``, barge-in, the client leaving) closes the engine stream, which aborts the
 request in every stage. The answer then keeps what was played: the audio sent, capped by the wall time since
 its first chunk (a client plays in real time), converted to codec frames and so to the text tokens the Talker
-had read; ``conversation.item.truncate`` can cut it further to what the client reports it played.
+had read (speech lags the text it is given, so this may hold a few words not yet voiced; a family that does
+not declare ``samples_per_frame`` keeps the text sent so far); ``conversation.item.truncate`` cuts it to what
+the client reports it played.
 """
 
 from __future__ import annotations
