@@ -12,9 +12,11 @@ stage can live in another process.
 from __future__ import annotations
 
 import dataclasses
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
@@ -208,3 +210,37 @@ class ModelFamily(ABC):
         ``params`` by stage name. Raises ValueError for a request these stages cannot serve."""
 
 
+class HFChatFamily(ModelFamily):
+    """The request side shared by families whose checkpoint is a Hugging Face directory: its tokenizer,
+    its EOS ids (generation_config.json, else the tokenizer's), and chat-template rendering."""
+
+    roles: ClassVar[tuple[str, ...]] = ("system", "user", "assistant")
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        path = self.model_dir / "generation_config.json"
+        if path.is_file():
+            eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"{self.model_dir}: no eos_token_id in generation_config.json or the tokenizer")
+        return (int(self.tokenizer.eos_token_id),)
+
+    def check_roles(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        for m in messages:
+            if m.get("role") not in self.roles:
+                raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(self.roles)}")
+
+    def chat_template_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Text-only messages rendered with the checkpoint's chat template, assistant header appended."""
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)

@@ -6,7 +6,6 @@ import pytest
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig, StageConfig
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.core.scheduler_config import DEFAULT_KV_CACHE_BYTES, SchedulerConfig
-from omnistage.models.qwen3_omni.bridges import TALKER2CODE2WAV_REFERENCE_ARGS
 from omnistage.models.qwen3_omni.family import Qwen3OmniFamily
 from omnistage.models.registry import available_presets, load_pipeline_config
 
@@ -48,11 +47,7 @@ def test_preset_loads_with_documented_values():
     assert (talker.sampling.temperature, talker.sampling.top_k, talker.sampling.top_p) == (0.9, 50, 1.0)
     assert talker.sampling.repetition_penalty == 1.05 and talker.sampling.max_tokens == 4096
     assert c2w.execution is ExecutionType.GENERATION and c2w.final_output == "audio"
-    assert dict(c2w.bridge_args) == {
-        "first_chunk_frames": 25,
-        "chunk_frames": 300,
-        "left_context_frames": 25,
-    }
+    assert dict(c2w.bridge_args) == {"first_chunk_frames": 4, "chunk_frames": 25}
     assert [s.name for s in p.final_stages] == ["thinker", "code2wav"]
     assert p.downstream("thinker") == ("talker",) and p.downstream("code2wav") == ()
     with pytest.raises(TypeError):
@@ -67,7 +62,7 @@ def test_overrides_merge_nested_and_keep_siblings():
             "runner": "v2",  # the seed's name for the CUDA-graph runner
             "stages": {
                 "talker": {"sampling": {"temperature": 0.0}, "runner": "v1"},
-                "code2wav": {"processor_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)},  # older key name
+                "code2wav": {"processor_args": {"first_chunk_frames": 300}},  # older key name
             },
         },
     )
@@ -188,7 +183,7 @@ def test_bad_sampling_value():
         ({"first_chunk_frames": -1}, "first_chunk_frames"),
         ({"chunk_frames": 2.5}, "chunk_frames"),
         ({"chunk_frames": True}, "chunk_frames"),
-        ({"chunk_frames": 25, "left_context_frames": 25}, "left_context_frames"),
+        ({"left_context_frames": 25}, "left_context_frames"),  # gone: the stream carries its own context
         ({"chunk_size": 300}, "chunk_size"),
     ],
 )
@@ -203,11 +198,7 @@ def test_bridge_args_defaults_and_no_args_bridge():
     raw = raw_pipeline()
     raw["stages"][2]["bridge_args"] = {"chunk_frames": 50}
     p = Qwen3OmniFamily.validate_pipeline(PipelineConfig.from_dict(raw))
-    assert dict(p.stage("code2wav").bridge_args) == {
-        "first_chunk_frames": 25,
-        "chunk_frames": 50,
-        "left_context_frames": 25,
-    }
+    assert dict(p.stage("code2wav").bridge_args) == {"first_chunk_frames": 4, "chunk_frames": 50}
     raw["stages"][1]["bridge_args"] = {"x": 1}
     assert (_family_err(raw).stage, _family_err(raw).field) == ("talker", "bridge_args")
 

@@ -24,7 +24,6 @@ from media_reference import (
 )
 
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.models.qwen3_omni.bridges import TALKER2CODE2WAV_REFERENCE_ARGS
 from omnistage.models.qwen3_omni.mrope import PromptPositions, step_positions
 from omnistage.models.qwen3_omni.processor import thinker_media
 from omnistage.models.qwen3_omni.talker_inputs import TalkerTokenIds, talker_media_spans
@@ -122,7 +121,7 @@ def _reference(ckpt: str, name: str) -> Spoken:
 
 
 def _engine(ckpt: str, thinker_tokens_per_step: int | None = None, talker_tokens_per_step: int | None = None):
-    stages: dict = {"code2wav": {"bridge_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}
+    stages: dict = {}
     for stage, budget in (("thinker", thinker_tokens_per_step), ("talker", talker_tokens_per_step)):
         if budget:
             stages[stage] = {"scheduler": {"max_num_batched_tokens": budget, "max_num_seqs": min(budget, 4)}}
@@ -268,8 +267,7 @@ def test_chunked_prefill_in_both_stages_gives_identical_speech(ckpt, whole, chun
 
 def test_cuda_graph_runner_decodes_spoken_media_answers_at_the_talker_rope_delta(ckpt, whole):
     """Decode steps on the static (graph) path carry float positions index + delta in the Talker too."""
-    stages = {"code2wav": {"bridge_args": dict(TALKER2CODE2WAV_REFERENCE_ARGS)}}
-    config = load_pipeline_config("qwen3_omni", {"runner": "cuda_graph", "stages": stages})
+    config = load_pipeline_config("qwen3_omni", {"runner": "cuda_graph"})
     engine = OmniEngine(EngineArgs(ckpt), config)
     got = _run(engine, ["video+audio, image", "text"], ())
     for name in got:

@@ -14,8 +14,7 @@ PARAMS = {
     "thinker": SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8),
     "talker": SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.0),
 }
-CHUNKS = {"stages": {"code2wav": {"bridge_args": {"first_chunk_frames": 4, "chunk_frames": 8,
-                                                      "left_context_frames": 2}}}}
+CHUNKS = {"stages": {"code2wav": {"bridge_args": {"first_chunk_frames": 4, "chunk_frames": 8}}}}
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,7 @@ PROMPTS = [
 
 
 def _code2wav_args(rng: random.Random) -> dict:
-    chunk = rng.randint(2, 8)
-    return {"first_chunk_frames": rng.randint(1, 6), "chunk_frames": chunk, "left_context_frames": rng.randint(1, chunk - 1)}
+    return {"first_chunk_frames": rng.randint(1, 6), "chunk_frames": rng.randint(1, 8)}
 
 
 def _token2wav_args(rng: random.Random) -> dict:

@@ -9,20 +9,16 @@ Talker's prompt length and voice, Token2Wav's voice and noise seed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from functools import cached_property
 from pathlib import Path
 from typing import Any
-
-from transformers import AutoTokenizer
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import (
     BridgeSpec,
     BuildContext,
-    ModelFamily,
+    HFChatFamily,
     PartSpec,
     PreparedPrompt,
     StageRequest,
@@ -50,23 +46,13 @@ from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
 from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
 from omnistage.models.registry import register_family
 
-ROLES = ("system", "user", "assistant")
 PREFERRED_VOICE = "chelsie"  # transformers' generate(speaker="Chelsie") default
 
 
-def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
-    path = model_dir / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"{model_dir}: no eos_token_id in generation_config.json or the tokenizer")
-    return (int(tokenizer.eos_token_id),)
 
 
 @register_family
-class Qwen25OmniFamily(ModelFamily):
+class Qwen25OmniFamily(HFChatFamily):
     name = "qwen2_5_omni"
     architectures = (ARCHITECTURE,)
     preset_file = "qwen2_5_omni.yaml"
@@ -116,14 +102,6 @@ class Qwen25OmniFamily(ModelFamily):
         raise ValueError(f"unknown bridge {name!r}")
 
     # ---- request side -------------------------------------------------------------------------------
-    @cached_property
-    def tokenizer(self) -> Any:
-        return AutoTokenizer.from_pretrained(self.model_dir)
-
-    @cached_property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return _eos_ids(self.model_dir, self.tokenizer)
-
     @property
     def vocab_size(self) -> int:
         return int(self.config.thinker_config.text_config.vocab_size)
@@ -138,17 +116,12 @@ class Qwen25OmniFamily(ModelFamily):
             raise ValueError(f"unknown prompt options {sorted(kwargs)}")
         if use_audio_in_video:
             raise ValueError("use_audio_in_video needs video input, which Qwen2.5-Omni here does not take")
+        self.check_roles(messages)
         for m in messages:
-            if m.get("role") not in ROLES:
-                raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(ROLES)}")
             if not isinstance(m.get("content"), str):
                 raise ValueError("Qwen2.5-Omni takes text content only here (a string per message); audio, image "
                                  "and video input are not supported")
-        ids = self.tokenizer.apply_chat_template(with_speech_system_prompt(messages), add_generation_prompt=True,
-                                                 tokenize=True)
-        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return PreparedPrompt(list(ids))
+        return PreparedPrompt(self.chat_template_ids(with_speech_system_prompt(messages)))
 
     def stage_requests(
         self,

@@ -9,11 +9,12 @@ the prefix stripped.
 
 Every part is causal: attention is causal with a sliding window, the convolutions pad only on the left and
 the transposed convolutions drop the trailing samples that would need a later frame. Hence a prefix of the
-frames determines a prefix of the waveform: right-padded batches and chunked decoding with left context are
-exact. The cost is that ``n`` frames give ``samples_for_frames(n) = n * samples_per_frame - k`` samples
-(k = 555 for the real model), and chunked decoding loses those ``k`` samples at every chunk end, exactly
-like the reference implementation. ``code2wav_stream`` decodes chunks without those losses: every module
-below takes an optional ``stream`` (one streaming call's carried state) and then runs on new frames only.
+frames determines a prefix of the waveform and right-padded batches are exact; ``n`` frames give
+``samples_for_frames(n) = n * samples_per_frame - k`` samples (k = 555 for the real model). transformers'
+``chunked_decode`` (300-frame chunks, 25 of recomputed context) loses those ``k`` samples at every chunk end
+and deviates near each boundary; ``code2wav_stream`` decodes chunks of any size with no recomputation and no
+loss: every module below takes an optional ``stream`` (one streaming call's carried state) and then runs on
+new frames only.
 """
 
 from __future__ import annotations
@@ -504,68 +505,3 @@ class Code2Wav(nn.Module):
         wave = wave[:, : int(wave_lengths.max())]
         in_range = torch.arange(wave.shape[-1], device=wave.device)[None, :] < wave_lengths[:, None]
         return wave * in_range, wave_lengths
-
-    def decode_with_context(
-        self, codes: torch.Tensor, lengths: torch.Tensor, left_context: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batched streaming decode: row b holds ``left_context[b]`` already-decoded frames, then new ones.
-
-        Returns only the new samples, left-aligned: wave [B, S_max] and lengths [B] =
-        samples_for_frames(lengths) - left_context * samples_per_frame.
-        """
-        self._check_codes_shape_only(codes)
-        lengths = lengths.to(device=codes.device, dtype=torch.long)
-        left_context = left_context.to(device=codes.device, dtype=torch.long)
-        if left_context.shape != lengths.shape:
-            raise ValueError(f"left_context must be shaped like lengths {tuple(lengths.shape)}")
-        if left_context.numel() and (left_context.min() < 0 or (left_context >= lengths).any()):
-            raise ValueError(
-                f"need 0 <= left_context < lengths (at least one new frame), got left_context="
-                f"{left_context.tolist()}, lengths={lengths.tolist()}"
-            )
-        wave, wave_lengths = self.decode(codes, lengths)
-        skip = left_context * self.samples_per_frame
-        new_lengths = wave_lengths - skip
-        width = int(new_lengths.max()) if new_lengths.numel() else 0
-        index = skip[:, None] + torch.arange(width, device=wave.device)[None, :]
-        inside = index < wave_lengths[:, None]
-        new_wave = wave.gather(1, index.clamp(max=max(wave.shape[-1] - 1, 0)))
-        return new_wave * inside, new_lengths
-
-    def decode_chunk(self, codes: torch.Tensor, left_context: int) -> torch.Tensor:
-        """One request: codes [Q, T] whose first ``left_context`` frames are context -> new samples [S]."""
-        if codes.dim() != 2:
-            raise ValueError(f"codes must be [Q, T], got {tuple(codes.shape)}")
-        lengths = torch.tensor([codes.shape[-1]], device=codes.device)
-        context = torch.tensor([left_context], device=codes.device)
-        wave, new_lengths = self.decode_with_context(codes[None], lengths, context)
-        return wave[0, : int(new_lengths[0])]
-
-    def chunked_decode(
-        self, codes: torch.Tensor, chunk_size: int = 300, left_context_size: int = 25
-    ) -> torch.Tensor:
-        """Reference chunked decoding of one request, codes [Q, T] -> wave [S].
-
-        Chunk k covers frames [k*chunk_size, (k+1)*chunk_size) with up to ``left_context_size`` frames of
-        context in front; the context's samples are dropped. All chunks run as one batched call.
-        """
-        if codes.dim() != 2:
-            raise ValueError(f"codes must be [Q, T], got {tuple(codes.shape)}")
-        if chunk_size < 1 or left_context_size < 0:
-            raise ValueError(
-                f"need chunk_size >= 1 and left_context_size >= 0, got {chunk_size}, {left_context_size}"
-            )
-        total = codes.shape[-1]
-        if total == 0:
-            return codes.new_zeros((0,), dtype=self.code_embedding.weight.dtype)
-        starts = list(range(0, total, chunk_size))
-        contexts = [min(left_context_size, s) for s in starts]
-        ends = [min(s + chunk_size, total) for s in starts]
-        width = max(e - s + c for s, e, c in zip(starts, ends, contexts))
-        batch = codes.new_zeros((len(starts), codes.shape[0], width))
-        for row, (s, e, c) in enumerate(zip(starts, ends, contexts)):
-            batch[row, :, : e - s + c] = codes[:, s - c : e]
-        lengths = torch.tensor([e - s + c for s, e, c in zip(starts, ends, contexts)], device=codes.device)
-        context = torch.tensor(contexts, device=codes.device)
-        wave, new_lengths = self.decode_with_context(batch, lengths, context)
-        return torch.cat([wave[row, :n] for row, n in enumerate(new_lengths.tolist())])

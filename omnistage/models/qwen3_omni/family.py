@@ -6,7 +6,6 @@ speaker ids and turns one user request into the per-stage requests.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -14,14 +13,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import (
     BridgeSpec,
     BuildContext,
-    ModelFamily,
+    HFChatFamily,
     PartSpec,
     PreparedPrompt,
     StageRequest,
@@ -46,19 +44,9 @@ from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.registry import register_family
 
-ROLES = ("system", "user", "assistant")
 PREFERRED_VOICE = "ethan"
 
 
-def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
-    path = model_dir / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return tuple(eos) if isinstance(eos, list) else (int(eos),)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"{model_dir}: no eos_token_id in generation_config.json or the tokenizer")
-    return (int(tokenizer.eos_token_id),)
 
 
 def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str) -> MediaEncoders:
@@ -82,7 +70,7 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
 
 
 @register_family
-class Qwen3OmniFamily(ModelFamily):
+class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
     architectures = ("Qwen3OmniMoeForConditionalGeneration",)
     preset_file = "qwen3_omni.yaml"
@@ -143,14 +131,6 @@ class Qwen3OmniFamily(ModelFamily):
         raise ValueError(f"unknown bridge {name!r}")
 
     # ---- request side -------------------------------------------------------------------------------
-    @cached_property
-    def tokenizer(self) -> Any:
-        return AutoTokenizer.from_pretrained(self.model_dir)
-
-    @cached_property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return _eos_ids(self.model_dir, self.tokenizer)
-
     @property
     def vocab_size(self) -> int:
         return int(self.config.thinker_config.text_config.vocab_size)
@@ -179,16 +159,12 @@ class Qwen3OmniFamily(ModelFamily):
         videos bring their audio track, interleaved by time)."""
         if kwargs:
             raise ValueError(f"unknown prompt options {sorted(kwargs)}")
+        self.check_roles(messages)
         for m in messages:
-            if m.get("role") not in ROLES:
-                raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(ROLES)}")
             if not isinstance(m.get("content"), (str, list, tuple)):
                 raise ValueError("message content must be a string or a list of content parts")
         if all(isinstance(m["content"], str) for m in messages):
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return PreparedPrompt(list(ids))
+            return PreparedPrompt(self.chat_template_ids(messages))
         if self.input_processor is None:
             raise ValueError(f"{self.model_dir} has no preprocessor_config.json: content parts are not supported")
         return self.input_processor(messages, use_audio_in_video=use_audio_in_video)

@@ -8,7 +8,7 @@
   decode rows = code-predictor frame embedding + text row) and its position (the Talker prompt's own 3-D ids
   for prefill rows of image/video prompts, ``index + delta`` after), runs the code predictor batched over
   every request that decodes this step, keeps the last hidden state for the next step, emits complete frames.
-- ``Code2WavStageModel``: one batched decode over chunks of different lengths.
+- ``Code2WavStageModel``: streaming decode of every request's new frames, batched, state per request.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from omnistage.attention.backend import AttentionMetadata
 from omnistage.core.request import Request
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, Code2WavStreamState
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders, item_span
 from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, step_positions
 from omnistage.models.qwen3_omni.processor import MediaItem, thinker_media
@@ -351,20 +352,22 @@ def _code_predictor_row(row: SamplingRow) -> SamplingRow:
 
 
 class Code2WavStageModel:
-    """Code2Wav as a generation stage model: one batched decode over chunks of different lengths (each
-    chunk carries its own left context, so the stage keeps no per-request state)."""
+    """Code2Wav as a generation stage model: each request's chunks of new frames are decoded by the streaming
+    decoder, batched across requests at different positions; the per-request decoder state lives in the
+    runner's record (created on the first chunk, freed with the request) and the stream equals one-shot
+    decoding of all frames."""
 
     def __init__(self, code2wav: Code2Wav) -> None:
         self.code2wav = code2wav
+        self.streamer = Code2WavStreamer(code2wav)
 
-    def forward_batch(self, payloads: list[Any], states: list[Mapping[str, Any]]):
-        width = max(p.codes.shape[1] for p in payloads)
-        q = payloads[0].codes.shape[0]
+    def forward_batch(self, payloads: list[torch.Tensor], states: list[Mapping[str, Any]]):
+        width = max(p.shape[1] for p in payloads)
         device = self.code2wav.code_embedding.weight.device
-        codes = torch.zeros(len(payloads), q, width, dtype=torch.long, device=device)
+        codes = torch.full((len(payloads), payloads[0].shape[0], width), -1, dtype=torch.long, device=device)
         for b, p in enumerate(payloads):
-            codes[b, :, : p.codes.shape[1]] = p.codes
-        lengths = torch.tensor([p.codes.shape[1] for p in payloads], device=device)
-        context = torch.tensor([p.left_context for p in payloads], device=device)
-        wave, wave_lengths = self.code2wav.decode_with_context(codes, lengths, context)
-        return {"audio": wave, "audio_lengths": wave_lengths}, [None] * len(payloads)
+            codes[b, :, : p.shape[1]] = p
+        out = self.streamer.decode(codes, [p.shape[1] for p in payloads], [s.get("stream") for s in states])
+        # The decoder's states are rows of one batch tensor: each request keeps its own copy.
+        updates = [{"stream": Code2WavStreamState(st.frames, st.buffer.clone())} for st in out.states]
+        return {"audio": out.wave, "audio_lengths": out.wave_lengths}, updates
