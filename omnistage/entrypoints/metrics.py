@@ -55,6 +55,16 @@ class ServerMetrics:
                                    buckets=_STEP_BUCKETS, registry=r)
         self.step_tokens = Counter("omnistage_stage_step_tokens", "Tokens (rows) processed by stage steps",
                                    ["stage"], registry=r)
+        # Realtime (WebSocket) sessions.
+        self.realtime_sessions = Gauge("omnistage_realtime_sessions", "Open realtime sessions", registry=r)
+        self.realtime_rejected = Counter("omnistage_realtime_sessions_rejected", "Realtime sessions refused at the "
+                                         "session limit", registry=r)
+        self.realtime_turns = Counter("omnistage_realtime_turns", "Realtime responses by final status", ["status"],
+                                      registry=r)
+        self.realtime_speech_to_audio = Histogram(
+            "omnistage_realtime_speech_end_to_first_audio_seconds",
+            "Time from the end of user speech (server VAD stop) to the first audio delta of the answer",
+            buckets=_LATENCY_BUCKETS, registry=r)
 
     # ---- engine hook (engine thread) ---------------------------------------------------------------
     def observe_step(self, events: Any) -> None:

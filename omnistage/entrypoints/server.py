@@ -175,6 +175,7 @@ from omnistage.entrypoints.protocol import (
     Usage,
     error_param,
 )
+from omnistage.entrypoints.realtime import RealtimeLimits, realtime_router
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError, QueueFullError
@@ -816,7 +817,8 @@ class _GuardedRoute(APIRoute):
 
 
 def create_app(omni: EngineClient, served_model_name: str | None = None,
-               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
+               realtime_limits: RealtimeLimits | None = None) -> FastAPI:
     """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
     listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
     name = served_model_name or omni.info.name
@@ -840,6 +842,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
+    app.include_router(realtime_router(omni, name, metrics, pool, realtime_limits))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)

@@ -191,6 +191,7 @@ class ModelFamily(ABC):
     input_modalities: tuple[str, ...] = ("text",)  # what prompts may hold (e.g. + "audio", "image", "video")
     sample_rate: int | None = None  # of the audio output, when the family speaks
     num_code_groups: int | None = None  # codec codes per frame, when the family emits codes
+    samples_per_frame: int | None = None  # output audio samples per codec frame, when the family speaks
 
     @abstractmethod
     def render_prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> PreparedPrompt:

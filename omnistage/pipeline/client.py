@@ -41,6 +41,7 @@ class ModelInfo:
     num_code_groups: int | None = None
     vocab_size: int | None = None  # width of the text stage's logits (token ids a request may name)
     input_modalities: tuple[str, ...] = ("text",)  # what prompts may hold: + "audio", "image", "video"
+    samples_per_frame: int | None = None  # audio samples per codec frame (the Talker reads one text token per frame)
 
 
 class EngineClient(Protocol):

@@ -115,6 +115,7 @@ class OmniEngine:
             default_voice=self.family.default_voice,
             sample_rate=self.family.sample_rate,
             num_code_groups=self.family.num_code_groups,
+            samples_per_frame=self.family.samples_per_frame,
             vocab_size=self.family.vocab_size,
             input_modalities=tuple(self.family.input_modalities),
         )

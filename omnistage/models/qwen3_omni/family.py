@@ -93,7 +93,8 @@ class Qwen3OmniFamily(HFChatFamily):
         self.voices = tuple(self.speakers)
         if self.speakers:
             self.default_voice = PREFERRED_VOICE if PREFERRED_VOICE in self.speakers else self.voices[0]
-        self.sample_rate = Code2WavConfig.from_hf(self.config.code2wav_config).sample_rate
+        code2wav = Code2WavConfig.from_hf(self.config.code2wav_config)
+        self.sample_rate, self.samples_per_frame = code2wav.sample_rate, code2wav.samples_per_frame
         self.num_code_groups = int(talker.num_code_groups)
 
     # ---- stage side ---------------------------------------------------------------------------------

@@ -1,0 +1,324 @@
+"""A session's configuration (what ``session.update`` sets) and the server's limits for realtime sessions.
+
+``session.update`` is applied field by field onto the current ``SessionConfig`` (absent fields keep their
+value; ``turn_detection: null`` switches server VAD off), validated as a whole before anything changes, and
+the full effective configuration is returned in ``session.updated`` (``SessionConfig.to_api``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage.core.validation import check_positive_int
+from omnistage.entrypoints.realtime.events import (
+    MAX_TOKENS_INF,
+    AudioFormat,
+    FunctionToolParams,
+    RealtimeError,
+    ResponseParams,
+    SamplingParamsExt,
+    SessionParams,
+    TurnDetectionParams,
+)
+from omnistage.pipeline.client import ModelInfo
+
+AUDIO_RATE = 24000  # pcm16 in and out, as the API requires
+TRUNCATION_MODES = ("auto", "disabled")
+THINKER_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "min_tokens", "ignore_eos")
+TALKER_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens")
+MAX_TOOLS = 128
+MAX_TOOL_JSON_CHARS = 64_000  # all tool definitions together, as JSON
+
+
+@dataclass(frozen=True)
+class RealtimeLimits:
+    """What one server allows realtime sessions. Audio limits are in seconds of 24 kHz pcm16."""
+
+    max_sessions: int = 16
+    max_buffered_audio_s: int = 60  # input audio buffer (one uncommitted turn)
+    max_history_items: int = 200  # older items are dropped from the conversation
+    max_history_audio_s: int = 120  # user audio kept in the conversation (re-heard every turn: ~13 tokens/s)
+    max_event_bytes: int = 8 << 20  # one client event (an audio append of ~2.9 min of base64 pcm16)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check_positive_int(getattr(self, f.name), f.name)
+
+
+@dataclass(frozen=True)
+class TurnDetection:
+    """Server VAD settings (the API's ``server_vad`` fields). ``threshold`` in [0, 1] picks the WebRTC VAD's
+    aggressiveness: [0, .25) -> 0, [.25, .5) -> 1, [.5, .75) -> 2, [.75, 1] -> 3 (higher = needs clearer
+    speech)."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        if self.prefix_padding_ms < 0 or self.silence_duration_ms < 20:
+            raise ValueError("prefix_padding_ms must be >= 0 and silence_duration_ms >= 20")
+
+    @property
+    def aggressiveness(self) -> int:
+        return min(3, int(self.threshold * 4))
+
+    def to_api(self) -> dict[str, Any]:
+        return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
+                "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
+                "interrupt_response": self.interrupt_response, "idle_timeout_ms": None}
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    name: str
+    description: str = ""
+    parameters: str = "{}"  # JSON Schema as JSON text (frozen)
+
+    def to_api(self) -> dict[str, Any]:
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": json.loads(self.parameters)}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Extension: per-stage sampling overrides as (field, value) pairs."""
+
+    thinker: tuple[tuple[str, Any], ...] = ()
+    talker: tuple[tuple[str, Any], ...] = ()
+
+    def to_api(self) -> dict[str, Any] | None:
+        if not self.thinker and not self.talker:
+            return None
+        out: dict[str, Any] = dict(self.thinker)
+        if self.talker:
+            out["talker"] = dict(self.talker)
+        return out
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    instructions: str = ""
+    voice: str | None = None
+    output_modalities: tuple[str, ...] = ("audio",)
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: str = "auto"
+    max_output_tokens: int | None = None  # None: "inf" (the deployment's default for the Thinker)
+    truncation: str = "auto"
+    sampling: Sampling = field(default_factory=Sampling)
+
+    def __post_init__(self) -> None:
+        if self.output_modalities not in (("audio",), ("text",)):
+            raise ValueError(f"output_modalities must be ['audio'] or ['text'], got {list(self.output_modalities)}")
+        if self.tool_choice not in ("auto", "none"):
+            raise ValueError(f"tool_choice must be 'auto' or 'none', got {self.tool_choice!r}")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}")
+        if self.max_output_tokens is not None:
+            check_positive_int(self.max_output_tokens, "max_output_tokens")
+
+    @property
+    def wants_audio(self) -> bool:
+        return self.output_modalities == ("audio",)
+
+    @property
+    def active_tools(self) -> tuple[FunctionTool, ...]:
+        return self.tools if self.tool_choice == "auto" else ()
+
+    def to_api(self, session_id: str, model: str) -> dict[str, Any]:
+        fmt = {"type": "audio/pcm", "rate": AUDIO_RATE}
+        out = {
+            "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
+            "output_modalities": list(self.output_modalities), "instructions": self.instructions,
+            "audio": {
+                "input": {"format": fmt, "transcription": None, "noise_reduction": None,
+                          "turn_detection": self.turn_detection.to_api() if self.turn_detection else None},
+                "output": {"format": fmt, "voice": self.voice, "speed": 1.0},
+            },
+            "tools": [t.to_api() for t in self.tools], "tool_choice": self.tool_choice,
+            "max_output_tokens": self.max_output_tokens or MAX_TOKENS_INF, "truncation": self.truncation,
+            "tracing": None, "prompt": None, "include": None, "expires_at": 0,
+        }
+        sampling = self.sampling.to_api()
+        if sampling is not None:
+            out["sampling"] = sampling
+        return out
+
+
+# ---- applying updates -------------------------------------------------------------------------------
+def _unsupported(param: str, message: str) -> RealtimeError:
+    return RealtimeError(message, code="unsupported_parameter", param=param)
+
+
+def check_format(fmt: AudioFormat | None, param: str) -> None:
+    if fmt is None:
+        return
+    if fmt.type != "audio/pcm":
+        raise _unsupported(f"{param}.type", f"audio format {fmt.type!r} is not supported; only 'audio/pcm' "
+                                            f"(pcm16, {AUDIO_RATE} Hz, mono, little-endian)")
+    if fmt.rate not in (None, AUDIO_RATE):
+        raise _unsupported(f"{param}.rate", f"audio/pcm is {AUDIO_RATE} Hz; got rate {fmt.rate}")
+
+
+def modalities(value: list[str], info: ModelInfo, param: str) -> tuple[str, ...]:
+    mods = tuple(dict.fromkeys(value))
+    if mods not in (("audio",), ("text",)):
+        raise RealtimeError(f"output_modalities must be ['audio'] or ['text'] (audio comes with its transcript), "
+                            f"got {value}", param=param)
+    if mods == ("audio",) and "audio" not in info.output_modalities:
+        raise RealtimeError("this server has no audio stages; use output_modalities ['text']", param=param,
+                            code="unsupported_parameter")
+    return mods
+
+
+def voice(name: str | None, info: ModelInfo, param: str) -> str | None:
+    if name is None:
+        return None
+    if name.lower() not in info.voices:
+        raise RealtimeError(f"unknown voice {name!r}; available: {sorted(info.voices)}", param=param,
+                            code="invalid_voice")
+    return name.lower()
+
+
+def tools(value: list[FunctionToolParams], param: str) -> tuple[FunctionTool, ...]:
+    if len(value) > MAX_TOOLS:
+        raise RealtimeError(f"at most {MAX_TOOLS} tools are allowed, got {len(value)}", param=param)
+    out, names = [], set()
+    for i, t in enumerate(value):
+        if t.type != "function":
+            raise _unsupported(f"{param}.{i}.type", f"tool type {t.type!r} is not supported; only 'function'")
+        if not t.name:
+            raise RealtimeError("a function tool needs a name", param=f"{param}.{i}.name")
+        if t.name in names:
+            raise RealtimeError(f"tool name {t.name!r} is defined twice", param=f"{param}.{i}.name")
+        names.add(t.name)
+        out.append(FunctionTool(t.name, t.description or "", json.dumps(t.parameters or {}, ensure_ascii=False)))
+    if sum(len(t.parameters) + len(t.description) + len(t.name) for t in out) > MAX_TOOL_JSON_CHARS:
+        raise RealtimeError(f"tool definitions hold more than {MAX_TOOL_JSON_CHARS} characters", param=param)
+    return tuple(out)
+
+
+def tool_choice(value: str | dict[str, Any], param: str) -> str:
+    if value in ("auto", "none"):
+        return str(value)
+    raise _unsupported(param, f"tool_choice {value!r} is not supported; 'auto' or 'none' (the model decides; "
+                              "it cannot be forced to call a tool)")
+
+
+def max_tokens(value: int | str, param: str) -> int | None:
+    if value == MAX_TOKENS_INF:
+        return None
+    if not 1 <= int(value) <= 4096:
+        raise RealtimeError(f"max_output_tokens must be in [1, 4096] or 'inf', got {value}", param=param)
+    return int(value)
+
+
+def sampling(value: SamplingParamsExt, param: str) -> Sampling:
+    if value.max_tokens is not None:
+        raise RealtimeError("the Thinker's limit is max_output_tokens", param=f"{param}.max_tokens")
+    thinker = tuple((k, getattr(value, k)) for k in THINKER_FIELDS if getattr(value, k) is not None)
+    talker = ()
+    if value.talker is not None:
+        talker = tuple((k, getattr(value.talker, k)) for k in TALKER_FIELDS if getattr(value.talker, k) is not None)
+    return Sampling(thinker, talker)
+
+
+def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | None, param: str) -> TurnDetection | None:
+    if td is None:
+        return None
+    if td.type != "server_vad":
+        raise _unsupported(f"{param}.type", f"turn_detection {td.type!r} is not supported; 'server_vad' or null")
+    if td.idle_timeout_ms is not None:
+        raise _unsupported(f"{param}.idle_timeout_ms", "idle_timeout_ms is not supported")
+    base = current or TurnDetection()
+    fields = {k: getattr(td, k) for k in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                                          "interrupt_response") if getattr(td, k) is not None}
+    return dataclasses.replace(base, **fields)
+
+
+def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str) -> SessionConfig:
+    """The configuration after ``session.update``; raises RealtimeError (and changes nothing) if any field
+    is invalid or unsupported."""
+    p = "session"
+    if s.type not in (None, "realtime"):
+        raise _unsupported(f"{p}.type", f"session type {s.type!r} is not supported; only 'realtime'")
+    if s.model not in (None, model):
+        raise RealtimeError(f"this server serves {model!r}, not {s.model!r}", param=f"{p}.model",
+                            code="model_not_found")
+    for name in ("prompt", "tracing", "include", "reasoning"):
+        if getattr(s, name) not in (None, []):
+            raise _unsupported(f"{p}.{name}", f"{name} is not supported")
+    new = _shared(s, info, p)
+    if s.audio is not None:
+        a = s.audio
+        if a.input is not None:
+            check_format(a.input.format, f"{p}.audio.input.format")
+            if a.input.transcription is not None:
+                raise _unsupported(f"{p}.audio.input.transcription", "input transcription is not supported")
+            if a.input.noise_reduction is not None:
+                raise _unsupported(f"{p}.audio.input.noise_reduction", "noise reduction is not supported")
+            if "turn_detection" in a.input.model_fields_set:
+                new["turn_detection"] = _turn_detection(a.input.turn_detection, config.turn_detection,
+                                                        f"{p}.audio.input.turn_detection")
+        if a.output is not None:
+            check_format(a.output.format, f"{p}.audio.output.format")
+            if a.output.speed not in (None, 1.0):
+                raise _unsupported(f"{p}.audio.output.speed", "speed is not supported (only 1.0)")
+            if a.output.voice is not None:
+                new["voice"] = voice(a.output.voice, info, f"{p}.audio.output.voice")
+    if s.truncation is not None:
+        if s.truncation not in TRUNCATION_MODES:
+            raise _unsupported(f"{p}.truncation", f"truncation must be one of {TRUNCATION_MODES}")
+        new["truncation"] = s.truncation
+    return dataclasses.replace(config, **new)
+
+
+def _shared(r: SessionParams | ResponseParams, info: ModelInfo, p: str) -> dict[str, Any]:
+    """The fields ``session.update`` and ``response.create`` have in common, validated."""
+    new: dict[str, Any] = {}
+    if r.instructions is not None:
+        new["instructions"] = r.instructions
+    if r.output_modalities is not None:
+        new["output_modalities"] = modalities(r.output_modalities, info, f"{p}.output_modalities")
+    if r.max_output_tokens is not None:
+        new["max_output_tokens"] = max_tokens(r.max_output_tokens, f"{p}.max_output_tokens")
+    if r.tools is not None:
+        new["tools"] = tools(r.tools, f"{p}.tools")
+    if r.tool_choice is not None:
+        new["tool_choice"] = tool_choice(r.tool_choice, f"{p}.tool_choice")
+    if r.sampling is not None:
+        new["sampling"] = sampling(r.sampling, f"{p}.sampling")
+    return new
+
+
+@dataclass(frozen=True)
+class ResponseSettings:
+    """What one response uses: the session's configuration with ``response.create``'s overrides."""
+
+    config: SessionConfig
+    metadata: dict[str, str] | None = None
+
+
+def response_settings(config: SessionConfig, r: ResponseParams | None, info: ModelInfo) -> ResponseSettings:
+    if r is None:
+        return ResponseSettings(config)
+    p = "response"
+    if r.conversation not in (None, "auto"):
+        raise _unsupported(f"{p}.conversation", "only responses in the session's conversation ('auto') are "
+                                                "supported")
+    if r.input is not None:
+        raise _unsupported(f"{p}.input", "response input items are not supported; add items to the conversation")
+    new = _shared(r, info, p)
+    if r.audio is not None and r.audio.output is not None:
+        check_format(r.audio.output.format, f"{p}.audio.output.format")
+        if r.audio.output.voice is not None:
+            new["voice"] = voice(r.audio.output.voice, info, f"{p}.audio.output.voice")
+    return ResponseSettings(dataclasses.replace(config, **new), r.metadata)

@@ -1,0 +1,172 @@
+"""The conversation of one session: its items, as the API shows them and as chat messages for the model.
+
+History the model sees each turn (rendered with the family's chat template through ``render_prompt``):
+- user messages with their text and their audio (the model hears earlier user audio again: it has no
+  transcript of it, and hearing it is what the model was trained on);
+- assistant messages as their text (the transcript of what was spoken; after an interruption only the part
+  that was played);
+- function calls written back into the assistant turn and their outputs into a user turn, in Qwen's format
+  (``tools``).
+The history is bounded: beyond ``max_history_items`` items, or ``max_history_audio_s`` seconds of user audio,
+the oldest items are dropped; a prompt longer than the context drops the oldest items too (``truncation:
+"auto"``), one at a time, until it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omnistage.entrypoints.realtime.config import AUDIO_RATE, FunctionTool
+from omnistage.entrypoints.realtime.events import RealtimeError, new_id
+from omnistage.entrypoints.realtime.tools import call_text, response_text, system_text
+
+
+@dataclass(eq=False)  # items are compared by identity (they hold arrays)
+class Item:
+    id: str
+
+    def to_api(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class UserMessage(Item):
+    parts: list[tuple[str, Any]] = field(default_factory=list)  # ("text", str) | ("audio", int16 24 kHz)
+    role: str = "user"  # user | system
+
+    @property
+    def audio_samples(self) -> int:
+        return sum(v.shape[0] for k, v in self.parts if k == "audio")
+
+    def to_api(self) -> dict[str, Any]:
+        content = [{"type": "input_text", "text": v} if k == "text" else
+                   {"type": "input_audio", "audio": None, "transcript": None} for k, v in self.parts]
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": "completed", "content": content}
+
+    def message(self) -> dict[str, Any]:
+        if all(k == "text" for k, _ in self.parts):
+            return {"role": self.role, "content": "".join(v for _, v in self.parts)}
+        content = [{"type": "text", "text": v} if k == "text" else
+                   {"type": "audio", "audio": (v.astype(np.float32) / 32768.0, AUDIO_RATE)} for k, v in self.parts]
+        return {"role": self.role, "content": content}
+
+
+@dataclass(eq=False)
+class AssistantMessage(Item):
+    text: str = ""
+    audio: bool = False  # the content is output_audio (its transcript) rather than output_text
+    status: str = "in_progress"
+    token_ids: list[int] = field(default_factory=list)  # the answer's tokens (for truncation to played audio)
+    sent_samples: int = 0  # audio sent to the client
+
+    def content(self) -> list[dict[str, Any]]:
+        if self.audio:
+            return [{"type": "output_audio", "transcript": self.text}]
+        return [{"type": "output_text", "text": self.text}]
+
+    def to_api(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": self.status, "content": self.content() if self.text or self.status != "in_progress" else []}
+
+
+@dataclass(eq=False)
+class FunctionCall(Item):
+    call_id: str = ""
+    name: str = ""
+    arguments: str = "{}"
+    status: str = "completed"
+
+    def to_api(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "function_call", "status": self.status,
+                "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(eq=False)
+class FunctionCallOutput(Item):
+    call_id: str = ""
+    output: str = ""
+
+    def to_api(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "function_call_output", "status": "completed",
+                "call_id": self.call_id, "output": self.output}
+
+
+class Conversation:
+    def __init__(self, max_items: int, max_audio_samples: int) -> None:
+        self.items: list[Item] = []
+        self.max_items, self.max_audio_samples = max_items, max_audio_samples
+
+    def find(self, item_id: str) -> Item | None:
+        return next((it for it in self.items if it.id == item_id), None)
+
+    def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
+        """Insert ``item`` (after ``previous_item_id``: an item id or "root"; default: at the end); returns the
+        id of the item before it. Then drop the oldest items beyond the history bounds."""
+        if self.find(item.id) is not None:
+            raise RealtimeError(f"an item with id {item.id!r} already exists", param="item.id")
+        if previous_item_id is None:
+            pos = len(self.items)
+        elif previous_item_id == "root":
+            pos = 0
+        else:
+            prev = self.find(previous_item_id)
+            if prev is None:
+                raise RealtimeError(f"no item with id {previous_item_id!r}", param="previous_item_id",
+                                    code="item_not_found")
+            pos = self.items.index(prev) + 1
+        prev = self.items[pos - 1].id if pos > 0 else None
+        self.items.insert(pos, item)
+        self._bound()
+        return prev
+
+    def delete(self, item_id: str) -> None:
+        item = self.find(item_id)
+        if item is None:
+            raise RealtimeError(f"no item with id {item_id!r}", param="item_id", code="item_not_found")
+        self.items.remove(item)
+
+    def _bound(self) -> None:
+        def audio() -> int:
+            return sum(it.audio_samples for it in self.items if isinstance(it, UserMessage))
+
+        while len(self.items) > self.max_items or (len(self.items) > 1 and audio() > self.max_audio_samples):
+            self.items.pop(0)
+
+    def messages(self, instructions: str, tools: Sequence[FunctionTool], skip: int = 0) -> list[dict[str, Any]]:
+        """Chat messages for the model from the items after the first ``skip`` (dropped by truncation).
+        Function calls join the assistant turn before them and consecutive function outputs form one user
+        turn, as Qwen's chat template renders an assistant message with ``tool_calls`` and ``tool`` messages."""
+        out: list[dict[str, Any]] = []
+        system = system_text(instructions, tools)
+        if system:
+            out.append({"role": "system", "content": system})
+        for item in self.items[skip:]:
+            if isinstance(item, UserMessage):
+                out.append(item.message())
+            elif isinstance(item, AssistantMessage):
+                out.append({"role": "assistant", "content": item.text, "_turn": True})
+            elif isinstance(item, FunctionCall):
+                piece = call_text(item.name, item.arguments)
+                if out and out[-1].get("_turn"):  # calls join the assistant turn they came in
+                    out[-1]["content"] += ("\n" if out[-1]["content"] else "") + piece
+                else:
+                    out.append({"role": "assistant", "content": piece, "_turn": True})
+            elif isinstance(item, FunctionCallOutput):
+                piece = response_text(item.output)
+                if out and out[-1].get("_tool_results"):
+                    out[-1]["content"] += "\n" + piece
+                else:
+                    out.append({"role": "user", "content": piece, "_tool_results": True})
+        for m in out:
+            m.pop("_turn", None)
+            m.pop("_tool_results", None)
+        return out
+
+
+def new_item_id() -> str:
+    return new_id("item")

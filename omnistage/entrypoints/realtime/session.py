@@ -1,0 +1,394 @@
+"""One realtime session: its configuration, input audio buffer with server VAD, conversation, and the one
+response that may be running; handles each client event and sends the server events.
+
+Turn taking with server VAD: ``input_audio_buffer.speech_started`` when speech begins (and, with
+``interrupt_response``, the running response is cancelled: barge-in), ``speech_stopped`` after
+``silence_duration_ms`` of silence, then the speech is committed as a user audio item
+(``input_audio_buffer.committed``, ``conversation.item.created``) and, with ``create_response``, answered.
+Without turn detection the client commits (``input_audio_buffer.commit``) and asks (``response.create``).
+A function call's result comes back as a ``function_call_output`` item; the client then asks for the next
+response with ``response.create`` (as with OpenAI's server).
+
+Input audio is 24 kHz pcm16; the model hears it through its processor, which resamples to 16 kHz with soxr
+(the same path as any audio part of a chat message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omnistage.entrypoints.metrics import ServerMetrics
+from omnistage.entrypoints.realtime import config as cfg
+from omnistage.entrypoints.realtime.config import AUDIO_RATE, RealtimeLimits, SessionConfig
+from omnistage.entrypoints.realtime.conversation import (
+    AssistantMessage,
+    Conversation,
+    FunctionCall,
+    FunctionCallOutput,
+    Item,
+    UserMessage,
+    new_item_id,
+)
+from omnistage.entrypoints.realtime.events import (
+    AudioAppend,
+    ItemCreate,
+    ItemDelete,
+    ItemParams,
+    ItemTruncate,
+    RealtimeError,
+    ResponseCancel,
+    ResponseCreate,
+    SessionUpdate,
+    new_id,
+    parse_client_event,
+    server_event,
+)
+from omnistage.entrypoints.realtime.input_buffer import InputAudioBuffer, ms_to_samples
+from omnistage.entrypoints.realtime.response import ResponseRun, SessionClosed
+from omnistage.entrypoints.realtime.vad import SpeechDetector
+from omnistage.models.family import PreparedPrompt
+from omnistage.pipeline.client import EngineClient
+
+logger = logging.getLogger("omnistage.realtime")
+
+MIN_COMMIT_MS = 100  # OpenAI's minimum for a committed buffer
+IDLE_KEEP_MS = 500  # kept beyond the prefix padding while no speech is going on (the start is decided late)
+
+
+@dataclass
+class RealtimeContext:
+    """What every session of one server shares."""
+
+    omni: EngineClient
+    model: str
+    metrics: ServerMetrics
+    pool: Executor  # rendering prompts (tokenizer, audio features) runs here, off the event loop
+    limits: RealtimeLimits
+    open_sessions: int = 0
+
+
+class RealtimeSession:
+    def __init__(self, ctx: RealtimeContext, send: Callable[[str], Awaitable[None]]) -> None:
+        self.ctx = ctx
+        self._send = send
+        self._send_lock = asyncio.Lock()
+        self.closed = False
+        info = ctx.omni.info
+        self.id, self.conversation_id = new_id("sess"), new_id("conv")
+        audio = "audio" in info.output_modalities and bool(info.voices)
+        self.config = SessionConfig(voice=info.default_voice if audio else None,
+                                    output_modalities=("audio",) if audio else ("text",))
+        limits = ctx.limits
+        self.buffer = InputAudioBuffer(limits.max_buffered_audio_s * AUDIO_RATE)
+        self.detector = SpeechDetector(self.config.turn_detection)
+        self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE)
+        self.response: ResponseRun | None = None
+        self.speech: tuple[str, int] | None = None  # (item id, audio_start_ms) of the speech in progress
+        self.overflow_reported = False
+
+    # ---- sending ------------------------------------------------------------------------------------
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.closed:
+            raise SessionClosed()
+        text = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+        async with self._send_lock:
+            try:
+                await self._send(text)
+            except Exception as exc:  # the socket is gone (disconnect, close frame sent, transport error)
+                self.closed = True
+                raise SessionClosed() from exc
+
+    async def start(self) -> None:
+        await self.send(server_event("session.created", session=self.config.to_api(self.id, self.ctx.model)))
+
+    async def close(self) -> None:
+        """The client is gone: stop the response (aborting it in every stage) and drop the session's state."""
+        self.closed = True
+        if self.response is not None:
+            await self.response.cancel("client_gone")
+        self.buffer.clear()
+        self.conversation.items.clear()
+
+    # ---- dispatch -----------------------------------------------------------------------------------
+    async def handle(self, raw: str | bytes) -> None:
+        """One client event; every mistake becomes an ``error`` event and the session goes on."""
+        event_id = None
+        try:
+            kind, event, event_id = parse_client_event(raw)
+            await self._HANDLERS[kind](self, event)
+        except RealtimeError as err:
+            err.event_id = err.event_id or event_id
+            await self.send(err.event())
+        except SessionClosed:
+            raise
+        except Exception as exc:
+            logger.exception("realtime session %s: internal error", self.id)
+            await self.send(RealtimeError(f"internal error: {exc!r}", code="internal_error", type="server_error",
+                                          event_id=event_id).event())
+
+    async def _session_update(self, e: SessionUpdate) -> None:
+        new = cfg.apply_session_update(self.config, e.session, self.ctx.omni.info, self.ctx.model)
+        if new.turn_detection != self.config.turn_detection:
+            if new.turn_detection is not None:
+                self.detector.reconfigure(new.turn_detection)
+            if new.turn_detection is None or self.config.turn_detection is None:
+                self.detector.reset()
+                self.speech = None
+        self.config = new
+        await self.send(server_event("session.updated", session=new.to_api(self.id, self.ctx.model)))
+
+    # ---- input audio --------------------------------------------------------------------------------
+    async def _append(self, e: AudioAppend) -> None:
+        try:
+            data = base64.b64decode(e.audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise RealtimeError("audio is not valid base64", param="audio") from None
+        if len(data) % 2:
+            raise RealtimeError("audio must be pcm16 (an even number of bytes)", param="audio")
+        samples = np.frombuffer(data, dtype="<i2")
+        dropped = self.buffer.append(samples)
+        if dropped and not self.overflow_reported:
+            self.overflow_reported = True
+            await self.send(RealtimeError(
+                f"the input audio buffer holds at most {self.ctx.limits.max_buffered_audio_s} s; later audio of this "
+                "turn is dropped (commit or clear the buffer)", code="input_audio_buffer_full", param="audio").event())
+        td = self.config.turn_detection
+        if td is None:
+            return
+        for ev in self.detector.feed(samples):
+            if ev.kind == "started":
+                await self._speech_started(ev.ms)
+            else:
+                await self._speech_stopped(ev.ms)
+        if self.speech is None:
+            self.buffer.keep_last(ms_to_samples(td.prefix_padding_ms + IDLE_KEEP_MS))
+
+    async def _speech_started(self, ms: int) -> None:
+        item_id = new_item_id()
+        self.speech = (item_id, ms)
+        self.buffer.keep_last(self.buffer.end - ms_to_samples(ms))  # the turn starts here
+        await self.send(server_event("input_audio_buffer.speech_started", audio_start_ms=ms, item_id=item_id))
+        if self.response is not None and self.response.active and self.config.turn_detection.interrupt_response:
+            await self.response.cancel("turn_detected")  # barge-in
+
+    async def _speech_stopped(self, ms: int) -> None:
+        stopped_at = time.monotonic()
+        item_id, start_ms = self.speech or (new_item_id(), ms)
+        self.speech = None
+        await self.send(server_event("input_audio_buffer.speech_stopped", audio_end_ms=ms, item_id=item_id))
+        audio = self.buffer.take(ms_to_samples(start_ms), ms_to_samples(ms))
+        self.overflow_reported = False
+        if not audio.size:
+            return
+        await self._commit_audio(item_id, audio)
+        if self.config.turn_detection.create_response:
+            await self._create_response(cfg.response_settings(self.config, None, self.ctx.omni.info), stopped_at)
+
+    async def _commit(self, _: Any) -> None:
+        audio = self.buffer.take()
+        self.detector.reset()
+        item_id = self.speech[0] if self.speech else new_item_id()
+        self.speech = None
+        self.overflow_reported = False
+        if audio.shape[0] < ms_to_samples(MIN_COMMIT_MS):
+            raise RealtimeError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, got "
+                                f"{audio.shape[0] * 1000 // AUDIO_RATE} ms", code="input_audio_buffer_commit_empty")
+        await self._commit_audio(item_id, audio)
+
+    async def _commit_audio(self, item_id: str, audio: np.ndarray) -> None:
+        item = UserMessage(item_id, [("audio", audio)])
+        prev = await self.add_item(item, announce=False)
+        await self.send(server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=prev))
+        await self.send(server_event("conversation.item.created", item=item.to_api(), previous_item_id=prev))
+
+    async def _clear(self, _: Any) -> None:
+        self.buffer.clear()
+        self.detector.reset()
+        self.speech = None
+        self.overflow_reported = False
+        await self.send(server_event("input_audio_buffer.cleared"))
+
+    # ---- conversation -------------------------------------------------------------------------------
+    async def add_item(self, item: Item, previous_item_id: str | None = None, announce: bool = True) -> str | None:
+        """Add an item (announcing it with ``conversation.item.created``); returns the id before it."""
+        before = {it.id for it in self.conversation.items}
+        prev = self.conversation.add(item, previous_item_id)
+        if announce:
+            await self.send(server_event("conversation.item.created", item=item.to_api(), previous_item_id=prev))
+        for gone in before - {it.id for it in self.conversation.items}:  # dropped by the history bounds
+            await self.send(server_event("conversation.item.deleted", item_id=gone))
+        return prev
+
+    async def _item_create(self, e: ItemCreate) -> None:
+        item = _item(e.item)
+        await self.add_item(item, e.previous_item_id)
+
+    async def _item_truncate(self, e: ItemTruncate) -> None:
+        item = self.conversation.find(e.item_id)
+        if not isinstance(item, AssistantMessage) or not item.audio:
+            raise RealtimeError(f"no assistant audio item with id {e.item_id!r}", param="item_id", code="item_not_found")
+        if self.response is not None and self.response.active and item in self.response.output:
+            raise RealtimeError("the item's response is still running; cancel it first", param="item_id")
+        if e.content_index != 0:
+            raise RealtimeError("the item has one content part (index 0)", param="content_index")
+        sent_ms = item.sent_samples * 1000 // AUDIO_RATE
+        if e.audio_end_ms > sent_ms:
+            raise RealtimeError(f"audio_end_ms ({e.audio_end_ms}) is beyond the item's audio ({sent_ms} ms)",
+                                param="audio_end_ms")
+        spf = self.ctx.omni.info.samples_per_frame
+        if spf:
+            frames = ms_to_samples(e.audio_end_ms) // spf
+            item.text = self.ctx.omni.tokenizer.decode(item.token_ids[:frames], skip_special_tokens=True)
+        item.sent_samples = ms_to_samples(e.audio_end_ms)
+        await self.send(server_event("conversation.item.truncated", item_id=item.id, content_index=0,
+                                     audio_end_ms=e.audio_end_ms))
+
+    async def _item_delete(self, e: ItemDelete) -> None:
+        self.conversation.delete(e.item_id)
+        await self.send(server_event("conversation.item.deleted", item_id=e.item_id))
+
+    async def render_for(self, config: SessionConfig) -> PreparedPrompt:
+        """The prompt for a response: the conversation as chat messages, rendered in the pool. A prompt that
+        leaves no room for the answer drops its oldest items (``truncation: "auto"``) until it fits."""
+        info = self.ctx.omni.info
+        max_tokens = config.max_output_tokens or info.stage_sampling[info.text_stage].max_tokens
+        tools = config.active_tools
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.conversation.items:
+                raise RealtimeError("the conversation is empty: add an item or commit audio first",
+                                    code="conversation_empty")
+            messages = self.conversation.messages(config.instructions, tools)
+            prompt, error = await loop.run_in_executor(self.ctx.pool, _render, self.ctx.omni, messages)
+            too_long = error is not None and "at most" in str(error)
+            if error is None and len(prompt.token_ids) + max_tokens > info.max_model_len:
+                too_long = True
+            if not too_long:
+                if error is not None:
+                    raise RealtimeError(str(error), code="invalid_request")
+                return prompt
+            if config.truncation != "auto" or len(self.conversation.items) <= 1:
+                raise RealtimeError(f"the conversation does not fit this model's context of {info.max_model_len} "
+                                    f"tokens with {max_tokens} for the answer", code="context_length_exceeded")
+            gone = self.conversation.items.pop(0)
+            await self.send(server_event("conversation.item.deleted", item_id=gone.id))
+
+    def audio_prompt_tokens(self, prompt: PreparedPrompt | None) -> int:
+        pad = _audio_pad_id(self.ctx.omni.tokenizer)
+        if prompt is None or pad is None:
+            return 0
+        return sum(1 for t in prompt.token_ids if t == pad)
+
+    # ---- responses ----------------------------------------------------------------------------------
+    async def _response_create(self, e: ResponseCreate) -> None:
+        await self._create_response(cfg.response_settings(self.config, e.response, self.ctx.omni.info), None)
+
+    async def _create_response(self, settings: cfg.ResponseSettings, speech_end: float | None) -> None:
+        if self.response is not None and self.response.active:
+            raise RealtimeError(f"Conversation already has an active response in progress: {self.response.id}. "
+                                "Wait until the response is finished before creating a new one.",
+                                code="conversation_already_has_active_response")
+        if not self.conversation.items:
+            raise RealtimeError("the conversation is empty: add an item or commit audio first",
+                                code="conversation_empty")
+        self.response = ResponseRun(self, settings, speech_end)
+        self.response.start()
+
+    async def _response_cancel(self, e: ResponseCancel) -> None:
+        r = self.response
+        if r is None or not r.active or e.response_id not in (None, r.id):
+            raise RealtimeError("Cancellation failed: no active response found", code="response_cancel_not_active")
+        await r.cancel("client_cancelled")
+
+    _HANDLERS = {
+        "session.update": _session_update,
+        "input_audio_buffer.append": _append,
+        "input_audio_buffer.commit": _commit,
+        "input_audio_buffer.clear": _clear,
+        "conversation.item.create": _item_create,
+        "conversation.item.truncate": _item_truncate,
+        "conversation.item.delete": _item_delete,
+        "response.create": _response_create,
+        "response.cancel": _response_cancel,
+    }
+
+
+def _render(omni: EngineClient, messages: list[dict[str, Any]]) -> tuple[PreparedPrompt | None, Exception | None]:
+    try:
+        return omni.render_prompt(messages), None
+    except ValueError as exc:
+        return None, exc
+
+
+def _audio_pad_id(tokenizer: Any) -> int | None:
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if convert is None:
+        return None
+    pad = convert("<|audio_pad|>")
+    return pad if isinstance(pad, int) and pad != getattr(tokenizer, "unk_token_id", None) else None
+
+
+def _decode_audio(data: str | None, param: str) -> np.ndarray:
+    try:
+        raw = base64.b64decode(data or "", validate=True)
+    except (binascii.Error, ValueError):
+        raise RealtimeError("audio is not valid base64", param=param) from None
+    if len(raw) % 2 or len(raw) < 2 * ms_to_samples(MIN_COMMIT_MS):
+        raise RealtimeError(f"audio must be pcm16 (24 kHz) of at least {MIN_COMMIT_MS} ms", param=param)
+    return np.frombuffer(raw, dtype="<i2").copy()
+
+
+def _item(p: ItemParams) -> Item:
+    """A conversation item from ``conversation.item.create`` (validated)."""
+    item_id = p.id or new_item_id()
+    if p.type == "message":
+        if p.role not in ("user", "system", "assistant"):
+            raise RealtimeError(f"message role must be user, system or assistant, got {p.role!r}", param="item.role")
+        if not p.content:
+            raise RealtimeError("a message needs content", param="item.content")
+        allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+                   "assistant": ("output_text", "output_audio", "text")}[p.role]
+        parts: list[tuple[str, Any]] = []
+        for i, c in enumerate(p.content):
+            where = f"item.content.{i}"
+            if c.type not in allowed:
+                raise RealtimeError(f"content type {c.type!r} is not supported in a {p.role} message; supported: "
+                                    f"{list(allowed)}", param=f"{where}.type", code="unsupported_content")
+            if c.type == "input_audio":
+                parts.append(("audio", _decode_audio(c.audio, f"{where}.audio")))
+            elif c.type == "output_audio":
+                if c.transcript is None:
+                    raise RealtimeError("assistant audio is kept as its transcript: give 'transcript'",
+                                        param=f"{where}.transcript")
+                parts.append(("text", c.transcript))
+            else:
+                if c.text is None:
+                    raise RealtimeError(f"content of type {c.type!r} needs 'text'", param=f"{where}.text")
+                parts.append(("text", c.text))
+        if p.role == "assistant":
+            audio = any(c.type == "output_audio" for c in p.content)
+            return AssistantMessage(item_id, text="".join(v for _, v in parts), audio=audio, status="completed")
+        return UserMessage(item_id, parts, role=p.role)
+    if p.type == "function_call":
+        if not p.name:
+            raise RealtimeError("a function_call item needs a name", param="item.name")
+        return FunctionCall(item_id, call_id=p.call_id or new_id("call"), name=p.name, arguments=p.arguments or "{}")
+    if p.type == "function_call_output":
+        if not p.call_id:
+            raise RealtimeError("a function_call_output item needs the call_id it answers", param="item.call_id")
+        if p.output is None:
+            raise RealtimeError("a function_call_output item needs an output", param="item.output")
+        return FunctionCallOutput(item_id, call_id=p.call_id, output=p.output)
+    raise RealtimeError(f"item type {p.type!r} is not supported; message, function_call or function_call_output",
+                        param="item.type", code="unsupported_content")
