@@ -138,7 +138,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnistage.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from omnistage.core.sampling_params import SamplingParams
 from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -176,6 +176,7 @@ from omnistage.entrypoints.protocol import (
     error_param,
 )
 from omnistage.entrypoints.realtime import RealtimeLimits, realtime_router
+from omnistage.entrypoints.stage_sampling import SamplingFieldError, stage_params
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError, QueueFullError
@@ -455,35 +456,12 @@ class _Translator:
                                     f"(0 <= id < {self.vocab_size})", param=f"logit_bias.{tok}")
         return bias
 
-    def params(self, thinker: dict[str, Any], talker: StageSamplingParams | None, greedy: bool,
-               seed: int | None) -> dict[str, SamplingParams]:
-        base = self.info.stage_sampling  # by stage name
-        text = self.info.text_stage
-        thinker = {k: v for k, v in thinker.items() if v is not None}
-        _check_min_tokens(thinker, base[text], "min_tokens")
-        out: dict[str, SamplingParams] = {}
+    def params(self, thinker: dict[str, Any], talker: StageSamplingParams | None) -> dict[str, SamplingParams]:
+        overrides = {k: getattr(talker, k) for k in _STAGE_FIELDS} if talker is not None else {}
         try:
-            out[text] = base[text].replace(**thinker)
-            # Every other sampling stage (the Talker) follows the request's determinism: a greedy temperature
-            # makes it greedy too, seed seeds it; the `talker` extension object overrides it field by field.
-            for name, defaults in base.items():
-                if name == text:
-                    continue
-                t: dict[str, Any] = {}
-                if greedy:
-                    t["temperature"] = 0.0
-                if seed is not None:
-                    t["seed"] = seed
-                if talker is not None:
-                    t.update({k: getattr(talker, k) for k in _STAGE_FIELDS if getattr(talker, k) is not None})
-                if t.get("max_tokens", 0) > defaults.max_tokens:  # the deployment's cap (pipeline config)
-                    raise APIError(400, f"talker.max_tokens is {t['max_tokens']}; this server allows at most "
-                                        f"{defaults.max_tokens}", param="talker.max_tokens")
-                _check_min_tokens(t, defaults, "talker.min_tokens")
-                out[name] = defaults.replace(**t)
-        except ValueError as exc:
-            raise APIError(400, f"invalid sampling parameters: {exc}") from exc
-        return out
+            return stage_params(self.info, thinker, overrides)
+        except SamplingFieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
 
     def messages(self, messages: list[ChatMessage], budget: MediaBudget
                  ) -> tuple[list[dict[str, Any]], list[MediaBytes]]:
@@ -619,7 +597,7 @@ class _Translator:
                    "ignore_eos": req.ignore_eos or None}
         if stop_ids:
             thinker["stop_token_ids"] = tuple(sorted(stop_ids))
-        params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
+        params = self.params(thinker, req.talker)
         # Everything cheap has passed: now the media are decoded, then the prompt rendered.
         options = {}
         if media:
@@ -665,7 +643,7 @@ class _Translator:
         prompt = self.prompt([{"role": "user", "content": req.input}], "input")
         self.check_context(len(prompt.token_ids), req.max_tokens, "max_tokens")
         thinker = {"temperature": req.temperature, "seed": req.seed, "max_tokens": req.max_tokens}
-        params = self.params(thinker, req.talker, _greedy(req.temperature), req.seed)
+        params = self.params(thinker, req.talker)
         return req, _Job(prompt, ("text", "audio"), params, speaker), fmt
 
 
@@ -677,16 +655,6 @@ def _text_chars(content: str | list[Any]) -> int:
     if isinstance(content, str):
         return len(content)
     return sum(len(p["text"]) for p in content if isinstance(p, dict) and p.get("type") == "text")
-
-
-def _greedy(temperature: float | None) -> bool:
-    return temperature is not None and temperature < GREEDY_TEMPERATURE_EPS
-
-
-def _check_min_tokens(fields: dict[str, Any], base: SamplingParams, param: str) -> None:
-    low, high = fields.get("min_tokens"), fields.get("max_tokens", base.max_tokens)
-    if low is not None and low > high:
-        raise APIError(400, f"{param} ({low}) must not exceed the maximum number of tokens ({high})", param=param)
 
 
 # ---- one running request ---------------------------------------------------------------------------

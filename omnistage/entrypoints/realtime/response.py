@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omnistage.core.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+from omnistage.core.sampling_params import SamplingParams
 from omnistage.entrypoints.audio_format import pcm16_bytes, to_int16
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer
 from omnistage.entrypoints.metrics import RequestTimer
@@ -43,6 +43,7 @@ from omnistage.entrypoints.realtime.config import AUDIO_RATE, ResponseSettings, 
 from omnistage.entrypoints.realtime.conversation import AssistantMessage, FunctionCall, new_item_id
 from omnistage.entrypoints.realtime.events import MAX_TOKENS_INF, RealtimeError, new_id, server_event
 from omnistage.entrypoints.realtime.tools import CALL_CLOSE, CALL_OPEN, ToolCallScanner, parse_call
+from omnistage.entrypoints.stage_sampling import SamplingFieldError, stage_params
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.omni import EngineDeadError, QueueFullError
@@ -60,33 +61,16 @@ class SessionClosed(Exception):
     """The client is gone; nothing more can be sent."""
 
 
-def stage_params(info: ModelInfo, config: SessionConfig) -> dict[str, SamplingParams]:
-    """Per-stage sampling for a response: the deployment's defaults with the session's overrides. As in the
-    HTTP API, a greedy Thinker temperature makes the Talker greedy too and a seed seeds it."""
-    base, text = info.stage_sampling, info.text_stage
+def response_params(info: ModelInfo, config: SessionConfig) -> dict[str, SamplingParams]:
+    """Per-stage sampling for a response: the deployment's defaults with the session's overrides, by the
+    HTTP API's rule (``entrypoints.stage_sampling``)."""
     thinker = dict(config.sampling.thinker)
     if config.max_output_tokens is not None:
         thinker["max_tokens"] = config.max_output_tokens
-    temperature, seed = thinker.get("temperature"), thinker.get("seed")
-    out: dict[str, SamplingParams] = {}
     try:
-        out[text] = base[text].replace(**thinker)
-        for name, defaults in base.items():
-            if name == text:
-                continue
-            t: dict[str, Any] = {}
-            if temperature is not None and temperature < GREEDY_TEMPERATURE_EPS:
-                t["temperature"] = 0.0
-            if seed is not None:
-                t["seed"] = seed
-            t.update(config.sampling.talker)
-            if t.get("max_tokens", 0) > defaults.max_tokens:
-                raise RealtimeError(f"sampling.talker.max_tokens is {t['max_tokens']}; this server allows at most "
-                                    f"{defaults.max_tokens}", param="sampling.talker.max_tokens")
-            out[name] = defaults.replace(**t)
-    except ValueError as exc:
-        raise RealtimeError(f"invalid sampling parameters: {exc}", param="sampling") from exc
-    return out
+        return stage_params(info, thinker, dict(config.sampling.talker))
+    except SamplingFieldError as exc:
+        raise RealtimeError(str(exc), param=f"sampling.{exc.param}" if exc.param else "sampling") from exc
 
 
 def _b64(samples: np.ndarray) -> str:
@@ -171,7 +155,7 @@ class ResponseRun:
         await self.send("response.created", response=self._api())
         try:
             self.prompt = await self.session.render_for(self.config)
-            params = stage_params(self.info, self.config)
+            params = response_params(self.info, self.config)
             modalities = ("text", "audio") if self.wants_audio else ("text",)
             stream = self.session.ctx.omni.generate(self.prompt, modalities, params, self.voice, self.id)
             self.submitted = time.monotonic()
