@@ -203,12 +203,13 @@ class ServerLimits:
     ``PROMPT_CHARS_PER_TOKEN`` characters per token, and a body that fits such a prompt however it is
     escaped (``BODY_BYTES_PER_PROMPT_CHAR``), plus the media limit's bytes as base64, plus
     ``BODY_BYTES_EXTRA`` for everything else. ``media``: per-request media limits and the allowed media
-    directory (``media_input.MediaLimits``)."""
+    directory (``media_input.MediaLimits``). ``realtime``: what realtime sessions may hold."""
 
     max_body_bytes: int | None = None
     max_prompt_chars: int | None = None
     preprocess_threads: int = 2  # parse / validate / decode media / tokenize / encode off the event loop
     media: MediaLimits = MediaLimits()
+    realtime: RealtimeLimits = RealtimeLimits()  # WS /v1/realtime sessions
 
     def __post_init__(self) -> None:
         check_positive_int(self.preprocess_threads, "preprocess_threads")
@@ -785,8 +786,7 @@ class _GuardedRoute(APIRoute):
 
 
 def create_app(omni: EngineClient, served_model_name: str | None = None,
-               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-               realtime_limits: RealtimeLimits | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
     listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
     name = served_model_name or omni.info.name
@@ -810,7 +810,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
-    app.include_router(realtime_router(omni, name, metrics, pool, realtime_limits))  # WS /v1/realtime
+    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -1068,6 +1068,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames decoded per video file (before sampling) (default: %(default)s)")
     m.add_argument("--max-video-pixels", type=int, default=DEFAULT_MAX_VIDEO_PIXELS,
                    help="pixels of all frames sampled from one video (default: %(default)s)")
+    r = p.add_argument_group("realtime sessions (WS /v1/realtime)")
+    d = RealtimeLimits()
+    r.add_argument("--realtime-max-sessions", type=int, default=d.max_sessions,
+                   help="open sessions at once; more are refused (default: %(default)s)")
+    r.add_argument("--realtime-max-buffered-audio-s", type=int, default=d.max_buffered_audio_s,
+                   help="seconds of input audio in one uncommitted turn (default: %(default)s)")
+    r.add_argument("--realtime-max-history-items", type=int, default=d.max_history_items,
+                   help="conversation items kept; older ones are dropped (default: %(default)s)")
+    r.add_argument("--realtime-max-history-audio-s", type=int, default=d.max_history_audio_s,
+                   help="seconds of user audio kept in the conversation (default: %(default)s)")
+    r.add_argument("--realtime-max-event-bytes", type=int, default=d.max_event_bytes,
+                   help="bytes of one client event (default: %(default)s)")
+    r.add_argument("--realtime-idle-timeout-s", type=float, default=d.idle_timeout_s,
+                   help="close a session that sends nothing this long while no response runs (default: %(default)s)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -1075,7 +1089,14 @@ def serve_from_args(args: argparse.Namespace) -> int:
                         max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                         max_video_seconds=args.max_video_seconds, max_video_frames=args.max_video_frames,
                         max_video_pixels=args.max_video_pixels, allowed_dir=args.allowed_media_dir)
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media)
+    realtime = RealtimeLimits(max_sessions=args.realtime_max_sessions,
+                              max_buffered_audio_s=args.realtime_max_buffered_audio_s,
+                              max_history_items=args.realtime_max_history_items,
+                              max_history_audio_s=args.realtime_max_history_audio_s,
+                              max_event_bytes=args.realtime_max_event_bytes,
+                              idle_timeout_s=args.realtime_idle_timeout_s)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media,
+                          realtime=realtime)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits)
     return 0
