@@ -9,6 +9,7 @@ Talker's prompt length and voice, Token2Wav's voice and noise seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,9 @@ class Qwen25OmniFamily(HFChatFamily):
         super().__init__(model_dir)
         self.config = load_config(self.model_dir)
         self.ids = TalkerTokenIds.from_config(self.config)
+        # One Talker step (codec token) reads one answer token and becomes `repeats` mel frames of `hop` samples.
+        t2w = self.config.token2wav_config
+        self.samples_per_frame = int(t2w.dit_config.repeats) * math.prod(t2w.bigvgan_config.upsample_rates)
         has_speakers = (self.model_dir / SPEAKER_FILE).is_file()
         self.speakers: dict[str, Speaker] = load_speakers(self.model_dir) if has_speakers else {}
         # The API names voices in lower case; resolve_voice maps them back to the spk_dict.pt keys.
