@@ -161,7 +161,7 @@ class ModelFamily(ABC):
                     raise ConfigError(str(exc), stage=s.name, field="bridge_args") from None
                 s = dataclasses.replace(s, bridge_args=args)
             stages.append(s)
-        return PipelineConfig(family=pipeline.family, stages=tuple(stages), runner=pipeline.runner)
+        return dataclasses.replace(pipeline, stages=tuple(stages))
 
     # ---- stage side ---------------------------------------------------------------------------------
     @abstractmethod
