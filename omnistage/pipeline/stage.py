@@ -28,6 +28,7 @@ class StepEvents:
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why serving it failed
     step_time: float = 0.0
     num_tokens: int = 0
+    started: float = 0.0  # time.monotonic() when the step began (the stage's host clock)
 
 
 class Stage(Protocol):
