@@ -46,12 +46,13 @@ def stage_failure(message: wire.Fatal) -> StageWorkerError:
 
 
 class RemoteStage:
-    def __init__(self, name: str, commands: zmq.Socket, events: zmq.Socket, on_wait: Callable[[], None]) -> None:
+    def __init__(self, name: str, commands: zmq.Socket, events: zmq.Socket, on_wait: Callable[[], None],
+                 types: tuple[type, ...] = ()) -> None:
         self.name = name
         self.commands, self.events = commands, events
         self.on_wait = on_wait  # while blocked: keep every worker's events flowing, notice dead workers
-        self._out = wire.Codec(wire.ToWorker)
-        self._in = wire.Codec(wire.FromWorker)
+        self._out = wire.Codec(wire.ToWorker, types=types)  # types: the model family's wire_types
+        self._in = wire.Codec(wire.FromWorker, types=types)
         self._sent = 0  # commands sent
         self._acked = 0  # commands the worker had handled at its latest event message
         self._waiting = 0  # the stage's waiting requests at its latest event message

@@ -3,9 +3,10 @@
 A message is one ZeroMQ multipart message: a msgspec msgpack header frame (the message struct), then one raw
 frame per tensor it carries. In the header a tensor is a msgpack extension holding its frame index, dtype,
 shape and device kind; its bytes are the tensor's contiguous host memory (any dtype, bfloat16 included,
-through a byte view). No pickle: a value that is not plain data (None, bool, int, float, str, bytes, lists,
-tuples, dicts with str keys, dataclasses / structs of those) or a torch tensor is refused when it is sent.
-Tuples arrive as lists.
+through a byte view). No pickle: the per-request values a family passes (request data, payloads, outputs)
+may hold None, bool, int, float, str, bytes, lists, tuples, dicts with str keys, torch tensors, and instances
+of the dataclasses the family declares (``ModelFamily.wire_types``, rebuilt by name on the other side);
+anything else is refused when it is sent.
 
 Accelerator tensors are copied to the host to be sent and placed on the receiving process's device (when it
 has one); host tensors stay on the host, so a stage sees its inputs where the in-process engine would put
@@ -14,6 +15,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 from omnistage.models.family import StageRequest
 from omnistage.pipeline.stage import StepEvents
 
-TENSOR_EXT = 1
+TENSOR_EXT, DATACLASS_EXT, TUPLE_EXT = 1, 2, 3
 HWM_MESSAGES = 1000  # messages a socket queues per direction before its sender waits (backpressure)
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -119,16 +121,33 @@ ToWorker = Init | AddRequest | AddInput | EndInput | Abort | StatsQuery | Shutdo
 FromWorker = Ready | StartupError | Events | StatsReply | Fatal
 
 
+class _Obj:
+    """A declared dataclass on its way out: its type's name and its init fields."""
+
+    def __init__(self, name: str, fields: dict[str, Any]) -> None:
+        self.name, self.fields = name, fields
+
+
+class _Tuple:
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+
 class Codec:
     """Encodes and decodes messages of one direction. Not thread-safe: one per socket user.
 
-    ``device``: where received accelerator tensors go (None: the host).
+    ``device``: where received accelerator tensors go (None: the host). ``types``: the dataclasses that may
+    travel inside per-request values (the model family's ``wire_types``).
     """
 
-    def __init__(self, kind: Any, device: str | torch.device | None = None) -> None:
+    def __init__(self, kind: Any, device: str | torch.device | None = None, types: tuple[type, ...] = ()) -> None:
         self.device = torch.device(device) if device is not None else None
+        self._types = {f"{t.__module__}.{t.__qualname__}": t for t in types}
+        self._names = {t: name for name, t in self._types.items()}
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._inner_encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(kind, ext_hook=self._ext_hook)
+        self._inner_decoder = msgspec.msgpack.Decoder(ext_hook=self._ext_hook)
         self._out: list[Any] = []
         self._in: list[Any] = []
 
@@ -137,18 +156,55 @@ class Codec:
         """Frames: the header, then each tensor's bytes."""
         self._out = []
         try:
-            header = self._encoder.encode(message)
+            header = self._encoder.encode(self._faithful(message))
             return [header, *self._out]
         finally:
             self._out = []
 
+    def _faithful(self, message: msgspec.Struct) -> msgspec.Struct:
+        """The message with its free-form values marked so that tuples and declared dataclasses come back as
+        such (msgpack alone has one array type and would send any dataclass as a plain dict)."""
+        if isinstance(message, AddRequest):
+            req = message.request
+            return AddRequest(dataclasses.replace(req, data=self._mark(req.data)))
+        if isinstance(message, AddInput):
+            return AddInput(message.req_id, message.source, self._mark(message.payload))
+        if isinstance(message, Events):
+            ev = message.events
+            ev = dataclasses.replace(ev, client_outputs=self._mark(ev.client_outputs),
+                                     stage_outputs=self._mark(ev.stage_outputs))
+            return Events(ev, message.acked, message.waiting, message.sent_at)
+        return message
+
+    def _mark(self, value: Any) -> Any:
+        if isinstance(value, (str, bytes, int, float, bool, torch.Tensor)) or value is None:
+            return value
+        if isinstance(value, Mapping):
+            return {k: self._mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mark(v) for v in value]
+        if isinstance(value, tuple):
+            return _Tuple([self._mark(v) for v in value])
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            name = self._names.get(type(value))
+            if name is None:
+                raise TypeError(f"cannot send a {type(value).__qualname__} to or from a stage worker: declare it "
+                                "in the model family's wire_types")
+            return _Obj(name, {f.name: self._mark(getattr(value, f.name)) for f in dataclasses.fields(value)
+                               if f.init})
+        return value  # refused by _enc_hook below if msgspec cannot send it
+
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._tensor_ext(obj)
+        if isinstance(obj, _Obj):
+            return msgspec.msgpack.Ext(DATACLASS_EXT, self._inner_encoder.encode([obj.name, obj.fields]))
+        if isinstance(obj, _Tuple):
+            return msgspec.msgpack.Ext(TUPLE_EXT, self._inner_encoder.encode(obj.items))
         if isinstance(obj, Mapping):  # e.g. MappingProxyType
             return dict(obj)
         raise TypeError(f"cannot send a {type(obj).__module__}.{type(obj).__qualname__} to or from a stage "
-                        "worker: plain data and torch tensors only")
+                        "worker: plain data, torch tensors and the family's wire_types only")
 
     def _tensor_ext(self, t: torch.Tensor) -> msgspec.msgpack.Ext:
         name = _DTYPE_NAMES.get(t.dtype)
@@ -169,6 +225,14 @@ class Codec:
             self._in = []
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == TUPLE_EXT:
+            return tuple(self._inner_decoder.decode(data))
+        if code == DATACLASS_EXT:
+            name, fields = self._inner_decoder.decode(data)
+            cls = self._types.get(name)
+            if cls is None:
+                raise msgspec.ValidationError(f"received a {name} that this process's model family does not declare")
+            return cls(**fields)
         if code != TENSOR_EXT:
             raise msgspec.ValidationError(f"unknown extension type {code}")
         index, name, shape, device_kind = msgspec.msgpack.decode(data)

@@ -40,7 +40,8 @@ class ParentGone(Exception):
     pass
 
 
-def build_worker_stage(init: wire.Init) -> Any:
+def build_worker_stage(init: wire.Init) -> tuple[Any, tuple[type, ...]]:
+    """The stage, and the dataclasses its family sends inside per-request values."""
     from omnistage.config import StageConfig
     from omnistage.models.registry import get_family
     from omnistage.pipeline.engine import EngineArgs, build_stage
@@ -57,7 +58,8 @@ def build_worker_stage(init: wire.Init) -> Any:
     torch.set_num_threads(init.threads)
     stage_cfg = StageConfig.from_dict(init.stage)
     args = EngineArgs(init.model, dtype=init.dtype, device=init.device, fast=init.fast)
-    return build_stage(family_cls(init.model), stage_cfg, init.runner, args, FaultInjector.from_env())
+    stage = build_stage(family_cls(init.model), stage_cfg, init.runner, args, FaultInjector.from_env())
+    return stage, family_cls.wire_types
 
 
 def _empty(ev: Any) -> bool:
@@ -66,7 +68,7 @@ def _empty(ev: Any) -> bool:
 
 class Worker:
     def __init__(self, commands: str, events: str, parent: int | None = None,
-                 build: Callable[[wire.Init], Any] = build_worker_stage) -> None:
+                 build: Callable[[wire.Init], tuple[Any, tuple[type, ...]]] = build_worker_stage) -> None:
         self.parent = parent
         self.build = build
         self.ctx = zmq.Context()
@@ -127,13 +129,14 @@ class Worker:
             if not isinstance(init, wire.Init):
                 raise RuntimeError(f"expected Init first, got {type(init).__name__}")
             self.name = str(init.stage.get("name"))
-            self.inp = wire.Codec(wire.ToWorker, init.device)
             try:
-                self.stage = self.build(init)
+                self.stage, types = self.build(init)
             except Exception as exc:
                 logger.exception("stage %r failed to start", self.name)
                 self.send(wire.StartupError(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
                 return 1
+            self.inp = wire.Codec(wire.ToWorker, init.device, types)
+            self.out = wire.Codec(wire.FromWorker, types=types)
             self.send(wire.Ready(self.name, os.getpid(), init.device, torch.get_num_threads()))
             self.started = time.monotonic()
             return self._loop()

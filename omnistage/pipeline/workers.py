@@ -225,7 +225,7 @@ class StageWorkers:
         for i, name in enumerate(pipeline.order):
             commands, cmd_addr = self._bind(zmq.PUSH, f"{i}-cmd")
             events, evt_addr = self._bind(zmq.PULL, f"{i}-evt")
-            self.stages[name] = RemoteStage(name, commands, events, self._on_wait)
+            self.stages[name] = RemoteStage(name, commands, events, self._on_wait, family_cls.wire_types)
             self.res.shutdown_sockets[name] = commands
             self.res.handles[name] = self.res.launcher.start(i, name, cmd_addr, evt_addr, self.placements[name])
         self._deadline = time.monotonic() + args.worker_startup_timeout

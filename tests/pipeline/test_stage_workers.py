@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -106,6 +107,30 @@ def test_seeded_sampling_equals_the_in_process_engine(engines, greedy):
 def test_a_lone_request_gives_the_same_audio_bit_for_bit(engines):
     mp, inproc = engines
     assert_same_runs(run(mp, {0: [1]}), run(inproc, {0: [1]}), audio_tol=0.0)
+
+
+def test_media_prompts_cross_the_process_boundary(engines):
+    """An audio + image prompt: the Thinker's request data (encoder inputs, 3-D positions) travels to its
+    worker and the answer equals the in-process one."""
+    rng = np.random.default_rng(0)
+    messages = [{"role": "user", "content": [
+        {"type": "audio", "audio": (rng.standard_normal(16000) * 0.1).astype(np.float32)},
+        {"type": "image", "image": rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)},
+        {"type": "text", "text": "What is this?"}]}]
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+
+    def answer(engine):
+        engine.add_request(messages, ["text"], params)
+        tokens = []
+        while engine.has_work():
+            for d in engine.step():
+                tokens += d.new_token_ids
+        return tokens
+
+    mp, inproc = engines
+    got = answer(mp)
+    assert len(got) == 6 and got == answer(inproc)
+    assert_all_free(mp)
 
 
 @pytest.mark.parametrize("point", ["before_talker", "during_talker", "during_code2wav"])

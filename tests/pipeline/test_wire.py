@@ -96,9 +96,44 @@ def _plain(value):
     return value
 
 
+def test_the_familys_dataclasses_and_tuples_come_back_as_themselves():
+    from omnistage.models.qwen3_omni.family import Qwen3OmniFamily
+    from omnistage.models.qwen3_omni.processor import MediaItem, ThinkerMedia, media_data
+
+    items = (MediaItem("audio", "k1", torch.tensor([3, 4]), features=torch.randn(128, 40), pad_frames=100),
+             MediaItem("image", "k2", torch.tensor([5, 6, 7]), pixels=torch.randn(12, 8), grid=(1, 2, 6)))
+    media = ThinkerMedia(items, torch.randn(9, 3), rope_delta=-2.0, flat=False)
+    data = {**media_data(media), "prompt_ids": (1, 2, 3), "rows": [(1, 2), (3,)]}
+    types = Qwen3OmniFamily.wire_types
+    msg = wire.AddRequest(StageRequest("r", prompt_token_ids=(1, 2, 3), data=data))
+    got = wire.Codec(wire.ToWorker, types=types).decode(
+        [bytes(memoryview(f)) for f in wire.Codec(wire.ToWorker, types=types).encode(msg)]).request.data
+    assert got["prompt_ids"] == (1, 2, 3) and got["rows"] == [(1, 2), (3,)]
+    back = got["media"]
+    assert type(back) is ThinkerMedia and isinstance(back.items, tuple) and back.rope_delta == -2.0
+    assert torch.equal(back.positions, media.positions)
+    for a, b in zip(back.items, items):
+        assert type(a) is MediaItem and a.kind == b.kind and a.key == b.key and a.grid == b.grid
+        assert a.pad_frames == b.pad_frames and torch.equal(a.rows, b.rows)
+        for f in ("features", "pixels"):
+            assert (getattr(a, f) is None) == (getattr(b, f) is None)
+            assert getattr(a, f) is None or torch.equal(getattr(a, f), getattr(b, f))
+    # A process that does not declare the type refuses it (no object is built from a name it does not know).
+    frames = wire.Codec(wire.ToWorker, types=types).encode(msg)
+    with pytest.raises(msgspec.ValidationError, match="does not declare"):
+        wire.Codec(wire.ToWorker).decode(frames)
+
+
 def test_values_that_are_not_plain_data_are_refused_before_sending():
-    with pytest.raises(TypeError, match="plain data and torch tensors only"):
+    with pytest.raises(TypeError, match="plain data, torch tensors and the family's wire_types only"):
         wire.Codec(wire.ToWorker).encode(wire.AddInput("r", "up", {"obj": object()}))
+
+    @dataclasses.dataclass
+    class Undeclared:
+        x: int
+
+    with pytest.raises(TypeError, match="declare it in the model family's wire_types"):
+        wire.Codec(wire.ToWorker).encode(wire.AddInput("r", "up", {"obj": [Undeclared(1)]}))
 
 
 def test_a_corrupt_tensor_frame_is_an_error_not_garbage():
@@ -163,7 +198,7 @@ def pair():
     commands.bind(f"ipc://@omnistage-test-{tag}-cmd")
     events.bind(f"ipc://@omnistage-test-{tag}-evt")
     stage = ScriptedStage()
-    worker = Worker(f"ipc://@omnistage-test-{tag}-cmd", f"ipc://@omnistage-test-{tag}-evt", build=lambda init: stage)
+    worker = Worker(f"ipc://@omnistage-test-{tag}-cmd", f"ipc://@omnistage-test-{tag}-evt", build=lambda init: (stage, ()))
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("code", worker.run()), daemon=True)
     thread.start()
