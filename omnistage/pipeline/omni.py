@@ -235,6 +235,9 @@ class AsyncOmni:
                 return
             try:
                 result = fn()
+            except StageWorkerError as exc:  # the engine itself is gone, not just this call
+                fut_loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(f"engine stopped: {_describe(exc)}"))
+                raise
             except Exception as exc:
                 fut_loop.call_soon_threadsafe(_set_exception, fut, exc)
             else:

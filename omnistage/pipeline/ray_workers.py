@@ -40,6 +40,8 @@ class RayHandle:
         self.pid: int | None = None  # reported in the worker's Ready
 
     def exit_reason(self) -> str | None:
+        if not ray.is_initialized():
+            return "is gone (Ray was shut down)"
         done, _ = ray.wait([self.ref], timeout=0)
         if not done:
             return None
@@ -51,11 +53,14 @@ class RayHandle:
             return f"(Ray actor) failed: {exc!r}"
 
     def join(self, timeout: float) -> bool:
+        if not ray.is_initialized():
+            return True
         done, _ = ray.wait([self.ref], timeout=max(0.0, timeout))
         return bool(done)
 
     def terminate(self) -> None:
-        ray.kill(self.actor, no_restart=True)
+        if ray.is_initialized():
+            ray.kill(self.actor, no_restart=True)
 
     kill = terminate
 
@@ -98,4 +103,5 @@ class RayLauncher:
         return RayHandle(actor, actor.serve.remote(commands, events))
 
     def close(self) -> None:
-        remove_placement_group(self.pg)
+        if ray.is_initialized():
+            remove_placement_group(self.pg)  # also ends every actor still in it
