@@ -142,6 +142,7 @@ class Worker:
             return self._loop()
         except ParentGone:
             logger.warning("stage %r: the API process is gone; exiting", self.name)
+            self.evt.setsockopt(zmq.LINGER, 0)  # nobody will read what is still queued
             return 2
         finally:
             self.cmd.close(linger=0)
@@ -151,33 +152,34 @@ class Worker:
     def _loop(self) -> int:
         idle = True
         while True:
-            message = self.recv(IDLE_POLL_S if idle else 0)
-            while message is not None:
-                if isinstance(message, wire.Shutdown):
-                    return 0
-                try:
+            try:
+                message = self.recv(IDLE_POLL_S if idle else 0)
+                while message is not None:
+                    if isinstance(message, wire.Shutdown):
+                        return 0
                     self._handle(message)
-                except Exception as exc:
-                    return self._fatal(exc, f"handling {type(message).__name__}")
-                message = self.recv(0)
-            self._check_parent()
-            idle = True
-            if self.stage.has_work():
-                t0 = time.monotonic()
-                try:
-                    events = self.stage.step()
-                except Exception as exc:
-                    return self._fatal(exc, "a step")
-                if not _empty(events):
-                    idle = False
-                    self.counters["steps"] += 1
-                    self.counters["busy_s"] += time.monotonic() - t0
-                    self._send_events(events)
+                    message = self.recv(0)
+                self._check_parent()
+                idle = not self._step()
+            except ParentGone:
+                raise
+            except Exception as exc:  # the stage as a whole (or this worker) cannot go on
+                logger.exception("stage %r failed", self.name)
+                self.send(wire.Fatal(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                return 1
 
-    def _fatal(self, exc: Exception, where: str) -> int:
-        logger.exception("stage %r failed in %s", self.name, where)
-        self.send(wire.Fatal(self.name, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return 1
+    def _step(self) -> bool:
+        """Step the stage if it has work; True if the step did something (then no sleep before the next)."""
+        if not self.stage.has_work():
+            return False
+        t0 = time.monotonic()
+        events = self.stage.step()
+        if _empty(events):  # e.g. every request waits for upstream input: sleep until a command comes
+            return False
+        self.counters["steps"] += 1
+        self.counters["busy_s"] += time.monotonic() - t0
+        self._send_events(events)
+        return True
 
     def _send_events(self, events: Any) -> None:
         waiting = int(self.stage.stats().get("waiting", 0))
