@@ -34,8 +34,7 @@ MODEL = "tiny-omni"
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "stream": True,
         "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "temperature": 0,
         "max_tokens": 200, "talker": {"temperature": 0, "max_tokens": 400, "repetition_penalty": 1.0}}
-SMALL_CHUNKS = {"stages": {"code2wav": {"bridge_args": {"first_chunk_frames": 4, "chunk_frames": 4,
-                                                        "left_context_frames": 2}}}}
+SMALL_CHUNKS = {"stages": {"code2wav": {"bridge_args": {"first_chunk_frames": 4, "chunk_frames": 4}}}}
 
 
 def worker_processes(parent: psutil.Process | None = None) -> list[psutil.Process]:

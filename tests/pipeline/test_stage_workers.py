@@ -23,7 +23,7 @@ from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import EngineArgs, OmniEngine
 from omnistage.pipeline.remote_stage import RemoteStage, StageWorkerError
 
-CHUNKS = {"first_chunk_frames": 4, "chunk_frames": 4, "left_context_frames": 2}
+CHUNKS = {"first_chunk_frames": 4, "chunk_frames": 4}
 STAGGERED = {0: [1], 2: [0], 5: [2]}
 
 
@@ -110,26 +110,29 @@ def test_a_lone_request_gives_the_same_audio_bit_for_bit(engines):
 
 
 def test_media_prompts_cross_the_process_boundary(engines):
-    """An audio + image prompt: the Thinker's request data (encoder inputs, 3-D positions) travels to its
-    worker and the answer equals the in-process one."""
+    """An audio + image prompt answered in speech: the Thinker's media (encoder inputs, 3-D positions) and the
+    Talker's media spans travel to their workers, and the answer equals the in-process one."""
     rng = np.random.default_rng(0)
     messages = [{"role": "user", "content": [
         {"type": "audio", "audio": (rng.standard_normal(16000) * 0.1).astype(np.float32)},
         {"type": "image", "image": rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)},
         {"type": "text", "text": "What is this?"}]}]
-    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6)
+    params = {"thinker": SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),
+              "talker": SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.0)}
 
     def answer(engine):
-        engine.add_request(messages, ["text"], params)
-        tokens = []
+        engine.add_request(messages, ["text", "audio"], params, speaker="ethan")
+        tokens, codes = [], []
         while engine.has_work():
             for d in engine.step():
                 tokens += d.new_token_ids
-        return tokens
+                codes += [d.codes] if d.codes is not None else []
+        return tokens, torch.cat(codes, 1)
 
     mp, inproc = engines
-    got = answer(mp)
-    assert len(got) == 6 and got == answer(inproc)
+    (tokens, codes), (want_tokens, want_codes) = answer(mp), answer(inproc)
+    assert len(tokens) == 6 and tokens == want_tokens
+    assert codes.shape[1] > 0 and torch.equal(codes, want_codes)
     assert_all_free(mp)
 
 

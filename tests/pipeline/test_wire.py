@@ -98,11 +98,13 @@ def _plain(value):
 
 def test_the_familys_dataclasses_and_tuples_come_back_as_themselves():
     from omnistage.models.qwen3_omni.family import Qwen3OmniFamily
+    from omnistage.models.qwen3_omni.mrope import MediaSpan
     from omnistage.models.qwen3_omni.processor import MediaItem, ThinkerMedia, media_data
 
     items = (MediaItem("audio", "k1", torch.tensor([3, 4]), features=torch.randn(128, 40), pad_frames=100),
              MediaItem("image", "k2", torch.tensor([5, 6, 7]), pixels=torch.randn(12, 8), grid=(1, 2, 6)))
-    media = ThinkerMedia(items, torch.randn(9, 3), rope_delta=-2.0, flat=False)
+    spans = (MediaSpan("audio", 2, num_audio=2), MediaSpan("image", 4, grid_thw=(1, 2, 6)))
+    media = ThinkerMedia(items, torch.randn(9, 3), rope_delta=-2.0, flat=False, spans=spans)
     data = {**media_data(media), "prompt_ids": (1, 2, 3), "rows": [(1, 2), (3,)]}
     types = Qwen3OmniFamily.wire_types
     msg = wire.AddRequest(StageRequest("r", prompt_token_ids=(1, 2, 3), data=data))
@@ -111,6 +113,7 @@ def test_the_familys_dataclasses_and_tuples_come_back_as_themselves():
     assert got["prompt_ids"] == (1, 2, 3) and got["rows"] == [(1, 2), (3,)]
     back = got["media"]
     assert type(back) is ThinkerMedia and isinstance(back.items, tuple) and back.rope_delta == -2.0
+    assert back.spans == spans and all(type(x) is MediaSpan for x in back.spans)
     assert torch.equal(back.positions, media.positions)
     for a, b in zip(back.items, items):
         assert type(a) is MediaItem and a.kind == b.kind and a.key == b.key and a.grid == b.grid

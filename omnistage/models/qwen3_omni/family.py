@@ -31,6 +31,7 @@ from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalke
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
+from omnistage.models.qwen3_omni.mrope import MediaSpan
 from omnistage.models.qwen3_omni.processor import (
     MediaItem,
     Qwen3OmniInputProcessor,
@@ -80,7 +81,7 @@ class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
     architectures = ("Qwen3OmniMoeForConditionalGeneration",)
     preset_file = "qwen3_omni.yaml"
-    wire_types = (ThinkerMedia, MediaItem)
+    wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
         "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
         "talker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
