@@ -29,7 +29,7 @@ STAGGERED = {0: [1], 2: [0], 5: [2]}
 
 def overrides(backend: str) -> dict:
     return {"distributed_executor_backend": backend, "stages": {
-        "thinker": {"threads": 1}, "talker": {"threads": 1}, "code2wav": {"threads": 1, "bridge_args": CHUNKS}}}
+        "thinker": {"threads": 1, "devices": "cpu"}, "talker": {"threads": 1}, "code2wav": {"threads": 1, "bridge_args": CHUNKS}}}
 
 
 def build(ckpt, backend: str) -> OmniEngine:
@@ -82,6 +82,12 @@ def test_stages_run_in_their_own_processes_and_the_api_process_holds_no_model(en
     assert all(isinstance(s, RemoteStage) for s in mp.orchestrator.stages.values())
     assert all(a.startswith("ipc://@") for a in mp.workers.addresses)  # abstract: no socket files
     assert {p.pid for p in worker_processes()} >= set(pids.values())
+    # Placement holds in each worker: its torch threads, and the environment it started with.
+    for name, stage in mp.workers.stages.items():
+        assert (stage.ready.device, stage.ready.threads) == ("cpu", 1), name
+        env = psutil.Process(pids[name]).environ()
+        assert env["OMP_NUM_THREADS"] == "1", name
+        assert env.get("CUDA_VISIBLE_DEVICES") == ("" if name == "thinker" else os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 @pytest.fixture(scope="module")
