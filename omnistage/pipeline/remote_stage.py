@@ -64,8 +64,7 @@ class RemoteStage:
         self.ready: wire.Ready | None = None
         self.startup_error: wire.StartupError | None = None
         self.fatal: wire.Fatal | None = None
-        self.transport = {"sent_msgs": 0, "sent_bytes": 0, "encode_s": 0.0, "recv_msgs": 0, "recv_bytes": 0,
-                          "decode_s": 0.0, "events": 0, "transit_s": 0.0}
+        self.transport = {**wire.new_counters(), "events": 0, "transit_s": 0.0}
 
     # ---- the stage protocol ---------------------------------------------------------------------------
     def add_request(self, request: StageRequest) -> None:
@@ -112,11 +111,8 @@ class RemoteStage:
     def send(self, message: Any) -> None:
         if self.fatal is not None:
             raise StageWorkerError(f"stage {self.name!r} failed: {self.fatal.error}")
-        t0 = time.perf_counter()
-        frames = self._out.encode(message)  # a value that cannot be sent raises here, before anything is sent
-        self.transport["encode_s"] += time.perf_counter() - t0
-        self.transport["sent_msgs"] += 1
-        self.transport["sent_bytes"] += wire.frame_bytes(frames)
+        # A value that cannot be sent raises here, before anything is sent.
+        frames = wire.encode_counted(self._out, message, self.transport)
         while True:
             try:
                 self.commands.send_multipart(frames, flags=zmq.NOBLOCK)
@@ -133,13 +129,7 @@ class RemoteStage:
                 frames = self.events.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            bufs = [f.buffer for f in frames]
-            t0 = time.perf_counter()
-            message = self._in.decode(bufs)
-            self.transport["decode_s"] += time.perf_counter() - t0
-            self.transport["recv_msgs"] += 1
-            self.transport["recv_bytes"] += wire.frame_bytes(bufs)
-            self._take(message)
+            self._take(wire.decode_counted(self._in, [f.buffer for f in frames], self.transport))
 
     def _take(self, message: Any) -> None:
         if isinstance(message, wire.Events):

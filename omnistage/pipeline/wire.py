@@ -16,6 +16,7 @@ them.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -258,3 +259,30 @@ class Codec:
 
 def frame_bytes(frames: list[Any]) -> int:
     return sum(memoryview(f).nbytes for f in frames)
+
+
+def new_counters() -> dict[str, float]:
+    """Transport counters of one side of a stream pair (see ``encode_counted`` / ``decode_counted``)."""
+    return {"sent_msgs": 0, "sent_bytes": 0, "encode_s": 0.0, "recv_msgs": 0, "recv_bytes": 0, "decode_s": 0.0}
+
+
+def encode_counted(codec: Codec, message: msgspec.Struct, counters: dict[str, float]) -> list[Any]:
+    """``codec.encode``, adding the message, its bytes and the encoding time to ``counters``."""
+    t0 = time.perf_counter()
+    frames = codec.encode(message)
+    _count(counters, "sent", "encode_s", frames, t0)
+    return frames
+
+
+def decode_counted(codec: Codec, frames: list[Any], counters: dict[str, float]) -> Any:
+    """``codec.decode``, adding the message, its bytes and the decoding time to ``counters``."""
+    t0 = time.perf_counter()
+    message = codec.decode(frames)
+    _count(counters, "recv", "decode_s", frames, t0)
+    return message
+
+
+def _count(counters: dict[str, float], side: str, timer: str, frames: list[Any], t0: float) -> None:
+    counters[timer] += time.perf_counter() - t0
+    counters[f"{side}_msgs"] += 1
+    counters[f"{side}_bytes"] += frame_bytes(frames)

@@ -85,8 +85,7 @@ class Worker:
         self.name = "?"
         self.acked = 0  # commands handled
         self.started = time.monotonic()
-        self.counters = {"steps": 0, "busy_s": 0.0, "sent_msgs": 0, "sent_bytes": 0, "encode_s": 0.0,
-                         "recv_msgs": 0, "recv_bytes": 0, "decode_s": 0.0}
+        self.counters = {"steps": 0, "busy_s": 0.0, **wire.new_counters()}
 
     # ---- transport ------------------------------------------------------------------------------------
     def _check_parent(self) -> None:
@@ -94,11 +93,7 @@ class Worker:
             raise ParentGone
 
     def send(self, message: Any) -> None:
-        t0 = time.perf_counter()
-        frames = self.out.encode(message)
-        self.counters["encode_s"] += time.perf_counter() - t0
-        self.counters["sent_msgs"] += 1
-        self.counters["sent_bytes"] += wire.frame_bytes(frames)
+        frames = wire.encode_counted(self.out, message, self.counters)
         while True:
             try:
                 self.evt.send_multipart(frames, flags=zmq.NOBLOCK)
@@ -111,13 +106,7 @@ class Worker:
         if not self.cmd.poll(int(timeout_s * 1000)):
             return None
         frames = self.cmd.recv_multipart(copy=False)
-        bufs = [f.buffer for f in frames]
-        t0 = time.perf_counter()
-        message = self.inp.decode(bufs)
-        self.counters["decode_s"] += time.perf_counter() - t0
-        self.counters["recv_msgs"] += 1
-        self.counters["recv_bytes"] += wire.frame_bytes(bufs)
-        return message
+        return wire.decode_counted(self.inp, [f.buffer for f in frames], self.counters)
 
     # ---- life -----------------------------------------------------------------------------------------
     def run(self) -> int:
