@@ -11,7 +11,7 @@ actors on TCP.
 Lifecycle:
 - start: every worker gets ``Init``; each must answer ``Ready`` within the startup timeout. A worker that
   fails (``StartupError``: its traceback), dies or is late fails the engine with an error naming its stage,
-  and every worker already started is stopped.
+  and every worker already started is stopped at once (terminated, then killed).
 - watch: ``check`` (called by the engine's ``step`` and ``wait``, at most every ``CHECK_EVERY_S``) turns a
   dead worker or a ``Fatal`` message into a ``StageWorkerError``.
 - stop: ``close`` sends ``Shutdown`` and waits, then terminates, then kills; also run at interpreter exit.
@@ -193,7 +193,7 @@ class StageWorkers:
             self.res.launcher = launcher_for(backend, pipeline, self.placements, args.worker_startup_timeout)
             self._start(family_cls, pipeline, runners, args)
         except BaseException:
-            self.close()
+            self.close(grace=0)  # nothing has been served: no step to let finish, stop them now
             raise
         self.poller = zmq.Poller()
         for stage in self.stages.values():
