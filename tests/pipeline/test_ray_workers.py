@@ -21,7 +21,8 @@ NODES = {"node_a": 1, "node_b": 2}  # one "node" for the Thinker, one for the Ta
 
 @pytest.fixture(scope="module")
 def ray_engine(tiny_ckpt):
-    ray.init(num_cpus=3, resources=NODES, include_dashboard=False, log_to_driver=False)
+    # A fresh local cluster even where one runs already (``ray start``, RAY_ADDRESS): ours has these resources.
+    ray.init(address="local", num_cpus=3, resources=NODES, include_dashboard=False, log_to_driver=False)
     config = overrides("ray")
     config["stages"]["thinker"]["resources"] = {"node_a": 1}
     config["stages"]["talker"]["resources"] = {"node_b": 1}
