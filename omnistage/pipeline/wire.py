@@ -10,7 +10,8 @@ anything else is refused when it is sent.
 
 Accelerator tensors are copied to the host to be sent and placed on the receiving process's device (when it
 has one); host tensors stay on the host, so a stage sees its inputs where the in-process engine would put
-them.
+them. A process without a device (the API process, which routes one stage's outputs to the next) holds an
+accelerator tensor as a host copy marked with where it came from, and sends it on as an accelerator tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omnistage.models.family import StageRequest
 from omnistage.pipeline.stage import StepEvents
 
 TENSOR_EXT, DATACLASS_EXT, TUPLE_EXT = 1, 2, 3
+ORIGIN_ATTR = "_omnistage_wire_device"  # on a host copy of an accelerator tensor: its device kind
 HWM_MESSAGES = 1000  # messages a socket queues per direction before its sender waits (backpressure)
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -213,7 +215,7 @@ class Codec:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype}")
         host = t.detach().to("cpu").contiguous()
         self._out.append(host.reshape(-1).view(torch.uint8).numpy())
-        info = [len(self._out) - 1, name, list(host.shape), t.device.type]
+        info = [len(self._out) - 1, name, list(host.shape), getattr(t, ORIGIN_ATTR, None) or t.device.type]
         return msgspec.msgpack.Ext(TENSOR_EXT, msgspec.msgpack.encode(info))
 
     # ---- decode ---------------------------------------------------------------------------------------
@@ -252,8 +254,11 @@ class Codec:
             t = torch.empty(shape, dtype=dtype)
         else:  # one copy into memory the tensor owns (frames are read-only and reused by zmq)
             t = torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype).reshape(shape)
-        if device_kind != "cpu" and self.device is not None and self.device.type != "cpu":
-            t = t.to(self.device)
+        if device_kind != "cpu":
+            if self.device is not None and self.device.type != "cpu":
+                t = t.to(self.device)
+            elif self.device is None:  # routed on from here: the next stage gets it on its device
+                setattr(t, ORIGIN_ATTR, device_kind)
         return t
 
 

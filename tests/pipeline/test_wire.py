@@ -81,6 +81,23 @@ def test_every_message_type_round_trips():
             assert _plain(got) == _plain(m), type(m).__name__
 
 
+def test_accelerator_tensors_routed_through_the_api_process_reach_the_next_stage_on_its_device():
+    """Thinker (GPU) -> API process (no device) -> Talker (GPU): the rows reach the Talker on its device, host
+    tensors stay on the host. Without a GPU here, a host tensor marked as a CUDA tensor's copy stands for the
+    Thinker's output, and the Talker's device is "meta" (only placement is checked)."""
+    rows, mask = torch.randn(2, 3), torch.tensor([True, False])
+    setattr(rows, wire.ORIGIN_ATTR, "cuda")
+    events = StepEvents("thinker", stage_outputs={"a": {"rows": rows, "mask": mask}})
+    at_api = roundtrip(wire.Events(events, 1, 0, 0.0), wire.FromWorker).events.stage_outputs["a"]
+    assert at_api["rows"].device.type == "cpu" and torch.equal(at_api["rows"], rows)
+    at_talker = roundtrip(wire.AddInput("a", "thinker", at_api), wire.ToWorker, device="meta").payload
+    assert at_talker["rows"].device.type == "meta" and at_talker["rows"].shape == (2, 3)
+    assert at_talker["mask"].device.type == "cpu" and torch.equal(at_talker["mask"], mask)
+    # A worker on the host takes such a tensor as a host tensor, and sends on what it makes as host tensors.
+    on_cpu = roundtrip(wire.AddInput("a", "thinker", at_api), wire.ToWorker, device="cpu").payload["rows"]
+    assert on_cpu.device.type == "cpu" and not hasattr(on_cpu, wire.ORIGIN_ATTR)
+
+
 def _plain(value):
     """Comparable form: tensors as (dtype, shape, values), tuples as lists (msgpack has one array type)."""
     if isinstance(value, torch.Tensor):
