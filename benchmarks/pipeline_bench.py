@@ -14,7 +14,7 @@ without changing what omnistage runs.
 
 ``--distributed-executor-backend mp`` runs every stage in its own worker process (``--threads`` split between
 them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
-stages busy) and the transport cost of a hand-off (bytes, encode / decode / transit milliseconds).
+stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode / transit milliseconds).
 """
 
 from __future__ import annotations
@@ -176,7 +176,9 @@ def main() -> None:
         print(f"    stages busy (share of wall): {busy}; any stage busy {100 * window['any']:.0f}%, "
               f"two or more at once {100 * window['overlap']:.0f}%; CPU s: "
               f"{', '.join(f'{k} {v:.1f}' for k, v in cpu.items())}", flush=True)
-        if counters is not None:
+        if counters is not None:  # a worker not stepping waits: for upstream input, or for the API process
+            waiting = " ".join(f"{k} {100 - 100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+            print(f"    workers waiting (share of wall): {waiting}", flush=True)
             for line in transport_report(counters, snapshot(engine)):
                 print("    " + line, flush=True)
     engine.shutdown()
