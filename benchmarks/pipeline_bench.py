@@ -11,6 +11,10 @@ seconds per wall second, time to first audio chunk, real-time factor (wall / aud
 Qwen2.5-Omni's reference is slow on CPU (its Token2Wav re-runs the speaker encoder at every ODE evaluation):
 --hf-thinker-tokens / --hf-talker-tokens give transformers shorter requests (same ratio of text to codes)
 without changing what omnistage runs.
+
+``--distributed-executor-backend mp`` runs every stage in its own worker process (``--threads`` split between
+them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
+stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode / transit milliseconds).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 
 
@@ -104,6 +109,7 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=2, help="requests transformers runs (one at a time)")
     ap.add_argument("--hf-thinker-tokens", type=int, default=None, help="transformers' (default: --thinker-tokens)")
     ap.add_argument("--hf-talker-tokens", type=int, default=None, help="transformers' (default: --talker-tokens)")
+    ap.add_argument("--distributed-executor-backend", choices=["inproc", "mp", "ray"], default="inproc")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -117,8 +123,14 @@ def main() -> None:
     top = max(args.concurrency)
     sched = {"max_num_seqs": top}
     stages = load_pipeline_config(family).order
-    pipeline = load_pipeline_config(family, {"stages": {name: {"scheduler": sched} for name in stages}})
-    engine = OmniEngine(EngineArgs(model), pipeline)
+    backend = args.distributed_executor_backend
+    # Stage workers share the thread budget (at least one each); in-process stages use all of it in turn.
+    per_stage = {"scheduler": sched} if backend == "inproc" else {"scheduler": sched,
+                                                                    "threads": max(1, args.threads // len(stages))}
+    pipeline = load_pipeline_config(family, {"stages": {name: per_stage for name in stages}})
+    engine = OmniEngine(EngineArgs(model, distributed_executor_backend=backend), pipeline)
+    trace = StageTrace()
+    engine.orchestrator.listeners.append(trace)
     if family == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni.reference import load_hf_reference
 
@@ -131,11 +143,12 @@ def main() -> None:
     hf_thinker = args.hf_thinker_tokens or args.thinker_tokens
     hf_talker = args.hf_talker_tokens or args.talker_tokens
 
-    print(f"threads={args.threads} model={Path(model).name} ({family}) thinker_tokens={args.thinker_tokens} "
+    print(f"threads={args.threads} backend={backend} (threads per stage worker: {per_stage.get('threads', '-')}) "
+          f"model={Path(model).name} ({family}) thinker_tokens={args.thinker_tokens} "
           f"talker_tokens={args.talker_tokens} transformers: {hf_thinker}/{hf_talker} tokens "
           f"(audio chunks: {dict(pipeline.stage(stages[-1]).bridge_args)})")
-    # "aud s/cpu s": audio seconds per CPU second of this process, the work measure when the machine is shared
-    # (wall-clock rates then depend on the neighbours' load).
+    # "aud s/cpu s": audio seconds per CPU second (ours: this process and its stage workers), the work measure
+    # when the machine is shared (wall-clock rates then depend on the neighbours' load).
     print(f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
           f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
           f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8}")
@@ -148,13 +161,27 @@ def main() -> None:
     hcpu = time.process_time() - cpu
     for n in args.concurrency:
         texts = prompts(n)
-        cpu = time.process_time()
+        counters = snapshot(engine) if engine.workers is not None else None
+        cpu0 = cpu_seconds(engine)
+        t0 = time.monotonic()
         wall, toks, audio_s, ttfa = run_omnistage(engine, texts, args.thinker_tokens, args.talker_tokens)
-        ocpu = time.process_time() - cpu
+        window = trace.summary(t0, time.monotonic())
+        cpu = {k: v - cpu0[k] for k, v in cpu_seconds(engine).items()}
+        ocpu = sum(cpu.values())
         print(f"{n:>3} | {toks / wall:>10.1f} {audio_s / wall:>12.2f} {ttfa:>11.2f} {wall / audio_s:>8.2f} "
               f"{audio_s / ocpu:>11.3f} | {htoks / hwall:>8.1f} {haudio / hwall:>10.2f} {hlat:>8.2f} "
               f"{hwall / haudio:>7.2f} {haudio / hcpu:>11.3f} | {(audio_s / wall) / (haudio / hwall):>6.2f} "
               f"{(audio_s / ocpu) / (haudio / hcpu):>6.2f} {ttfa / hlat:>8.2f}", flush=True)
+        busy = " ".join(f"{k} {100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+        print(f"    stages busy (share of wall): {busy}; any stage busy {100 * window['any']:.0f}%, "
+              f"two or more at once {100 * window['overlap']:.0f}%; CPU s: "
+              f"{', '.join(f'{k} {v:.1f}' for k, v in cpu.items())}", flush=True)
+        if counters is not None:  # a worker not stepping waits: for upstream input, or for the API process
+            waiting = " ".join(f"{k} {100 - 100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+            print(f"    workers waiting (share of wall): {waiting}", flush=True)
+            for line in transport_report(counters, snapshot(engine)):
+                print("    " + line, flush=True)
+    engine.shutdown()
 
 
 if __name__ == "__main__":

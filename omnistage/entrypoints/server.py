@@ -138,6 +138,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnistage.config.stage_config import EXECUTOR_BACKENDS
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
@@ -846,7 +847,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     @app.get("/health")
     async def health() -> Response:
         if omni.dead is not None:
-            return _error_response(APIError(503, f"engine stopped: {omni.dead!r}", "server_error",
+            return _error_response(APIError(503, f"engine stopped: {type(omni.dead).__name__}: {omni.dead}", "server_error",
                                             code="engine_dead"))
         return JSONResponse({"status": "ok"})
 
@@ -1020,13 +1021,15 @@ DEFAULT_MODEL_NAME = "omnistage-tiny"
 
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
-          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None) -> None:
+          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
+          distributed_executor_backend: str | None = None) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
     metrics = ServerMetrics()
     omni = AsyncOmni(model, stage_config=stage_config, dtype=dtype, device=device,
-                     max_waiting_requests=max_waiting, on_step=metrics.observe_step)
+                     max_waiting_requests=max_waiting, on_step=metrics.observe_step,
+                     distributed_executor_backend=distributed_executor_backend)
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
@@ -1082,6 +1085,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one client event (default: %(default)s)")
     r.add_argument("--realtime-idle-timeout-s", type=float, default=d.idle_timeout_s,
                    help="close a session that sends nothing this long while no response runs (default: %(default)s)")
+    add_backend_argument(p)
+
+
+def add_backend_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default=None,
+                   help="inproc: every stage in this process; mp: one worker process per stage; ray: one Ray actor "
+                        "per stage (default: the stage config's, else inproc)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -1098,5 +1108,5 @@ def serve_from_args(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media,
                           realtime=realtime)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
-          args.dtype, args.device, limits=limits)
+          args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend)
     return 0

@@ -47,7 +47,7 @@ def params(i):
     }
 
 
-def run(engine, schedule, aborts=None):
+def run(engine, schedule, aborts=None, params=params):
     """schedule: {step: [prompt index, ...]}; returns per prompt index: tokens, codes, audio, finish."""
     aborts = aborts or {}
     ids, results, step = {}, {}, 0

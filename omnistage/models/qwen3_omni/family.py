@@ -31,7 +31,14 @@ from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalke
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
-from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor, media_data, thinker_media
+from omnistage.models.qwen3_omni.mrope import MediaSpan
+from omnistage.models.qwen3_omni.processor import (
+    MediaItem,
+    Qwen3OmniInputProcessor,
+    ThinkerMedia,
+    media_data,
+    thinker_media,
+)
 from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel, TalkerStageModel, ThinkerStageModel
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import (
@@ -74,6 +81,7 @@ class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
     architectures = ("Qwen3OmniMoeForConditionalGeneration",)
     preset_file = "qwen3_omni.yaml"
+    wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
         "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
         "talker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
