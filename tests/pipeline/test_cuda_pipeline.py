@@ -64,3 +64,17 @@ def test_cuda_graph_runner_survives_an_abort_and_frees_everything(tiny_ckpt, cpu
     assert got[1]["finish"] == "abort"
     assert_all_free(eng)
     assert eng.orchestrator.stages["talker"].runner.stats.replays > 0
+
+
+def test_stage_workers_on_mixed_devices_match_the_cpu_run(tiny_ckpt, cpu_run):
+    """Thinker and Talker workers on the GPU, Code2Wav on the CPU: the hand-offs cross processes and devices
+    (the API process has no device) and every output equals the in-process CPU run."""
+    stages = {"thinker": {"devices": "0", "threads": 1}, "talker": {"devices": "cuda", "threads": 1},
+              "code2wav": {"devices": "cpu", "threads": 1}}
+    eng = OmniEngine(EngineArgs(str(tiny_ckpt), device="cuda"),
+                     load_pipeline_config("qwen3_omni", {"distributed_executor_backend": "mp", "stages": stages}))
+    try:
+        got = run(eng, {0: [1], 2: [0], 5: [2]})
+        assert_same(got, cpu_run, range(len(PROMPTS)))
+    finally:
+        eng.shutdown()
