@@ -116,12 +116,17 @@ class CodePredictorModel(nn.Module):
         self.num_positions = cfg.num_code_groups
         self.layers = nn.ModuleList(DecoderLayer(d, i) for i in range(d.num_layers))
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.rotary = RotaryEmbedding(d.head_dim, d.rope_theta)
+        # Rotary tables of the frame's Q positions, computed once in float32 (the values a per-pass
+        # computation gives): a compiled graph indexes them instead of computing cos/sin with its own
+        # kernels, whose last bits differ from eager torch's.
+        cos, sin = RotaryEmbedding(d.head_dim, d.rope_theta)(torch.arange(cfg.num_code_groups), torch.float32)
+        self.rope_cos = nn.Buffer(cos, persistent=False)
+        self.rope_sin = nn.Buffer(sin, persistent=False)
         self.codec_embedding = StackedTables(cfg.num_code_groups - 1, cfg.vocab_size, d.hidden_size)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: _FrameCache) -> torch.Tensor:
         """h: [B, T, H] rows at ``positions`` [T] (a tensor: the same code for every pass) -> normed [B, T, H]."""
-        cos, sin = self.rotary(positions, h.dtype)
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
         slots = torch.arange(self.num_positions, device=h.device)
         mask = slots[None, :] <= positions[:, None]  # [T, Q]: causal over the frame's positions
         for i, layer in enumerate(self.layers):
@@ -143,13 +148,31 @@ def pick_residual_codes(
     if sampled is None or noise is None:
         return best
     top, ids = logits.topk(noise.shape[-1], dim=-1)  # sorted, descending
+    kept = _top_p_op(top) if torch.compiler.is_compiling() else top_p_probs(top)
+    drawn = ids.gather(-1, (kept / noise).argmax(-1, keepdim=True))[:, 0]
+    return torch.where(sampled, drawn, best)
+
+
+def top_p_probs(top: torch.Tensor) -> torch.Tensor:
+    """Sorted top-k logits [B, k] -> probabilities of the smallest prefix whose mass reaches top-p (the first
+    candidate always survives), renormalised; 0 for the dropped candidates."""
     probs = top.softmax(-1)
-    # Keep the smallest prefix whose mass reaches top-p (the first candidate always survives).
     drop = (probs.cumsum(-1) - probs) >= RESIDUAL_TOP_P
     drop[:, 0] = False
     kept = probs.masked_fill(drop, 0.0)
-    drawn = ids.gather(-1, (kept / kept.sum(-1, keepdim=True) / noise).argmax(-1, keepdim=True))[:, 0]
-    return torch.where(sampled, drawn, best)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+# In a compiled frame the softmax and sums run as one opaque op with the eager body: inductor's own
+# reductions add in another order, and a last-bit difference could change a draw.
+@torch.library.custom_op("omnistage::residual_top_p", mutates_args=())
+def _top_p_op(top: torch.Tensor) -> torch.Tensor:
+    return top_p_probs(top)
+
+
+@_top_p_op.register_fake
+def _(top: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(top)
 
 
 def draw_residual_noise(
