@@ -30,6 +30,7 @@ from omnistage.pipeline.stage import Stage, StepEvents
 from omnistage.runner.ar_runner import ARRunner
 from omnistage.runner.generation_runner import GenerationRunner
 from omnistage.runner.graph_runner import CUDAGraphARRunner, GraphRunnerConfig
+from omnistage.runtime_env import configure_allocator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,6 +98,8 @@ class OmniEngine:
         self.pipeline = family_cls.validate_pipeline(pipeline)
         runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
         self.family = family_cls(args.model)
+        # Once per process, before the models allocate: freed large blocks stay for reuse (runtime_env).
+        configure_allocator()
         faults = FaultInjector.from_env()
         stages = {name: build_stage(self.family, self.pipeline.stage(name), runners[name], args, faults)
                   for name in self.pipeline.order}

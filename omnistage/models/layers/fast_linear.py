@@ -1,8 +1,8 @@
 """The ``fast`` kernel option: linear layers through oneDNN with weights packed once at load.
 
 At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs each weight matrix on every
-call; oneDNN reading a weight already in its blocked layout streams it up to ~2x faster (measured in
-``benchmarks/gemm_kernels.py``). The price in float32 is a different summation order than the default
+call; oneDNN reading a weight already in its blocked layout streams it up to ~2x faster (measured on
+this machine's AMD EPYC at 1-2 threads, issue 10). The price in float32 is a different summation order than the default
 GEMM's (and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a
 different greedy token than the reference. That is why it is an option (``fast=True``), not the default.
 In bfloat16 the default CPU GEMM already is oneDNN and packing gives the same bits.
@@ -13,6 +13,8 @@ loaders are unchanged); the packed copies are extra, non-persistent buffers, so 
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +38,16 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torc
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
+@torch.library.custom_op("omnistage::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times a ``pack_weight`` result. An opaque op to ``torch.compile``: inductor calls it as
+    is (its own oneDNN fusion passes do not handle the pre-packed weight)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 class PackedLinear(nn.Linear):
@@ -66,3 +76,14 @@ def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) ->
         elif hasattr(sub, "pack_weights") and callable(sub.pack_weights):
             count += sub.pack_weights(batch_hint)
     return count
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def fast_kernels(module: M, fast: bool) -> M:
+    """A model family's ``fast`` build option (``BuildContext.fast``) for one loaded module: its linear
+    weights packed when ``fast``, untouched otherwise. Returns the module."""
+    if fast:
+        pack_linear_weights(module)
+    return module
