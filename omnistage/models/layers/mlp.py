@@ -6,12 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.compiled import eager_in_graphs
 from omnistage.models.layers.fused import fuse_parts, stacked_rows
 
 
 def check_activation(name: str) -> None:
     if name != "silu":
         raise ValueError(f"hidden_act {name!r} is not supported (only 'silu')")
+
+
+@eager_in_graphs("swiglu")
+def swiglu(gate_up: torch.Tensor, size: int) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2 * size] gate/up product (gate first)."""
+    gate, up = gate_up.split(size, dim=-1)
+    return F.silu(gate) * up
 
 
 class GatedMLP(nn.Module):
@@ -34,8 +42,7 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x), self.intermediate_size))
 
 
 class ResizeMLP(nn.Module):

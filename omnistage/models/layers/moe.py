@@ -18,7 +18,7 @@ from torch import nn
 
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear
 from omnistage.models.layers.fused import fuse_parts
-from omnistage.models.layers.mlp import GatedMLP
+from omnistage.models.layers.mlp import GatedMLP, swiglu
 
 
 def _grouped_mm_available() -> bool:
@@ -60,8 +60,7 @@ class StackedExperts(nn.Module):
         return F.linear(self._swiglu(F.linear(x, self.gate_up_proj[expert_id])), self.down_proj[expert_id])
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.silu(gate) * up
+        return swiglu(gate_up, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
         """x: [S, H] rows sorted by expert; counts: [E] rows per expert -> [S, H] expert outputs.

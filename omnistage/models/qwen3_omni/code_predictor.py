@@ -29,7 +29,7 @@ from torch import nn
 from torch._higher_order_ops.scan import scan
 
 from omnistage.models.layers.attention import AttendFn
-from omnistage.models.layers.compiled import LazyCompiled
+from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
@@ -148,11 +148,13 @@ def pick_residual_codes(
     if sampled is None or noise is None:
         return best
     top, ids = logits.topk(noise.shape[-1], dim=-1)  # sorted, descending
-    kept = _top_p_op(top) if torch.compiler.is_compiling() else top_p_probs(top)
+    kept = top_p_probs(top)
     drawn = ids.gather(-1, (kept / noise).argmax(-1, keepdim=True))[:, 0]
     return torch.where(sampled, drawn, best)
 
 
+# Softmax and sums keep their eager numerics in a compiled frame: a last-bit difference could change a draw.
+@eager_in_graphs("residual_top_p")
 def top_p_probs(top: torch.Tensor) -> torch.Tensor:
     """Sorted top-k logits [B, k] -> probabilities of the smallest prefix whose mass reaches top-p (the first
     candidate always survives), renormalised; 0 for the dropped candidates."""
@@ -163,16 +165,10 @@ def top_p_probs(top: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
-# In a compiled frame the softmax and sums run as one opaque op with the eager body: inductor's own
-# reductions add in another order, and a last-bit difference could change a draw.
-@torch.library.custom_op("omnistage::residual_top_p", mutates_args=())
-def _top_p_op(top: torch.Tensor) -> torch.Tensor:
-    return top_p_probs(top)
-
-
-@_top_p_op.register_fake
-def _(top: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(top)
+@eager_in_graphs("code_embedding_sum")
+def embedding_sum(embeds: torch.Tensor) -> torch.Tensor:
+    """[B, Q, H] -> [B, H]: one reduction over the frame's code embeddings (the reference's order)."""
+    return embeds.sum(dim=1)
 
 
 def draw_residual_noise(
@@ -265,7 +261,7 @@ class CodePredictor(nn.Module):
             codes.append(picked)
             embeds.append(self.embed_group(picked, group))
         # One stacked sum (not a running sum): the same reduction the reference uses, so float32 bits agree.
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)
+        return torch.stack(codes, dim=1), embedding_sum(torch.stack(embeds, dim=1))
 
     def _frame(
         self,
@@ -287,7 +283,7 @@ class CodePredictor(nn.Module):
         first = pick_residual_codes(self.logits(h, 1), sampled, noise[:, 0])
         first_embed = self.embed_group(first, 1)
         if self.num_code_groups == 2:
-            return first[:, None], torch.stack((code0_embed, first_embed), dim=1).sum(dim=1)
+            return first[:, None], embedding_sum(torch.stack((code0_embed, first_embed), dim=1))
         layers = len(cache.k)
 
         def body(carry, xs):
@@ -304,7 +300,7 @@ class CodePredictor(nn.Module):
         steps = (self.lm_head.weight[1:], self.model.codec_embedding.weight[1:], noise.transpose(0, 1)[1:])
         _, (codes, embeds) = loop(body, start, steps)  # codes [Q-2, B], embeds [Q-2, B, H]
         all_embeds = torch.cat((code0_embed[:, None], first_embed[:, None], embeds.transpose(0, 1)), dim=1)
-        return torch.cat((first[:, None], codes.transpose(0, 1)), dim=1), all_embeds.sum(dim=1)
+        return torch.cat((first[:, None], codes.transpose(0, 1)), dim=1), embedding_sum(all_embeds)
 
     def complete_frames(
         self,
