@@ -13,7 +13,8 @@ Two entry points share that loop:
   settings (top-k 50, top-p 0.8, temperature 1) from exponential noise drawn up front from the request's own
   generator — the same number of draws per frame whatever the batch, so a request's random stream never
   depends on its batch mates. With the noise fixed, the whole frame (all Q-1 passes and picks) is one pure
-  function of tensors, which ``frame_compiler`` compiles into one graph per batch bucket.
+  function of tensors, which ``frame_compiler`` compiles into one graph for every batch size (the batch
+  dimension is symbolic); norms, activations and sums keep their eager bits in it (``eager_in_graphs``).
 """
 
 from __future__ import annotations
