@@ -321,11 +321,26 @@ class CodePredictor(nn.Module):
             raise ValueError(f"{len(generators)} generators for {batch} rows")
         sampled, noise = draw_residual_noise(generators, self.num_code_groups - 1, self.top_k, talker_hidden.device)
         args = [talker_hidden, code0_embed.to(talker_hidden.dtype), sampled, noise]
-        if batch == 1:
-            args = [torch.cat((a, a.new_ones(1, *a.shape[1:]) if a is noise else a.new_zeros(1, *a.shape[1:])))
-                    for a in args]
-        residual, embed_sum = self.frame_compiler(*args)
+        with torch.inference_mode():
+            if batch == 1:
+                args = [torch.cat((a, a.new_ones(1, *a.shape[1:]) if a is noise else a.new_zeros(1, *a.shape[1:])))
+                        for a in args]
+            # Every input an inference tensor, whoever made it: dynamo guards on the dispatch keys, so a mix of
+            # inference and normal tensors would compile one graph per combination.
+            args = [a if a.is_inference() else a.clone() for a in args]
+            residual, embed_sum = self.frame_compiler(*args)
         return torch.cat((code0[:, None], residual[:batch]), dim=1), embed_sum[:batch]
+
+    def warm_up(self) -> None:
+        """Compile the frame now (at load) rather than inside the first audio request's step, where every
+        request of the stage would wait for it. No-op when compiling is off or has failed."""
+        if not self.frame_compiler.active or self.frame_compiler.compile_seconds is not None:
+            return
+        # Two separate tensors, as real calls pass: dynamo guards on aliasing and storage offsets, and a shared
+        # or sliced one would compile a graph that real calls never reuse.
+        hidden, code0_embed = (self.lm_head.weight.new_zeros(2, self.cfg.decoder.hidden_size) for _ in range(2))
+        code0 = torch.zeros(2, dtype=torch.long, device=hidden.device)
+        self.complete_frames(hidden, code0, code0_embed, [None, None])
 
     @staticmethod
     def _check(talker_hidden: torch.Tensor, code0: torch.Tensor) -> None:

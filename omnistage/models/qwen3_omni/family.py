@@ -116,7 +116,8 @@ class Qwen3OmniFamily(HFChatFamily):
             embed = nn.Embedding.from_pretrained(table.to(ctx.device))
             with torch.inference_mode():
                 specials = text_specials(talker.eval(), embed, self.ids)
-            return TalkerStageModel(fast_kernels(talker, ctx.fast), self.ids, specials)
+            fast_kernels(talker, ctx.fast).code_predictor.warm_up()
+            return TalkerStageModel(talker, self.ids, specials)
         if part == "code2wav":
             with building(ctx.dtype, ctx.device):
                 code2wav = Code2Wav(self.config.code2wav_config)
