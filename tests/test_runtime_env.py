@@ -55,9 +55,9 @@ def test_allocator_setting_leaves_code2wav_output_unchanged(tiny_ckpt):
     assert applied == str(runtime_env._glibc() is not None)
 
 
-def test_the_engine_applies_the_allocator_setting_at_start(tiny_ckpt, monkeypatch):
+def test_building_a_stage_applies_the_allocator_setting_once(tiny_ckpt, monkeypatch):
     calls = []
     monkeypatch.setattr(runtime_env, "_result", None)
     monkeypatch.setattr(runtime_env, "_glibc", lambda: calls.append(1))  # None: as off glibc
     OmniEngine(EngineArgs(str(tiny_ckpt)))
-    assert calls == [1]
+    assert calls == [1]  # three stages, one process: applied once

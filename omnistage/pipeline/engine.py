@@ -61,6 +61,7 @@ def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
 def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: EngineArgs,
                 faults: FaultInjector | None = None) -> Stage:
     """One stage: its model (built by the family from the checkpoint), scheduler, runner and bridge."""
+    configure_allocator()  # once per process that holds a stage: freed large blocks stay for reuse
     dtype = DTYPES[args.dtype]
     model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast))
     bridge = family.build_bridge(stage.bridge, model, stage.bridge_args) if stage.bridge else None
@@ -98,8 +99,6 @@ class OmniEngine:
         self.pipeline = family_cls.validate_pipeline(pipeline)
         runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
         self.family = family_cls(args.model)
-        # Once per process, before the models allocate: freed large blocks stay for reuse (runtime_env).
-        configure_allocator()
         faults = FaultInjector.from_env()
         stages = {name: build_stage(self.family, self.pipeline.stage(name), runners[name], args, faults)
                   for name in self.pipeline.order}
