@@ -36,7 +36,7 @@ def write_wav(path: str | Path, audio, sample_rate: int) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
 
-    omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device, fast=args.fast)
+    omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device)
     modalities = ["text", "audio"] if args.audio else ["text"]
     info = omni.info
     params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
@@ -85,8 +85,6 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from omnistage.entrypoints.bench import add_bench_arguments
-    from omnistage.entrypoints.server import FAST_HELP, add_serve_arguments
 
     p = sub.add_parser("make-checkpoint", help="write a random Qwen3-Omni or Qwen2.5-Omni checkpoint in the HF format")
     p.add_argument("dir")
@@ -112,8 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seeds the Thinker and, with --audio, the Talker")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--fast", action="store_true", help=FAST_HELP)
     p.set_defaults(func=_generate)
+
+    from omnistage.entrypoints.bench import add_bench_arguments
+    from omnistage.entrypoints.server import add_serve_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(p)

@@ -1016,20 +1016,17 @@ async def _speech_sse(run: _Run) -> AsyncIterator[str]:
 
 
 DEFAULT_MODEL_NAME = "omnistage-tiny"
-FAST_HELP = ("faster CPU kernels (linear layers through oneDNN on packed weights); float rounding differs from "
-             "the reference, so a near-tie can pick another greedy token")
 
 
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
-          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
-          fast: bool = False) -> None:
+          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
     metrics = ServerMetrics()
     omni = AsyncOmni(model, stage_config=stage_config, dtype=dtype, device=device,
-                     max_waiting_requests=max_waiting, on_step=metrics.observe_step, fast=fast)
+                     max_waiting_requests=max_waiting, on_step=metrics.observe_step)
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
@@ -1049,7 +1046,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="name clients pass as `model` (default: dir name)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--fast", action="store_true", help=FAST_HELP)
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help=f"reject (413) larger request bodies (default: {BODY_BYTES_PER_PROMPT_CHAR} bytes per prompt "
                         f"character + {BODY_BYTES_EXTRA >> 20} MiB)")
@@ -1081,5 +1077,5 @@ def serve_from_args(args: argparse.Namespace) -> int:
                         max_video_pixels=args.max_video_pixels, allowed_dir=args.allowed_media_dir)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
-          args.dtype, args.device, limits=limits, fast=args.fast)
+          args.dtype, args.device, limits=limits)
     return 0
