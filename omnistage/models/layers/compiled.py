@@ -2,8 +2,8 @@
 
 Small-batch decoding on CPU spends much of its time dispatching small ops one by one; ``torch.compile``
 turns a loop of them into a few fused kernels. Compiling takes tens of seconds, so it happens on the first
-call, never at import or build time, and can be turned off: ``OMNISTAGE_COMPILE=0`` in the environment, or
-``enabled=False``. If compiling fails (no C++ compiler, an unsupported op), the failure is logged once and
+call (which a model may make with dummy inputs when it loads, never at import), and can be turned off:
+``OMNISTAGE_COMPILE=0`` in the environment, or ``enabled=False``. If compiling fails (no C++ compiler, an unsupported op), the failure is logged once and
 the eager function serves every later call: the results are the same function's.
 """
 
