@@ -37,6 +37,7 @@ from omnistage.pipeline.stage import Stage, StepEvents
 from omnistage.runner.ar_runner import ARRunner
 from omnistage.runner.generation_runner import GenerationRunner
 from omnistage.runner.graph_runner import CUDAGraphARRunner, GraphRunnerConfig
+from omnistage.runtime_env import configure_allocator
 
 logger = logging.getLogger("omnistage.engine")
 WORKER_POLL_S = 0.05
@@ -76,6 +77,7 @@ def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
 def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: EngineArgs,
                 faults: FaultInjector | None = None) -> Stage:
     """One stage: its model (built by the family from the checkpoint), scheduler, runner and bridge."""
+    configure_allocator()  # once per process that holds a stage: freed large blocks stay for reuse
     dtype = DTYPES[args.dtype]
     model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast))
     bridge = family.build_bridge(stage.bridge, model, stage.bridge_args) if stage.bridge else None
