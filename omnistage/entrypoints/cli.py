@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device,
-                distributed_executor_backend=args.distributed_executor_backend)
+                distributed_executor_backend=args.distributed_executor_backend, fast=args.fast)
     modalities = ["text", "audio"] if args.audio else ["text"]
     info = omni.info
     params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     from omnistage.entrypoints.bench import add_bench_arguments
-    from omnistage.entrypoints.server import add_backend_argument, add_serve_arguments
+    from omnistage.entrypoints.server import add_engine_arguments, add_serve_arguments
 
-    add_backend_argument(p)
+    add_engine_arguments(p)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(p)

@@ -1022,14 +1022,14 @@ DEFAULT_MODEL_NAME = "omnistage-tiny"
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
-          distributed_executor_backend: str | None = None) -> None:
+          distributed_executor_backend: str | None = None, fast: bool = False) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
     metrics = ServerMetrics()
     omni = AsyncOmni(model, stage_config=stage_config, dtype=dtype, device=device,
                      max_waiting_requests=max_waiting, on_step=metrics.observe_step,
-                     distributed_executor_backend=distributed_executor_backend)
+                     distributed_executor_backend=distributed_executor_backend, fast=fast)
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
@@ -1085,13 +1085,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of one client event (default: %(default)s)")
     r.add_argument("--realtime-idle-timeout-s", type=float, default=d.idle_timeout_s,
                    help="close a session that sends nothing this long while no response runs (default: %(default)s)")
-    add_backend_argument(p)
+    add_engine_arguments(p)
 
 
-def add_backend_argument(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``serve`` and ``generate``."""
     p.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default=None,
                    help="inproc: every stage in this process; mp: one worker process per stage; ray: one Ray actor "
                         "per stage (default: the stage config's, else inproc)")
+    p.add_argument("--fast", action="store_true",
+                   help="faster CPU kernels (oneDNN on weights packed at load, twice the weight memory) whose float "
+                        "rounding differs from the reference: a near-tie may pick another greedy token")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -1108,5 +1112,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media,
                           realtime=realtime)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
-          args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend)
+          args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
+          fast=args.fast)
     return 0
