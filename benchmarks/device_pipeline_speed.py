@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--talker-tokens", type=int, default=143)
     ap.add_argument("--hf-requests", type=int, default=1)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="omnistage's (transformers "
+                    "runs float32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
@@ -98,14 +100,14 @@ def main() -> None:
                                      args.device)
     del hf
     print(f"device={args.device} ({torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}) "
-          f"threads={args.threads} model={args.preset} thinker_tokens={args.thinker_tokens} "
+          f"threads={args.threads} model={args.preset} dtype={args.dtype} thinker_tokens={args.thinker_tokens} "
           f"talker_tokens={args.talker_tokens}")
     print(f"transformers one at a time: {haudio / hwall:.2f} audio s/s, end-to-end {hlat:.2f} s per request")
     print(f"{'runner':>10} {'N':>3} | {'aud s/s':>8} {'TTFA s':>7} {'x thru':>6} {'TTFA/E2E':>8}")
     outputs: dict[tuple[str, int], dict] = {}
     for runner in ("eager", "cuda_graph"):
         sched = {"max_num_seqs": max(args.concurrency)}
-        engine = OmniEngine(EngineArgs(model, device=args.device), load_pipeline_config("qwen3_omni", {
+        engine = OmniEngine(EngineArgs(model, dtype=args.dtype, device=args.device), load_pipeline_config("qwen3_omni", {
             "runner": runner, "stages": {s: {"scheduler": sched} for s in ("thinker", "talker", "code2wav")}}))
         run(engine, prompts(2), 4, 8, args.device)  # warm-up (and graph capture)
         for n in args.concurrency:
