@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.layers.attention import QKNormAttention
+from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig
 from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
@@ -27,7 +27,7 @@ def _seeded(module: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.n
 
 
 def test_fused_projections_load_and_save_under_checkpoint_names():
-    attn = QKNormAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, bias=True)
+    attn = SelfAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, qkv_bias=True, o_bias=True)
     names = set(attn.state_dict())
     assert {"q_proj.weight", "k_proj.bias", "v_proj.weight", "o_proj.weight"} <= names
     assert not any(n.startswith("qkv_proj") for n in names)

@@ -1,4 +1,5 @@
-"""Self-attention with per-head q/k RMSNorm and rotary embedding (Qwen3 style).
+"""Self-attention with rotary embedding: Qwen3's (per-head q/k RMSNorm, biases on every projection or none)
+and Qwen2's (no q/k norm, biased q/k/v, unbiased output) are the same module with other options.
 
 The module only projects, normalises and rotates; the caller supplies ``attend(q, k, v, scale)`` so the same
 weights serve the paged KV cache of the big decoders and the small contiguous cache of the code predictor.
@@ -21,7 +22,7 @@ from omnistage.models.layers.rotary import apply_rotary
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-class QKNormAttention(nn.Module):
+class SelfAttention(nn.Module):
     def __init__(
         self,
         hidden_size: int,
@@ -29,7 +30,9 @@ class QKNormAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         rms_norm_eps: float,
-        bias: bool = False,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = True,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -39,11 +42,11 @@ class QKNormAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.split_sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
-        self.qkv_proj = nn.Linear(hidden_size, sum(self.split_sizes), bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm = RMSNorm(head_dim, rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, rms_norm_eps)
-        for kind in ("weight", "bias") if bias else ("weight",):
+        self.qkv_proj = nn.Linear(hidden_size, sum(self.split_sizes), bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        for kind in ("weight", "bias") if qkv_bias else ("weight",):
             names = tuple(f"{p}_proj.{kind}" for p in "qkv")
             fuse_parts(self, f"qkv_proj.{kind}", stacked_rows(names, self.split_sizes))
 
@@ -53,8 +56,10 @@ class QKNormAttention(nn.Module):
         """x: [..., hidden]; cos/sin: [..., head_dim] -> [..., hidden]."""
         lead = x.shape[:-1]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = self.q_norm(q.reshape(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(*lead, self.num_kv_heads, self.head_dim))
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)

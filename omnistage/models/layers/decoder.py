@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata, paged_attention
-from omnistage.models.layers.attention import AttendFn, QKNormAttention
+from omnistage.models.layers.attention import AttendFn, SelfAttention
 from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
@@ -18,7 +18,8 @@ from omnistage.models.layers.rotary import RotaryEmbedding, rope_theta
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """Shape of a Qwen3(-MoE) decoder. ``sparse_layers`` lists the layers whose MLP is a mixture of experts."""
+    """Shape of a Qwen3(-MoE) decoder, or a Qwen2 one (``qk_norm=False``, biased q/k/v only). ``sparse_layers``
+    lists the layers whose MLP is a mixture of experts."""
 
     hidden_size: int
     num_layers: int
@@ -28,7 +29,9 @@ class DecoderConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = True
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -93,7 +96,8 @@ class DecoderConfig:
             intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=rope_theta(cfg),
-            attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+            o_bias=bool(getattr(cfg, "attention_bias", False)),
             num_experts=num_experts,
             num_experts_per_tok=getattr(cfg, "num_experts_per_tok", 0) or 0,
             moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) or 0,
@@ -117,13 +121,15 @@ def paged_attend(kv_cache: torch.Tensor, meta: AttentionMetadata) -> AttendFn:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = QKNormAttention(
+        self.self_attn = SelfAttention(
             cfg.hidden_size,
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.rms_norm_eps,
-            cfg.attention_bias,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm,
         )
         self.mlp: nn.Module
         if layer_idx in cfg.sparse_layers:
