@@ -2,78 +2,133 @@
 
 Same checkpoint, prompts and thread count in one process. omnistage gets N requests at once; transformers
 runs them one at a time (its generate serves one request's audio per call). Reports text tokens/s, audio
-seconds per wall second, time to first audio chunk, real-time factor (wall / audio seconds), and ratios.
+seconds per wall second, time to first audio chunk, real-time factor (wall / audio seconds), audio seconds
+per CPU second (the work measure when other processes share the cores), the ratios, and whether
+omnistage's answer tokens and codec codes equal transformers' for the requests both ran (Qwen3-Omni,
+float32). Then, per concurrency, where the time went: per stage (its steps) and per component (Thinker,
+Talker, code predictor, Code2Wav, sampler, engine overhead = the rest of the wall time), each with its
+achieved GFLOP/s and GB/s, the machine's bound for its work (measured GEMM and read peaks, roofline.py)
+and transformers' time for the same part.
 
-    python benchmarks/pipeline_bench.py --preset small --concurrency 1 4 16 --threads 2
+    python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --hf-requests 16
+    python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --dtype bfloat16
     python -m benchmarks.pipeline_bench --family qwen2_5_omni --preset small --concurrency 16 \
         --hf-requests 1 --hf-thinker-tokens 8 --hf-talker-tokens 32
 
 Qwen2.5-Omni's reference is slow on CPU (its Token2Wav re-runs the speaker encoder at every ODE evaluation):
 --hf-thinker-tokens / --hf-talker-tokens give transformers shorter requests (same ratio of text to codes)
-without changing what omnistage runs.
+without changing what omnistage runs (no token comparison then).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from benchmarks.roofline import (
+    DecoderShape,
+    Peaks,
+    code2wav_work,
+    code_predictor_work,
+    count_flops,
+    decoder_forward_work,
+    logits_work,
+    measure_peaks,
+)
+from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 
+CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
 
-def run_omnistage(engine, texts, thinker_tokens, talker_tokens):
+
+@dataclass
+class Run:
+    wall: float
+    cpu: float  # process CPU seconds
+    tokens: int
+    audio_s: float
+    latency: float  # median: time to first audio (omnistage) or end-to-end (transformers)
+    outputs: list[tuple[list[int], torch.Tensor | None]] | None  # per request: answer tokens, codes [Q, T]
+
+
+def run_omnistage(engine, texts, thinker_tokens, talker_tokens) -> Run:
     from omnistage import SamplingParams
 
     params = {
         "thinker": SamplingParams(temperature=0.0, max_tokens=thinker_tokens, min_tokens=thinker_tokens),
         "talker": SamplingParams(temperature=0.0, max_tokens=talker_tokens, repetition_penalty=1.0),
     }
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     start, first_audio, tokens, samples = {}, {}, 0, 0
+    outputs: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     for t in texts:
         rid = engine.add_request(t, ["text", "audio"], params)
         start[rid] = time.perf_counter()
+        outputs[rid] = ([], [])
     done = set()
     while len(done) < len(texts):
         for d in engine.step():
             tokens += len(d.new_token_ids)
+            outputs[d.req_id][0].extend(d.new_token_ids)
+            if d.codes is not None:
+                outputs[d.req_id][1].append(d.codes)
             if d.audio is not None:
                 samples += d.audio.numel()
                 first_audio.setdefault(d.req_id, time.perf_counter() - start[d.req_id])
             if d.finished:
                 done.add(d.req_id)
-    wall = time.perf_counter() - t0
-    return wall, tokens, samples / engine.info.sample_rate, statistics.median(first_audio.values())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    results = [(toks, torch.cat(codes, dim=1) if codes else None) for toks, codes in outputs.values()]
+    return Run(wall, cpu, tokens, samples / engine.info.sample_rate, statistics.median(first_audio.values()),
+               results)
 
 
-def run_hf(hf, tok, texts, thinker_tokens, talker_tokens, sample_rate):
-    wall, samples, latencies, tokens = 0.0, 0, [], 0
-    for x in hf_inputs(tok, texts):
-        t0 = time.perf_counter()
-        seq, wav = hf.generate(x, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
-                               thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=hf.config.im_end_token_id,
-                               talker_max_new_tokens=talker_tokens, talker_do_sample=False,
-                               talker_repetition_penalty=1.0)
-        dt = time.perf_counter() - t0
-        wall += dt
-        latencies.append(dt)
-        samples += wav.numel()
-        tokens += seq.shape[1] - x.shape[1]
-    return wall, tokens, samples / sample_rate, statistics.median(latencies)
+def run_hf(hf, tok, eos_ids, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
+    """transformers one request at a time; ``eos_ids``: the engine's stop ids, so that min_new_tokens bans
+    the same ids as omnistage's min_tokens. The codes are caught on their way into Code2Wav."""
+    wall, samples, latencies, tokens, results = 0.0, 0, [], 0, []
+    captured = {}
+    original = hf.code2wav.chunked_decode
+
+    def catch_codes(codes, **kw):
+        captured["codes"] = codes[0].clone()
+        return original(codes, **kw)
+
+    hf.code2wav.chunked_decode = catch_codes
+    c0 = time.process_time()
+    try:
+        for x in hf_inputs(tok, texts):
+            t0 = time.perf_counter()
+            seq, wav = hf.generate(x, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
+                                   thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=list(eos_ids),
+                                   talker_max_new_tokens=talker_tokens, talker_do_sample=False,
+                                   talker_repetition_penalty=1.0)
+            dt = time.perf_counter() - t0
+            wall += dt
+            latencies.append(dt)
+            samples += wav.numel()
+            tokens += seq.shape[1] - x.shape[1]
+            results.append((seq[0, x.shape[1]:].tolist(), captured.pop("codes", None)))
+    finally:
+        del hf.code2wav.chunked_decode  # back to the class's method
+    return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), results)
 
 
-def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample_rate):
+def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
     """transformers' Qwen2.5-Omni, one request at a time, on the prompt ids omnistage renders (with its speech
     system prompt); the Talker's EOS ids are the checkpoint's (generate's defaults are the released model's)."""
     from omnistage.testing.qwen2_5_omni.reference import explicit_talker_mask
 
     tc = hf.config.talker_config
     wall, samples, latencies, tokens = 0.0, 0, [], 0
+    c0 = time.process_time()
     for text in texts:
         x = torch.tensor([engine.render_prompt(text).token_ids])
         t0 = time.perf_counter()
@@ -88,7 +143,120 @@ def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample
         latencies.append(dt)
         samples += wav.numel()
         tokens += seq.shape[1] - x.shape[1]
-    return wall, tokens, samples / sample_rate, statistics.median(latencies)
+    return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), None)
+
+
+def same_output(ours, theirs) -> bool:
+    """Answer tokens (transformers may append the EOS that ended its answer) and every codec code."""
+    (tok_a, codes_a), (tok_b, codes_b) = ours, theirs
+    if tok_a != tok_b[: len(tok_a)] or len(tok_b) - len(tok_a) > 1:
+        return False
+    if codes_a is None or codes_b is None:
+        return codes_a is None and codes_b is None
+    return codes_a.shape == codes_b.shape and torch.equal(codes_a, codes_b)
+
+
+def parity_cell(ours: Run, theirs: Run, comparable: bool) -> str:
+    if not comparable or ours.outputs is None or theirs.outputs is None:
+        return "n/a"
+    n = min(len(ours.outputs), len(theirs.outputs))
+    return f"{sum(same_output(ours.outputs[i], theirs.outputs[i]) for i in range(n))}/{n}"
+
+
+# ---- timers ------------------------------------------------------------------------------------------
+def attach_stage_timers(engine) -> StageTimers:
+    """Every stage's whole step (scheduler, runner, model, sampler, its own output building)."""
+    timers = StageTimers()
+    for name, stage in engine.orchestrator.stages.items():
+        timers.attach(stage, "step", name)
+    return timers
+
+
+def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
+    """Each stage's model calls, the Talker's code predictor and the AR sampler (these never nest). Work
+    models (for the bound) where the model's shape is known: Qwen3-Omni's decoders and Code2Wav."""
+    import omnistage.runner.ar_runner as ar_runner
+    from omnistage.models.layers.decoder import DecoderConfig
+
+    timers = StageTimers()
+    for name, stage in engine.orchestrator.stages.items():
+        model = stage.runner.model
+        if hasattr(model, "forward_batch"):  # a generation stage
+            work = None
+            if hasattr(model, "code2wav"):
+                c2w = model.code2wav
+                probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long,
+                                    device=c2w.code_embedding.weight.device)
+                weight_bytes = sum(p.numel() * p.element_size() for p in c2w.parameters())
+                work = code2wav_work(count_flops(c2w, probe) / 50, weight_bytes)
+            timers.attach(model, "forward_batch", name, work)
+            continue
+        part = getattr(model, name, None)  # Qwen3-Omni: ThinkerStageModel.thinker, TalkerStageModel.talker
+        cfg = getattr(part, "cfg", None)
+        shape = DecoderShape.from_config(cfg, dtype) if isinstance(cfg, DecoderConfig) else None
+        timers.attach(model, "forward", name, decoder_forward_work(shape) if shape else None)
+        timers.attach(model, "compute_logits", name,
+                      logits_work(cfg.hidden_size, part.vocab_size, dtype) if shape else None)
+        predictor = getattr(part, "code_predictor", None)
+        if predictor is not None:
+            cp_shape = DecoderShape.from_config(predictor.cfg.decoder, dtype)
+            timers.attach(part, "predict_codes", CODE_PREDICTOR,
+                          code_predictor_work(cp_shape, predictor.cfg.vocab_size, predictor.num_code_groups))
+    timers.attach(ar_runner, "sample", SAMPLER)
+    return timers
+
+
+def attach_hf_timers(hf, family: str) -> StageTimers:
+    timers = StageTimers()
+    timers.attach(hf.thinker, "forward", "thinker")
+    timers.attach(hf.talker, "forward", "talker")
+    if family == "qwen2_5_omni":
+        timers.attach(hf.token2wav, "forward", "token2wav")
+    else:
+        # Called from the talker's prepare_inputs_for_generation, not from its forward: no nesting.
+        timers.attach(hf.talker.code_predictor, "generate", CODE_PREDICTOR)
+        timers.attach(hf.code2wav, "forward", "code2wav")
+    return timers
+
+
+# ---- tables ------------------------------------------------------------------------------------------
+def stage_table(wall: float, stages: dict[str, Component]) -> list[str]:
+    lines = [f"    {'stage':<16} {'step s':>8} {'share':>6} {'steps':>6} {'ms/step':>8}"]
+    for name, c in stages.items():
+        lines.append(f"    {name:<16} {c.seconds:>8.2f} {c.seconds / wall:>6.1%} {c.calls:>6} "
+                     f"{1e3 * c.seconds / max(c.calls, 1):>8.1f}")
+    between = wall - sum(c.seconds for c in stages.values())
+    lines.append(f"    {'between steps':<16} {between:>8.2f} {between / wall:>6.1%}  (routing, bridges, deltas)")
+    return lines
+
+
+def component_table(wall: float, ours: dict[str, Component], hf_wall: float, hf: dict[str, Component],
+                    hf_scale: float, peaks: Peaks) -> list[str]:
+    """Ours for all N requests next to transformers' time for the same part, scaled to N requests."""
+    lines = [f"    {'component':<16} {'ours s':>8} {'share':>6} {'calls':>6} {'GFLOP':>8} {'GB':>7} {'GFLOP/s':>8} "
+             f"{'GB/s':>6} {'bound s':>8} {'bnd/ours':>8} | {'hf s':>8} {'hf/ours':>7}"]
+
+    def hf_cell(seconds: float | None, ours_s: float) -> str:
+        if seconds is None:
+            return f"{'-':>8} {'-':>7}"
+        return f"{seconds:>8.2f} {seconds / ours_s if ours_s else float('nan'):>7.1f}"
+
+    for name, c in ours.items():
+        measured = c.flops or c.bytes
+        work = (f"{c.flops / 1e9:>8.1f} {c.bytes / 1e9:>7.2f} {c.flops / 1e9 / c.seconds if c.seconds else 0:>8.1f} "
+                f"{c.bytes / 1e9 / c.seconds if c.seconds else 0:>6.1f}") if measured else f"{'':>8} {'':>7} {'':>8} {'':>6}"
+        bound = peaks.bound_seconds(c.flops, c.bytes) if measured else None
+        bcells = f"{bound:>8.3f} {bound / c.seconds if c.seconds else 0:>8.1%}" if bound is not None else f"{'-':>8} {'-':>8}"
+        theirs = hf.get(name)
+        lines.append(f"    {name:<16} {c.seconds:>8.2f} {c.seconds / wall:>6.1%} {c.calls:>6} {work} {bcells} | "
+                     f"{hf_cell(theirs.seconds * hf_scale if theirs else None, c.seconds)}")
+    rest = wall - sum(c.seconds for c in ours.values())
+    hf_rest = (hf_wall - sum(c.seconds for c in hf.values())) * hf_scale
+    lines.append(f"    {OVERHEAD:<16} {rest:>8.2f} {rest / wall:>6.1%} {'':>6} {'':>8} {'':>7} {'':>8} {'':>6} "
+                 f"{'':>8} {'':>8} | {hf_cell(hf_rest, rest)}")
+    lines.append(f"    {'total':<16} {wall:>8.2f} {1:>6.0%} {'':>6} {'':>8} {'':>7} {'':>8} {'':>6} {'':>8} {'':>8} | "
+                 f"{hf_cell(hf_wall * hf_scale, wall)}")
+    return lines
 
 
 def main() -> None:
@@ -97,10 +265,16 @@ def main() -> None:
     ap.add_argument("--family", default="qwen3_omni", choices=["qwen3_omni", "qwen2_5_omni"],
                     help="model family of the built --preset checkpoint (a --model dir names its own)")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--thinker-tokens", type=int, default=32)
-    ap.add_argument("--talker-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--thinker-tokens", type=int, default=48)
+    ap.add_argument("--talker-tokens", type=int, default=144, help="codec tokens (frames + 1)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="omnistage's serving dtype (transformers runs float32; tokens compared in float32 only)")
+    ap.add_argument("--fast", action="store_true", help="EngineArgs(fast=True): faster kernels, rounding may differ")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="every stage's batch cap (default: the packaged preset's)")
+    ap.add_argument("--repeats", type=int, default=1, help="omnistage runs per concurrency; the fastest counts")
     ap.add_argument("--hf-requests", type=int, default=2, help="requests transformers runs (one at a time)")
     ap.add_argument("--hf-thinker-tokens", type=int, default=None, help="transformers' (default: --thinker-tokens)")
     ap.add_argument("--hf-talker-tokens", type=int, default=None, help="transformers' (default: --talker-tokens)")
@@ -114,11 +288,13 @@ def main() -> None:
 
     model = resolve_model(args.model, args.preset, args.family)
     family = family_for_checkpoint(model).name
-    top = max(args.concurrency)
-    sched = {"max_num_seqs": top}
     stages = load_pipeline_config(family).order
-    pipeline = load_pipeline_config(family, {"stages": {name: {"scheduler": sched} for name in stages}})
-    engine = OmniEngine(EngineArgs(model), pipeline)
+    overrides = {}
+    if args.max_num_seqs:
+        overrides = {"stages": {name: {"scheduler": {"max_num_seqs": args.max_num_seqs}} for name in stages}}
+    pipeline = load_pipeline_config(family, overrides)
+    engine = OmniEngine(EngineArgs(model, dtype=args.dtype, fast=args.fast), pipeline)
+    dtype = getattr(torch, args.dtype)
     if family == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni.reference import load_hf_reference
 
@@ -126,36 +302,61 @@ def main() -> None:
         reference = functools.partial(run_hf_qwen2_5_omni, hf, engine)
     else:
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
-        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model))
-    run_omnistage(engine, prompts(1), 4, 8)  # warm-up
+        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), engine.family.eos_token_ids)
+    # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
+    for n in sorted(set(args.concurrency)):
+        run_omnistage(engine, prompts(n), 4, 8)
     hf_thinker = args.hf_thinker_tokens or args.thinker_tokens
     hf_talker = args.hf_talker_tokens or args.talker_tokens
+    comparable = dtype == torch.float32 and not args.fast and (hf_thinker, hf_talker) == (
+        args.thinker_tokens, args.talker_tokens)
+    peaks = measure_peaks(dtype)
 
-    print(f"threads={args.threads} model={Path(model).name} ({family}) thinker_tokens={args.thinker_tokens} "
-          f"talker_tokens={args.talker_tokens} transformers: {hf_thinker}/{hf_talker} tokens "
-          f"(audio chunks: {dict(pipeline.stage(stages[-1]).bridge_args)})")
-    # "aud s/cpu s": audio seconds per CPU second of this process, the work measure when the machine is shared
-    # (wall-clock rates then depend on the neighbours' load).
-    print(f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
-          f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
-          f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8}")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    caps = {name: pipeline.stage(name).scheduler.max_num_seqs for name in stages}
+    print(f"cpu={cpu} threads={args.threads} load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
+          f"({family}) dtype={args.dtype} fast={args.fast} max_num_seqs={caps}")
+    print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} transformers: "
+          f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
+          f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
+    print(f"peaks ({args.dtype}, {args.threads} threads): GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
+          f"read {peaks.read_gbps:.1f} GB/s; bound = max(GFLOP / GEMM peak, GB / read peak)")
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
     # on the first --hf-requests prompts, and compare every concurrency against it.
-    cpu = time.process_time()
+    hf_timers = attach_hf_timers(hf, family)
     with torch.no_grad():
-        hwall, htoks, haudio, hlat = reference(prompts(args.hf_requests), hf_thinker, hf_talker,
-                                               engine.info.sample_rate)
-    hcpu = time.process_time() - cpu
+        theirs = reference(prompts(args.hf_requests), hf_thinker, hf_talker, engine.info.sample_rate)
+    hf_timers.detach()
+    stage_timers = attach_stage_timers(engine)
+    timers = attach_component_timers(engine, dtype)
+    header = (f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
+              f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
+              f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
+    rows, breakdowns = [], []
     for n in args.concurrency:
-        texts = prompts(n)
-        cpu = time.process_time()
-        wall, toks, audio_s, ttfa = run_omnistage(engine, texts, args.thinker_tokens, args.talker_tokens)
-        ocpu = time.process_time() - cpu
-        print(f"{n:>3} | {toks / wall:>10.1f} {audio_s / wall:>12.2f} {ttfa:>11.2f} {wall / audio_s:>8.2f} "
-              f"{audio_s / ocpu:>11.3f} | {htoks / hwall:>8.1f} {haudio / hwall:>10.2f} {hlat:>8.2f} "
-              f"{hwall / haudio:>7.2f} {haudio / hcpu:>11.3f} | {(audio_s / wall) / (haudio / hwall):>6.2f} "
-              f"{(audio_s / ocpu) / (haudio / hcpu):>6.2f} {ttfa / hlat:>8.2f}", flush=True)
-
+        best = None
+        for _ in range(args.repeats):
+            timers.reset()
+            stage_timers.reset()
+            run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens)
+            if best is None or run.wall < best[0].wall:
+                best = (run, timers.snapshot(), stage_timers.snapshot())
+        ours, comps, steps = best
+        print(f"N={n}: {ours.wall:.2f} s", flush=True)
+        rows.append(f"{n:>3} | {ours.tokens / ours.wall:>10.1f} {ours.audio_s / ours.wall:>12.2f} "
+                    f"{ours.latency:>11.2f} {ours.wall / ours.audio_s:>8.2f} {ours.audio_s / ours.cpu:>11.3f} | "
+                    f"{theirs.tokens / theirs.wall:>8.1f} {theirs.audio_s / theirs.wall:>10.2f} "
+                    f"{theirs.latency:>8.2f} {theirs.wall / theirs.audio_s:>7.2f} {theirs.audio_s / theirs.cpu:>11.3f} | "
+                    f"{(ours.audio_s / ours.wall) / (theirs.audio_s / theirs.wall):>6.2f} "
+                    f"{(ours.audio_s / ours.cpu) / (theirs.audio_s / theirs.cpu):>6.2f} "
+                    f"{ours.latency / theirs.latency:>8.2f} {parity_cell(ours, theirs, comparable):>10}")
+        breakdowns += [f"where the time went, N={n} (wall {ours.wall:.2f} s): ours for all {n} requests; "
+                       f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",
+                       *stage_table(ours.wall, steps),
+                       *component_table(ours.wall, comps, theirs.wall, hf_timers.components,
+                                        n / args.hf_requests, peaks)]
+    print("\n".join([header, *rows, *breakdowns]))
 
 if __name__ == "__main__":
     main()
