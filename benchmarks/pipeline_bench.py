@@ -200,7 +200,9 @@ def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
         predictor = getattr(part, "code_predictor", None)
         if predictor is not None:
             cp_shape = DecoderShape.from_config(predictor.cfg.decoder, dtype)
-            timers.attach(part, "predict_codes", CODE_PREDICTOR,
+            # The serving path (whole compiled frame) where it exists, else the eager one.
+            serving = "complete_frames" if hasattr(part, "complete_frames") else "predict_codes"
+            timers.attach(part, serving, CODE_PREDICTOR,
                           code_predictor_work(cp_shape, predictor.cfg.vocab_size, predictor.num_code_groups))
     timers.attach(ar_runner, "sample", SAMPLER)
     return timers
@@ -217,6 +219,27 @@ def attach_hf_timers(hf, family: str) -> StageTimers:
         timers.attach(hf.talker.code_predictor, "generate", CODE_PREDICTOR)
         timers.attach(hf.code2wav, "forward", "code2wav")
     return timers
+
+
+def compile_note(engine) -> str:
+    """How the code predictor's frame ran: compiled (and how long the compiling first call took) or eager."""
+    talker = engine.orchestrator.stages.get("talker")
+    part = getattr(talker.runner.model, "talker", None) if talker is not None else None
+    compiler = getattr(getattr(part, "code_predictor", None), "frame_compiler", None)
+    if compiler is None:
+        return "eager (no compiled path)"
+    if not compiler.active:
+        return f"eager ({compiler.failure or 'compiling disabled'})"
+    took = compiler.compile_seconds
+    return f"compiled (first call, compiling included: {'-' if took is None else f'{took:.1f} s'}, in the warm-up)"
+
+
+def allocator_note() -> str:
+    try:
+        from omnistage.runtime_env import configure_allocator
+    except ImportError:
+        return "malloc defaults (no runtime_env)"
+    return str(configure_allocator())  # applied once per process (the engine did it): reports the settings
 
 
 # ---- tables ------------------------------------------------------------------------------------------
@@ -272,6 +295,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="omnistage's serving dtype (transformers runs float32; tokens compared in float32 only)")
     ap.add_argument("--fast", action="store_true", help="EngineArgs(fast=True): faster kernels, rounding may differ")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (OMNISTAGE_COMPILE=0)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="every stage's batch cap (default: the packaged preset's)")
     ap.add_argument("--repeats", type=int, default=1, help="omnistage runs per concurrency; the fastest counts")
@@ -279,6 +303,8 @@ def main() -> None:
     ap.add_argument("--hf-thinker-tokens", type=int, default=None, help="transformers' (default: --thinker-tokens)")
     ap.add_argument("--hf-talker-tokens", type=int, default=None, help="transformers' (default: --talker-tokens)")
     args = ap.parse_args()
+    if args.eager:
+        os.environ["OMNISTAGE_COMPILE"] = "0"
     torch.set_num_threads(args.threads)
 
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
@@ -320,6 +346,7 @@ def main() -> None:
     print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} transformers: "
           f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
           f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
+    print(f"code predictor: {compile_note(engine)}; allocator: {allocator_note()}")
     print(f"peaks ({args.dtype}, {args.threads} threads): GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
           f"read {peaks.read_gbps:.1f} GB/s; bound = max(GFLOP / GEMM peak, GB / read peak)")
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
