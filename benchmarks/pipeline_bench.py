@@ -58,12 +58,15 @@ class Run:
     outputs: list[tuple[list[int], torch.Tensor | None]] | None  # per request: answer tokens, codes [Q, T]
 
 
-def run_omnistage(engine, texts, thinker_tokens, talker_tokens) -> Run:
+def run_omnistage(engine, texts, thinker_tokens, talker_tokens, fixed_speech=True) -> Run:
+    """``fixed_speech``: the Talker runs all ``talker_tokens`` (its EOS banned, as the Thinker's), else it
+    may end at its codec EOS."""
     from omnistage import SamplingParams
 
     params = {
         "thinker": SamplingParams(temperature=0.0, max_tokens=thinker_tokens, min_tokens=thinker_tokens),
-        "talker": SamplingParams(temperature=0.0, max_tokens=talker_tokens, repetition_penalty=1.0),
+        "talker": SamplingParams(temperature=0.0, max_tokens=talker_tokens, repetition_penalty=1.0,
+                                 min_tokens=talker_tokens if fixed_speech else 0),
     }
     t0, c0 = time.perf_counter(), time.process_time()
     start, first_audio, tokens, samples = {}, {}, 0, 0
@@ -90,7 +93,7 @@ def run_omnistage(engine, texts, thinker_tokens, talker_tokens) -> Run:
                results)
 
 
-def run_hf(hf, tok, eos_ids, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
+def run_hf(hf, tok, eos_ids, fixed_speech, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
     """transformers one request at a time; ``eos_ids``: the engine's stop ids, so that min_new_tokens bans
     the same ids as omnistage's min_tokens. The codes are caught on their way into Code2Wav."""
     wall, samples, latencies, tokens, results = 0.0, 0, [], 0, []
@@ -109,6 +112,7 @@ def run_hf(hf, tok, eos_ids, texts, thinker_tokens, talker_tokens, sample_rate) 
             seq, wav = hf.generate(x, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
                                    thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=list(eos_ids),
                                    talker_max_new_tokens=talker_tokens, talker_do_sample=False,
+                                   talker_min_new_tokens=talker_tokens if fixed_speech else 0,
                                    talker_repetition_penalty=1.0)
             dt = time.perf_counter() - t0
             wall += dt
@@ -121,7 +125,7 @@ def run_hf(hf, tok, eos_ids, texts, thinker_tokens, talker_tokens, sample_rate) 
     return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), results)
 
 
-def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
+def run_hf_qwen2_5_omni(hf, engine, fixed_speech, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
     """transformers' Qwen2.5-Omni, one request at a time, on the prompt ids omnistage renders (with its speech
     system prompt); the Talker's EOS ids are the checkpoint's (generate's defaults are the released model's)."""
     from omnistage.testing.qwen2_5_omni.reference import explicit_talker_mask
@@ -136,6 +140,7 @@ def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample
             seq, wav = hf.generate(x, speaker="Chelsie", thinker_max_new_tokens=thinker_tokens,
                                    thinker_min_new_tokens=thinker_tokens, thinker_do_sample=False,
                                    talker_max_new_tokens=talker_tokens, talker_do_sample=False,
+                                   talker_min_new_tokens=talker_tokens if fixed_speech else 0,
                                    talker_repetition_penalty=1.0,
                                    talker_eos_token_id=[tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id])
         dt = time.perf_counter() - t0
@@ -290,7 +295,10 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--thinker-tokens", type=int, default=48)
-    ap.add_argument("--talker-tokens", type=int, default=144, help="codec tokens (frames + 1)")
+    ap.add_argument("--talker-tokens", type=int, default=144,
+                    help="codec tokens per answer: frames + 1, the last one has no residual codes")
+    ap.add_argument("--speech-may-end", action="store_true",
+                    help="the Talker may stop at its codec EOS (default: exactly --talker-tokens, EOS banned)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="omnistage's serving dtype (transformers runs float32)")
@@ -312,6 +320,7 @@ def main() -> None:
     from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
     from omnistage.pipeline.engine import EngineArgs, OmniEngine
 
+    fixed_speech = not args.speech_may_end
     model = resolve_model(args.model, args.preset, args.family)
     family = family_for_checkpoint(model).name
     stages = load_pipeline_config(family).order
@@ -325,10 +334,11 @@ def main() -> None:
         from omnistage.testing.qwen2_5_omni.reference import load_hf_reference
 
         hf = load_hf_reference(model)
-        reference = functools.partial(run_hf_qwen2_5_omni, hf, engine)
+        reference = functools.partial(run_hf_qwen2_5_omni, hf, engine, fixed_speech)
     else:
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
-        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), engine.family.eos_token_ids)
+        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), engine.family.eos_token_ids,
+                                      fixed_speech)
     # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
     for n in sorted(set(args.concurrency)):
         run_omnistage(engine, prompts(n), 4, 8)
@@ -344,11 +354,12 @@ def main() -> None:
     caps = {name: pipeline.stage(name).scheduler.max_num_seqs for name in stages}
     print(f"cpu={cpu} threads={args.threads} load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
           f"({family}) dtype={args.dtype} fast={args.fast} max_num_seqs={caps}")
-    print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} transformers: "
+    print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} "
+          f"({'exactly' if fixed_speech else 'at most'}) transformers: "
           f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
           f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
     print(f"code predictor: {compile_note(engine)}; allocator: {allocator_note()}")
-    print(f"peaks ({args.dtype}, {args.threads} threads): GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
+    print(f"peaks before the runs ({args.dtype}, {args.threads} threads): GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
           f"read {peaks.read_gbps:.1f} GB/s; bound = max(GFLOP / GEMM peak, GB / read peak)")
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
     # on the first --hf-requests prompts, and compare every concurrency against it.
@@ -361,13 +372,13 @@ def main() -> None:
     header = (f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
               f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
               f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
-    rows, breakdowns = [], []
+    rows, measured = [], []
     for n in args.concurrency:
         best = None
         for _ in range(args.repeats):
             timers.reset()
             stage_timers.reset()
-            run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens)
+            run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens, fixed_speech)
             if best is None or run.wall < best[0].wall:
                 best = (run, timers.snapshot(), stage_timers.snapshot())
         ours, comps, steps = best
@@ -379,11 +390,16 @@ def main() -> None:
                     f"{(ours.audio_s / ours.wall) / (theirs.audio_s / theirs.wall):>6.2f} "
                     f"{(ours.audio_s / ours.cpu) / (theirs.audio_s / theirs.cpu):>6.2f} "
                     f"{ours.latency / theirs.latency:>8.2f} {parity_cell(ours, theirs, comparable):>10}")
-        breakdowns += [f"where the time went, N={n} (wall {ours.wall:.2f} s): ours for all {n} requests; "
+        measured.append((n, ours.wall, comps, steps))
+    # Measured again after the runs, the better of the two kept: neighbours' load only ever lowers a peak.
+    peaks = peaks.best(measure_peaks(dtype))
+    breakdowns = [f"peaks, the better of before and after the runs: GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
+                  f"read {peaks.read_gbps:.1f} GB/s; load_avg_1m at the end {os.getloadavg()[0]:.1f}"]
+    for n, wall, comps, steps in measured:
+        breakdowns += [f"where the time went, N={n} (wall {wall:.2f} s): ours for all {n} requests; "
                        f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",
-                       *stage_table(ours.wall, steps),
-                       *component_table(ours.wall, comps, theirs.wall, hf_timers.components,
-                                        n / args.hf_requests, peaks)]
+                       *stage_table(wall, steps),
+                       *component_table(wall, comps, theirs.wall, hf_timers.components, n / args.hf_requests, peaks)]
     print("\n".join([header, *rows, *breakdowns]))
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ class Peaks:
     gemm_gflops: float
     read_gbps: float
 
+    def best(self, other: Peaks) -> Peaks:
+        return Peaks(max(self.gemm_gflops, other.gemm_gflops), max(self.read_gbps, other.read_gbps))
+
     def bound_seconds(self, flops: float, bytes_: float) -> float:
         return max(flops / (self.gemm_gflops * 1e9), bytes_ / (self.read_gbps * 1e9))
 
@@ -41,7 +44,7 @@ def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure_peaks(dtype: torch.dtype, repeats: int = 5, gemm_size: int = 2048, read_mib: int = 256) -> Peaks:
+def measure_peaks(dtype: torch.dtype, repeats: int = 10, gemm_size: int = 2048, read_mib: int = 256) -> Peaks:
     """GEMM GFLOP/s in ``dtype`` and read GB/s, at the current ``torch.get_num_threads()``."""
     a = torch.randn(gemm_size, gemm_size).to(dtype)
     b = torch.randn(gemm_size, gemm_size).to(dtype)
