@@ -10,8 +10,8 @@ Talker, code predictor, Code2Wav, sampler, engine overhead = the rest of the wal
 achieved GFLOP/s and GB/s, the machine's bound for its work (measured GEMM and read peaks, roofline.py)
 and transformers' time for the same part.
 
-    python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --hf-requests 16
-    python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --dtype bfloat16
+    python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --hf-requests 16 \
+        --configs float32 bfloat16 float32-fast
     python -m benchmarks.pipeline_bench --family qwen2_5_omni --preset small --concurrency 16 \
         --hf-requests 1 --hf-thinker-tokens 8 --hf-talker-tokens 32
 
@@ -287,6 +287,39 @@ def component_table(wall: float, ours: dict[str, Component], hf_wall: float, hf:
     return lines
 
 
+@dataclass(frozen=True)
+class Config:
+    """One omnistage configuration of a run: serving dtype and the ``fast`` kernels option."""
+
+    dtype: str
+    fast: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        dtype, _, option = text.partition("-")
+        if dtype not in ("float32", "bfloat16") or option not in ("", "fast"):
+            raise argparse.ArgumentTypeError(f"expected float32, bfloat16, float32-fast or bfloat16-fast, got {text!r}")
+        return cls(dtype, option == "fast")
+
+    def __str__(self) -> str:
+        return self.dtype + ("-fast" if self.fast else "")
+
+
+def throughput_row(label: str, ours: Run, theirs: Run, comparable: bool) -> str:
+    return (f"{label:>18} | {ours.tokens / ours.wall:>10.1f} {ours.audio_s / ours.wall:>12.2f} "
+            f"{ours.latency:>11.2f} {ours.wall / ours.audio_s:>8.2f} {ours.audio_s / ours.cpu:>11.3f} | "
+            f"{theirs.tokens / theirs.wall:>8.1f} {theirs.audio_s / theirs.wall:>10.2f} "
+            f"{theirs.latency:>8.2f} {theirs.wall / theirs.audio_s:>7.2f} {theirs.audio_s / theirs.cpu:>11.3f} | "
+            f"{(ours.audio_s / ours.wall) / (theirs.audio_s / theirs.wall):>6.2f} "
+            f"{(ours.audio_s / ours.cpu) / (theirs.audio_s / theirs.cpu):>6.2f} "
+            f"{ours.latency / theirs.latency:>8.2f} {parity_cell(ours, theirs, comparable):>10}")
+
+
+THROUGHPUT_HEADER = (f"{'config, N':>18} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
+                     f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
+                     f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
@@ -294,15 +327,15 @@ def main() -> None:
                     help="model family of the built --preset checkpoint (a --model dir names its own)")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--configs", type=Config.parse, nargs="+", default=[Config("float32", False)],
+                    help="omnistage configurations, each run against the same transformers run: float32 (default), "
+                         "bfloat16, float32-fast, bfloat16-fast (fast: EngineArgs(fast=True), rounding may differ)")
     ap.add_argument("--thinker-tokens", type=int, default=48)
     ap.add_argument("--talker-tokens", type=int, default=144,
                     help="codec tokens per answer: frames + 1, the last one has no residual codes")
     ap.add_argument("--speech-may-end", action="store_true",
                     help="the Talker may stop at its codec EOS (default: exactly --talker-tokens, EOS banned)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="omnistage's serving dtype (transformers runs float32)")
-    ap.add_argument("--fast", action="store_true", help="EngineArgs(fast=True): faster kernels, rounding may differ")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (OMNISTAGE_COMPILE=0)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="every stage's batch cap (default: the packaged preset's)")
@@ -328,8 +361,15 @@ def main() -> None:
     if args.max_num_seqs:
         overrides = {"stages": {name: {"scheduler": {"max_num_seqs": args.max_num_seqs}} for name in stages}}
     pipeline = load_pipeline_config(family, overrides)
-    engine = OmniEngine(EngineArgs(model, dtype=args.dtype, fast=args.fast), pipeline)
-    dtype = getattr(torch, args.dtype)
+
+    def build(config: Config) -> OmniEngine:
+        engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast), pipeline)
+        # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
+        for n in sorted(set(args.concurrency)):
+            run_omnistage(engine, prompts(n), 4, 8)
+        return engine
+
+    engine = build(args.configs[0])
     if family == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni.reference import load_hf_reference
 
@@ -339,68 +379,70 @@ def main() -> None:
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
         reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), engine.family.eos_token_ids,
                                       fixed_speech)
-    # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
-    for n in sorted(set(args.concurrency)):
-        run_omnistage(engine, prompts(n), 4, 8)
     hf_thinker = args.hf_thinker_tokens or args.thinker_tokens
     hf_talker = args.hf_talker_tokens or args.talker_tokens
-    # Same requests on both sides: compare answers (equality is the contract in float32 without --fast;
-    # bfloat16 and --fast round differently, so their count says how often greedy picks still agree).
+    # Same requests on both sides: compare answers (equality is the contract in float32 without fast;
+    # bfloat16 and fast round differently, so their count says how often greedy picks still agree).
     comparable = (hf_thinker, hf_talker) == (args.thinker_tokens, args.talker_tokens)
-    peaks = measure_peaks(dtype)
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     caps = {name: pipeline.stage(name).scheduler.max_num_seqs for name in stages}
     print(f"cpu={cpu} threads={args.threads} load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
-          f"({family}) dtype={args.dtype} fast={args.fast} max_num_seqs={caps}")
+          f"({family}) max_num_seqs={caps}")
     print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} "
           f"({'exactly' if fixed_speech else 'at most'}) transformers: "
           f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
           f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
-    print(f"code predictor: {compile_note(engine)}; allocator: {allocator_note()}")
-    print(f"peaks before the runs ({args.dtype}, {args.threads} threads): GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
-          f"read {peaks.read_gbps:.1f} GB/s; bound = max(GFLOP / GEMM peak, GB / read peak)")
+    print(f"code predictor: {compile_note(engine)}; allocator: {allocator_note()}", flush=True)
+    dtypes = list(dict.fromkeys(c.dtype for c in args.configs))
+    peaks_before = {d: measure_peaks(getattr(torch, d)) for d in dtypes}
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
-    # on the first --hf-requests prompts, and compare every concurrency against it.
+    # on the first --hf-requests prompts, and compare every configuration and concurrency against it.
     hf_timers = attach_hf_timers(hf, family)
     with torch.no_grad():
         theirs = reference(prompts(args.hf_requests), hf_thinker, hf_talker, engine.info.sample_rate)
     hf_timers.detach()
-    stage_timers = attach_stage_timers(engine)
-    timers = attach_component_timers(engine, dtype)
-    header = (f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
-              f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
-              f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
+    print(f"transformers: {theirs.wall:.2f} s", flush=True)
+
     rows, measured = [], []
-    for n in args.concurrency:
-        best = None
-        for _ in range(args.repeats):
-            timers.reset()
-            stage_timers.reset()
-            run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens, fixed_speech)
-            if best is None or run.wall < best[0].wall:
-                best = (run, timers.snapshot(), stage_timers.snapshot())
-        ours, comps, steps = best
-        print(f"N={n}: {ours.wall:.2f} s", flush=True)
-        rows.append(f"{n:>3} | {ours.tokens / ours.wall:>10.1f} {ours.audio_s / ours.wall:>12.2f} "
-                    f"{ours.latency:>11.2f} {ours.wall / ours.audio_s:>8.2f} {ours.audio_s / ours.cpu:>11.3f} | "
-                    f"{theirs.tokens / theirs.wall:>8.1f} {theirs.audio_s / theirs.wall:>10.2f} "
-                    f"{theirs.latency:>8.2f} {theirs.wall / theirs.audio_s:>7.2f} {theirs.audio_s / theirs.cpu:>11.3f} | "
-                    f"{(ours.audio_s / ours.wall) / (theirs.audio_s / theirs.wall):>6.2f} "
-                    f"{(ours.audio_s / ours.cpu) / (theirs.audio_s / theirs.cpu):>6.2f} "
-                    f"{ours.latency / theirs.latency:>8.2f} {parity_cell(ours, theirs, comparable):>10}")
-        measured.append((n, ours.wall, comps, steps))
-    # Measured again after the runs, the better of the two kept: neighbours' load only ever lowers a peak.
-    peaks = peaks.best(measure_peaks(dtype))
-    breakdowns = [f"peaks, the better of before and after the runs: GEMM {peaks.gemm_gflops:.0f} GFLOP/s, "
-                  f"read {peaks.read_gbps:.1f} GB/s; load_avg_1m at the end {os.getloadavg()[0]:.1f}"]
-    for n, wall, comps, steps in measured:
-        breakdowns += [f"where the time went, N={n} (wall {wall:.2f} s): ours for all {n} requests; "
-                       f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",
-                       *stage_table(wall, steps),
-                       *component_table(wall, comps, theirs.wall, hf_timers.components, n / args.hf_requests, peaks)]
-    print("\n".join([header, *rows, *breakdowns]))
+    for i, config in enumerate(args.configs):
+        if i:
+            del engine  # one engine's weights and KV pools at a time
+            engine = build(config)
+        stage_timers = attach_stage_timers(engine)
+        timers = attach_component_timers(engine, getattr(torch, config.dtype))
+        for n in args.concurrency:
+            best = None
+            for _ in range(args.repeats):
+                timers.reset()
+                stage_timers.reset()
+                run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens, fixed_speech)
+                if best is None or run.wall < best[0].wall:
+                    best = (run, timers.snapshot(), stage_timers.snapshot())
+            ours, comps, steps = best
+            print(f"{config} N={n}: {ours.wall:.2f} s", flush=True)
+            rows.append(throughput_row(f"{config} {n:>3}", ours, theirs, comparable))
+            measured.append((config, n, ours.wall, comps, steps))
+        stage_timers.detach()
+        timers.detach()
+
+    lines = [THROUGHPUT_HEADER, *rows]
+    for dtype_name in dtypes:
+        # Measured before and after the runs, the better kept: the neighbours' load only ever lowers a peak.
+        peaks = peaks_before[dtype_name].best(measure_peaks(getattr(torch, dtype_name)))
+        lines.append(f"peaks ({dtype_name}, {args.threads} threads, better of before/after the runs): GEMM "
+                     f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
+                     f"bound = max(GFLOP / GEMM peak, GB / read peak)")
+        for config, n, wall, comps, steps in measured:
+            if config.dtype != dtype_name:
+                continue
+            lines += [f"where the time went, {config} N={n} (wall {wall:.2f} s): ours for all {n} requests; "
+                      f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",
+                      *stage_table(wall, steps),
+                      *component_table(wall, comps, theirs.wall, hf_timers.components, n / args.hf_requests, peaks)]
+    lines.append(f"load_avg_1m at the end {os.getloadavg()[0]:.1f}")
+    print("\n".join(lines))
 
 if __name__ == "__main__":
     main()
