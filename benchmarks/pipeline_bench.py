@@ -405,7 +405,9 @@ def main() -> None:
     hf_timers.detach()
     print(f"transformers: {theirs.wall:.2f} s", flush=True)
 
-    rows, measured = [], []
+    # Each row as soon as it is measured (a long run cut short keeps what it had); the breakdowns at the end.
+    print(THROUGHPUT_HEADER, flush=True)
+    measured = []
     for i, config in enumerate(args.configs):
         if i:
             del engine  # one engine's weights and KV pools at a time
@@ -421,13 +423,12 @@ def main() -> None:
                 if best is None or run.wall < best[0].wall:
                     best = (run, timers.snapshot(), stage_timers.snapshot())
             ours, comps, steps = best
-            print(f"{config} N={n}: {ours.wall:.2f} s", flush=True)
-            rows.append(throughput_row(f"{config} {n:>3}", ours, theirs, comparable))
+            print(throughput_row(f"{config} {n:>3}", ours, theirs, comparable), flush=True)
             measured.append((config, n, ours.wall, comps, steps))
         stage_timers.detach()
         timers.detach()
 
-    lines = [THROUGHPUT_HEADER, *rows]
+    lines = []
     for dtype_name in dtypes:
         # Measured before and after the runs, the better kept: the neighbours' load only ever lowers a peak.
         peaks = peaks_before[dtype_name].best(measure_peaks(getattr(torch, dtype_name)))
