@@ -18,6 +18,11 @@ and transformers' time for the same part.
 Qwen2.5-Omni's reference is slow on CPU (its Token2Wav re-runs the speaker encoder at every ODE evaluation):
 --hf-thinker-tokens / --hf-talker-tokens give transformers shorter requests (same ratio of text to codes)
 without changing what omnistage runs (no token comparison then).
+
+``--distributed-executor-backend mp`` runs every stage in its own worker process (``--threads`` split between
+them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
+stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode /
+transit milliseconds); the per-component breakdown needs the models in this process (``inproc``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from benchmarks.roofline import (
     measure_peaks,
 )
 from benchmarks.stage_timers import Component, StageTimers
+from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 
 CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
@@ -51,7 +57,7 @@ CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhea
 @dataclass
 class Run:
     wall: float
-    cpu: float  # process CPU seconds
+    cpu: float  # CPU seconds: this process and any stage workers
     tokens: int
     audio_s: float
     latency: float  # median: time to first audio (omnistage) or end-to-end (transformers)
@@ -68,7 +74,7 @@ def run_omnistage(engine, texts, thinker_tokens, talker_tokens, fixed_speech=Tru
         "talker": SamplingParams(temperature=0.0, max_tokens=talker_tokens, repetition_penalty=1.0,
                                  min_tokens=talker_tokens if fixed_speech else 0),
     }
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), sum(cpu_seconds(engine).values())
     start, first_audio, tokens, samples = {}, {}, 0, 0
     outputs: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     for t in texts:
@@ -87,7 +93,7 @@ def run_omnistage(engine, texts, thinker_tokens, talker_tokens, fixed_speech=Tru
                 first_audio.setdefault(d.req_id, time.perf_counter() - start[d.req_id])
             if d.finished:
                 done.add(d.req_id)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, sum(cpu_seconds(engine).values()) - c0
     results = [(toks, torch.cat(codes, dim=1) if codes else None) for toks, codes in outputs.values()]
     return Run(wall, cpu, tokens, samples / engine.info.sample_rate, statistics.median(first_audio.values()),
                results)
@@ -169,12 +175,27 @@ def parity_cell(ours: Run, theirs: Run, comparable: bool) -> str:
 
 
 # ---- timers ------------------------------------------------------------------------------------------
-def attach_stage_timers(engine) -> StageTimers:
-    """Every stage's whole step (scheduler, runner, model, sampler, its own output building)."""
-    timers = StageTimers()
-    for name, stage in engine.orchestrator.stages.items():
-        timers.attach(stage, "step", name)
-    return timers
+def stage_steps(trace: StageTrace, t0: float, t1: float, order: list[str]) -> dict[str, Component]:
+    """Each stage's steps inside [t0, t1] (scheduler, runner, model, sampling, its output building), as the
+    stages time them."""
+    busy = trace.summary(t0, t1)["busy"]
+    counts: dict[str, int] = {}
+    for stage, start, _end in trace.steps:
+        if t0 <= start < t1:
+            counts[stage] = counts.get(stage, 0) + 1
+    return {name: Component(seconds=busy.get(name, 0.0), calls=counts.get(name, 0)) for name in order}
+
+
+def trace_lines(trace: StageTrace, t0: float, t1: float, before: dict | None, after: dict | None) -> list[str]:
+    """Stage workers: busy and waiting shares, overlap, transport cost per hand-off."""
+    window = trace.summary(t0, t1)
+    busy = " ".join(f"{k} {100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+    waiting = " ".join(f"{k} {100 - 100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+    lines = [f"    stages busy (share of wall): {busy}; any stage busy {100 * window['any']:.0f}%, two or more at "
+             f"once {100 * window['overlap']:.0f}%; workers waiting (share of wall): {waiting}"]
+    if before is not None and after is not None:
+        lines += ["    " + line for line in transport_report(before, after)]
+    return lines
 
 
 def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
@@ -229,7 +250,10 @@ def attach_hf_timers(hf, family: str) -> StageTimers:
 def compile_note(engine) -> str:
     """How the code predictor's frame ran: compiled (and how long the compiling first call took) or eager."""
     talker = engine.orchestrator.stages.get("talker")
-    part = getattr(talker.runner.model, "talker", None) if talker is not None else None
+    runner = getattr(talker, "runner", None)  # none in this process with stage workers
+    if runner is None:
+        return "in a stage worker"
+    part = getattr(runner.model, "talker", None)
     compiler = getattr(getattr(part, "code_predictor", None), "frame_compiler", None)
     if compiler is None:
         return "eager (no compiled path)"
@@ -343,6 +367,7 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=2, help="requests transformers runs (one at a time)")
     ap.add_argument("--hf-thinker-tokens", type=int, default=None, help="transformers' (default: --thinker-tokens)")
     ap.add_argument("--hf-talker-tokens", type=int, default=None, help="transformers' (default: --talker-tokens)")
+    ap.add_argument("--distributed-executor-backend", choices=["inproc", "mp", "ray"], default="inproc")
     args = ap.parse_args()
     if args.eager:
         os.environ["OMNISTAGE_COMPILE"] = "0"
@@ -357,13 +382,19 @@ def main() -> None:
     model = resolve_model(args.model, args.preset, args.family)
     family = family_for_checkpoint(model).name
     stages = load_pipeline_config(family).order
-    overrides = {}
+    backend = args.distributed_executor_backend
+    per_stage: dict = {}
     if args.max_num_seqs:
-        overrides = {"stages": {name: {"scheduler": {"max_num_seqs": args.max_num_seqs}} for name in stages}}
-    pipeline = load_pipeline_config(family, overrides)
+        per_stage["scheduler"] = {"max_num_seqs": args.max_num_seqs}
+    if backend != "inproc":  # stage workers share the thread budget (at least one each)
+        per_stage["threads"] = max(1, args.threads // len(stages))
+    pipeline = load_pipeline_config(family, {"stages": {name: per_stage for name in stages}} if per_stage else None)
+    trace = StageTrace()
 
     def build(config: Config) -> OmniEngine:
-        engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast), pipeline)
+        engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast,
+                                       distributed_executor_backend=backend), pipeline)
+        engine.orchestrator.listeners.append(trace)
         # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
         for n in sorted(set(args.concurrency)):
             run_omnistage(engine, prompts(n), 4, 8)
@@ -388,7 +419,8 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     caps = {name: pipeline.stage(name).scheduler.max_num_seqs for name in stages}
-    print(f"cpu={cpu} threads={args.threads} load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
+    print(f"cpu={cpu} threads={args.threads} backend={backend} (threads per stage worker: "
+          f"{per_stage.get('threads', '-')}) load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
           f"({family}) max_num_seqs={caps}")
     print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} "
           f"({'exactly' if fixed_speech else 'at most'}) transformers: "
@@ -410,23 +442,31 @@ def main() -> None:
     measured = []
     for i, config in enumerate(args.configs):
         if i:
-            del engine  # one engine's weights and KV pools at a time
+            engine.shutdown()  # one engine's weights and KV pools (and workers) at a time
             engine = build(config)
-        stage_timers = attach_stage_timers(engine)
-        timers = attach_component_timers(engine, getattr(torch, config.dtype))
+        # Model timers need the models in this process; stage workers get the trace and transport lines.
+        timers = attach_component_timers(engine, getattr(torch, config.dtype)) if engine.workers is None else None
         for n in args.concurrency:
             best = None
             for _ in range(args.repeats):
-                timers.reset()
-                stage_timers.reset()
+                if timers is not None:
+                    timers.reset()
+                counters = snapshot(engine) if engine.workers is not None else None
+                t0 = time.monotonic()
                 run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens, fixed_speech)
+                t1 = time.monotonic()
                 if best is None or run.wall < best[0].wall:
-                    best = (run, timers.snapshot(), stage_timers.snapshot())
-            ours, comps, steps = best
+                    comps = timers.snapshot() if timers is not None else None
+                    workers = None if counters is None else trace_lines(trace, t0, t1, counters, snapshot(engine))
+                    best = (run, comps, stage_steps(trace, t0, t1, stages), workers)
+            ours, comps, steps, workers = best
             print(throughput_row(f"{config} {n:>3}", ours, theirs, comparable), flush=True)
+            if workers is not None:
+                print("\n".join(workers), flush=True)
             measured.append((config, n, ours.wall, comps, steps))
-        stage_timers.detach()
-        timers.detach()
+        if timers is not None:
+            timers.detach()
+    engine.shutdown()
 
     lines = []
     for dtype_name in dtypes:
@@ -436,7 +476,7 @@ def main() -> None:
                      f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
                      f"bound = max(GFLOP / GEMM peak, GB / read peak)")
         for config, n, wall, comps, steps in measured:
-            if config.dtype != dtype_name:
+            if config.dtype != dtype_name or comps is None:
                 continue
             lines += [f"where the time went, {config} N={n} (wall {wall:.2f} s): ours for all {n} requests; "
                       f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",

@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Models compile their code-predictor frame on first use (tens of seconds per model instance); the suite
+# builds dozens of models, so it runs them eagerly: same results (tests/models/test_fast_paths.py compiles
+# explicitly and checks compiled == eager).
+os.environ.setdefault("OMNISTAGE_COMPILE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -169,11 +169,10 @@ def paged_attention(
         qb[g.token_req, g.token_qpos] = q[g.token_rows]
         kb = kv_cache[0][g.kv_slots].to(q.dtype)  # [g, max_kv, kv_heads, dim]
         vb = kv_cache[1][g.kv_slots].to(q.dtype)
-        if rep > 1:
-            kb = kb.repeat_interleave(rep, dim=2)
-            vb = vb.repeat_interleave(rep, dim=2)
+        # Grouped-query heads read their shared key/value head inside the kernel: no repeated copies.
         ob = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=g.mask, scale=scale
+            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=g.mask, scale=scale,
+            enable_gqa=rep > 1,
         ).transpose(1, 2)
         out[g.token_rows] = ob[g.token_req, g.token_qpos]
     return out

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -28,6 +30,10 @@ RUNNER_ALIASES: Mapping[str, str] = MappingProxyType({"v1": "eager", "v2": "cuda
 FINAL_OUTPUTS: tuple[str, ...] = ("text", "audio")
 DATA_PLANES: tuple[str, ...] = ("inproc", "native")
 SESSION_MODES: tuple[str, ...] = ("single_turn", "multi_turn")
+# Where stages run: all in the API process, one worker process per stage, or one Ray actor per stage.
+EXECUTOR_BACKENDS: tuple[str, ...] = ("inproc", "mp", "ray")
+# A stage worker's devices: "cpu", "cuda", "cuda:N" or a CUDA device list "N[,M...]".
+_DEVICES = re.compile(r"cpu|cuda(:\d+)?|\d+(,\d+)*")
 # Older key names still read from YAML files.
 _STAGE_KEY_ALIASES = {"input_processor": "bridge", "processor_args": "bridge_args"}
 
@@ -88,6 +94,10 @@ class StageConfig:
     bridge_args: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
     data_plane: str = "inproc"
     session_mode: str = "single_turn"
+    # Placement of the stage's worker (backends "mp" / "ray"; the in-process backend ignores them).
+    devices: str | None = None  # None: the engine's device
+    threads: int | None = None  # torch threads; None: the host's cores split between the workers
+    resources: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)  # Ray
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -141,6 +151,20 @@ class StageConfig:
             raise fail("data_plane", f"must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
         if self.session_mode not in SESSION_MODES:
             raise fail("session_mode", f"must be one of {list(SESSION_MODES)}, got {self.session_mode!r}")
+        if self.devices is not None and not (isinstance(self.devices, str) and _DEVICES.fullmatch(self.devices)):
+            raise fail("devices", f"must be 'cpu', 'cuda', 'cuda:N' or a CUDA device list like '0,1', got "
+                                  f"{self.devices!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise fail("threads", f"must be a positive int, got {self.threads!r}")
+        resources = self.resources if self.resources is not None else {}
+        if not isinstance(resources, Mapping):
+            raise fail("resources", f"must map Ray resource names to amounts, got {type(resources).__name__}")
+        for key, amount in resources.items():
+            if (not isinstance(key, str) or not key or isinstance(amount, bool)
+                    or not isinstance(amount, (int, float)) or not math.isfinite(amount) or amount <= 0):
+                raise fail("resources", f"must map resource names to positive amounts, got {key!r}: {amount!r}")
+        object.__setattr__(self, "resources", MappingProxyType(dict(resources)))
         if not isinstance(self.sampling, SamplingParams):
             raise fail("sampling", f"must be SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.scheduler, SchedulerConfig):
@@ -161,6 +185,22 @@ class StageConfig:
                     f"({self.sampling.max_tokens}) must be < scheduler.max_model_len ({sched.max_model_len})",
                 )
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that ``from_dict`` turns back into an equal config (e.g. for a stage worker)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (SamplingParams, SchedulerConfig)):
+                value = dataclasses.asdict(value)
+            elif isinstance(value, ExecutionType):
+                value = value.value
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StageConfig:
         stage = data.get("name") if isinstance(data, Mapping) else None
@@ -176,6 +216,8 @@ class StageConfig:
             kwargs["inputs"] = ()
         if kwargs.get("bridge_args") is None:
             kwargs["bridge_args"] = {}
+        if kwargs.get("resources") is None:
+            kwargs["resources"] = {}
         sampling = kwargs.get("sampling") or {}
         if not isinstance(sampling, SamplingParams):
             kwargs["sampling"] = _build(SamplingParams, sampling, stage=stage, what="sampling")
@@ -190,6 +232,7 @@ class PipelineConfig:
     family: str  # the model family whose parts the stages run (e.g. the one config.json names)
     stages: tuple[StageConfig, ...]
     runner: str = "eager"  # deployment default for stages that do not choose one
+    distributed_executor_backend: str = "inproc"  # where stages run (EngineArgs may override)
     order: tuple[str, ...] = field(init=False, default=())  # stage names, upstream before downstream
 
     def __post_init__(self) -> None:
@@ -199,6 +242,9 @@ class PipelineConfig:
             object.__setattr__(self, "runner", canonical_runner(self.runner))
         except ValueError as exc:
             raise ConfigError(str(exc), field="runner") from None
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(f"must be one of {list(EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}",
+                              field="distributed_executor_backend")
         stages = self.stages
         if isinstance(stages, StageConfig) or not isinstance(stages, (list, tuple)):
             raise ConfigError(f"must be a list of stages, got {type(stages).__name__}", field="stages")
@@ -271,7 +317,7 @@ class PipelineConfig:
         data = dict(data)
         if "model_arch" in data and "family" not in data:  # older name of the key
             data["family"] = data.pop("model_arch")
-        allowed = {"family", "runner", "stages"}
+        allowed = {"family", "runner", "stages", "distributed_executor_backend"}
         unknown = sorted(str(k) for k in data if k not in allowed)
         if unknown:
             raise ConfigError(f"unknown key(s) {unknown} in pipeline config; allowed: {sorted(allowed)}")
@@ -282,8 +328,9 @@ class PipelineConfig:
             raise ConfigError(f"must be a list of stages, got {type(raw_stages).__name__}", field="stages")
         stages = tuple(StageConfig.from_dict(s) for s in raw_stages)
         kwargs: dict[str, Any] = {"family": data["family"], "stages": stages}
-        if data.get("runner") is not None:
-            kwargs["runner"] = data["runner"]
+        for key in ("runner", "distributed_executor_backend"):
+            if data.get(key) is not None:
+                kwargs[key] = data[key]
         return cls(**kwargs)
 
 

@@ -36,7 +36,8 @@ def write_wav(path: str | Path, audio, sample_rate: int) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
 
-    omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device)
+    omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device,
+                distributed_executor_backend=args.distributed_executor_backend, fast=args.fast)
     modalities = ["text", "audio"] if args.audio else ["text"]
     info = omni.info
     params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
@@ -46,8 +47,9 @@ def _generate(args: argparse.Namespace) -> int:
             if name != info.text_stage:
                 params[name] = defaults.replace(seed=args.seed)
     prompts = [_with_media(text, args) for text in args.prompt]
-    outs = omni.generate(prompts, modalities=modalities, sampling_params=params, speaker=args.voice,
-                         use_tqdm=len(prompts) > 1, use_audio_in_video=args.use_audio_in_video)
+    with omni:
+        outs = omni.generate(prompts, modalities=modalities, sampling_params=params, speaker=args.voice,
+                             use_tqdm=len(prompts) > 1, use_audio_in_video=args.use_audio_in_video)
     for i, out in enumerate(outs):
         print(out.text)
         if args.audio:
@@ -113,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     from omnistage.entrypoints.bench import add_bench_arguments
-    from omnistage.entrypoints.server import add_serve_arguments
+    from omnistage.entrypoints.server import add_engine_arguments, add_serve_arguments
+
+    add_engine_arguments(p)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(p)

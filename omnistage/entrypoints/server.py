@@ -138,6 +138,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnistage.config.stage_config import EXECUTOR_BACKENDS
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints import audio_format
@@ -203,12 +204,13 @@ class ServerLimits:
     ``PROMPT_CHARS_PER_TOKEN`` characters per token, and a body that fits such a prompt however it is
     escaped (``BODY_BYTES_PER_PROMPT_CHAR``), plus the media limit's bytes as base64, plus
     ``BODY_BYTES_EXTRA`` for everything else. ``media``: per-request media limits and the allowed media
-    directory (``media_input.MediaLimits``)."""
+    directory (``media_input.MediaLimits``). ``realtime``: what realtime sessions may hold."""
 
     max_body_bytes: int | None = None
     max_prompt_chars: int | None = None
     preprocess_threads: int = 2  # parse / validate / decode media / tokenize / encode off the event loop
     media: MediaLimits = MediaLimits()
+    realtime: RealtimeLimits = RealtimeLimits()  # WS /v1/realtime sessions
 
     def __post_init__(self) -> None:
         check_positive_int(self.preprocess_threads, "preprocess_threads")
@@ -785,8 +787,7 @@ class _GuardedRoute(APIRoute):
 
 
 def create_app(omni: EngineClient, served_model_name: str | None = None,
-               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
-               realtime_limits: RealtimeLimits | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
     listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
     name = served_model_name or omni.info.name
@@ -810,7 +811,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
-    app.include_router(realtime_router(omni, name, metrics, pool, realtime_limits))  # WS /v1/realtime
+    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -846,7 +847,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     @app.get("/health")
     async def health() -> Response:
         if omni.dead is not None:
-            return _error_response(APIError(503, f"engine stopped: {omni.dead!r}", "server_error",
+            return _error_response(APIError(503, f"engine stopped: {type(omni.dead).__name__}: {omni.dead}", "server_error",
                                             code="engine_dead"))
         return JSONResponse({"status": "ok"})
 
@@ -1020,13 +1021,15 @@ DEFAULT_MODEL_NAME = "omnistage-tiny"
 
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
-          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None) -> None:
+          device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
+          distributed_executor_backend: str | None = None, fast: bool = False) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
     metrics = ServerMetrics()
     omni = AsyncOmni(model, stage_config=stage_config, dtype=dtype, device=device,
-                     max_waiting_requests=max_waiting, on_step=metrics.observe_step)
+                     max_waiting_requests=max_waiting, on_step=metrics.observe_step,
+                     distributed_executor_backend=distributed_executor_backend, fast=fast)
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
@@ -1068,6 +1071,31 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="frames decoded per video file (before sampling) (default: %(default)s)")
     m.add_argument("--max-video-pixels", type=int, default=DEFAULT_MAX_VIDEO_PIXELS,
                    help="pixels of all frames sampled from one video (default: %(default)s)")
+    r = p.add_argument_group("realtime sessions (WS /v1/realtime)")
+    d = RealtimeLimits()
+    r.add_argument("--realtime-max-sessions", type=int, default=d.max_sessions,
+                   help="open sessions at once; more are refused (default: %(default)s)")
+    r.add_argument("--realtime-max-buffered-audio-s", type=int, default=d.max_buffered_audio_s,
+                   help="seconds of input audio in one uncommitted turn (default: %(default)s)")
+    r.add_argument("--realtime-max-history-items", type=int, default=d.max_history_items,
+                   help="conversation items kept; older ones are dropped (default: %(default)s)")
+    r.add_argument("--realtime-max-history-audio-s", type=int, default=d.max_history_audio_s,
+                   help="seconds of user audio kept in the conversation (default: %(default)s)")
+    r.add_argument("--realtime-max-event-bytes", type=int, default=d.max_event_bytes,
+                   help="bytes of one client event (default: %(default)s)")
+    r.add_argument("--realtime-idle-timeout-s", type=float, default=d.idle_timeout_s,
+                   help="close a session that sends nothing this long while no response runs (default: %(default)s)")
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``serve`` and ``generate``."""
+    p.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default=None,
+                   help="inproc: every stage in this process; mp: one worker process per stage; ray: one Ray actor "
+                        "per stage (default: the stage config's, else inproc)")
+    p.add_argument("--fast", action="store_true",
+                   help="faster CPU kernels (oneDNN on weights packed at load, twice the weight memory) whose float "
+                        "rounding differs from the reference: a near-tie may pick another greedy token")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -1075,7 +1103,15 @@ def serve_from_args(args: argparse.Namespace) -> int:
                         max_audio_seconds=args.max_audio_seconds, max_image_pixels=args.max_image_pixels,
                         max_video_seconds=args.max_video_seconds, max_video_frames=args.max_video_frames,
                         max_video_pixels=args.max_video_pixels, allowed_dir=args.allowed_media_dir)
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media)
+    realtime = RealtimeLimits(max_sessions=args.realtime_max_sessions,
+                              max_buffered_audio_s=args.realtime_max_buffered_audio_s,
+                              max_history_items=args.realtime_max_history_items,
+                              max_history_audio_s=args.realtime_max_history_audio_s,
+                              max_event_bytes=args.realtime_max_event_bytes,
+                              idle_timeout_s=args.realtime_idle_timeout_s)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media,
+                          realtime=realtime)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
-          args.dtype, args.device, limits=limits)
+          args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
+          fast=args.fast)
     return 0

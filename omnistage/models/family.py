@@ -125,6 +125,9 @@ class ModelFamily(ABC):
     parts: ClassVar[Mapping[str, PartSpec]]
     bridges: ClassVar[Mapping[str, BridgeSpec]]
     preset_file: ClassVar[str]  # packaged YAML next to the family's modules
+    # Dataclasses the family puts in per-request values (StageRequest.data, payloads, outputs): a stage in
+    # another process gets them rebuilt by name; any other object is refused there.
+    wire_types: ClassVar[tuple[type, ...]] = ()
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -161,7 +164,7 @@ class ModelFamily(ABC):
                     raise ConfigError(str(exc), stage=s.name, field="bridge_args") from None
                 s = dataclasses.replace(s, bridge_args=args)
             stages.append(s)
-        return PipelineConfig(family=pipeline.family, stages=tuple(stages), runner=pipeline.runner)
+        return dataclasses.replace(pipeline, stages=tuple(stages))
 
     # ---- stage side ---------------------------------------------------------------------------------
     @abstractmethod

@@ -81,9 +81,9 @@ class ARStage(BridgedStage):
         return bool(self.scheduler.has_unfinished() or self.scheduler.has_finished_to_report() or self._pending)
 
     def step(self) -> StepEvents:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         so = self.scheduler.schedule()
-        events = self._pending.drain_into(StepEvents(self.name))
+        events = self._pending.drain_into(StepEvents(self.name, started=t0))
         if so.is_empty:
             return events
         scheduled = so.scheduled_req_ids
@@ -116,7 +116,7 @@ class ARStage(BridgedStage):
             events.client_outputs.setdefault(req_id, {}).update(out)
         events.stage_outputs = result.stage_outputs
         events.num_tokens = so.total_num_scheduled_tokens
-        events.step_time = time.perf_counter() - t0
+        events.step_time = time.monotonic() - t0
         return events
 
     def stats(self) -> dict[str, Any]:

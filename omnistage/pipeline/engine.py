@@ -3,10 +3,16 @@ stage requests (through the checkpoint's model family).
 
 ``OmniEngine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``. The offline
 ``Omni`` and the streaming ``AsyncOmni`` (``omnistage.pipeline.omni``) drive it.
+
+Backends (``distributed_executor_backend``): ``inproc`` builds every stage in this process; ``mp`` / ``ray``
+run each stage in its own worker (``omnistage.pipeline.workers``) behind a ``RemoteStage`` proxy, so this
+process keeps the tokenizer and the orchestrator and loads no weights. The same orchestrator drives both.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +22,7 @@ from typing import Any
 import torch
 
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig, StageConfig, validate_pipeline
+from omnistage.config.stage_config import EXECUTOR_BACKENDS
 from omnistage.core.generation_scheduler import GenerationScheduler
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.core.scheduler import ARScheduler
@@ -30,7 +37,10 @@ from omnistage.pipeline.stage import Stage, StepEvents
 from omnistage.runner.ar_runner import ARRunner
 from omnistage.runner.generation_runner import GenerationRunner
 from omnistage.runner.graph_runner import CUDAGraphARRunner, GraphRunnerConfig
+from omnistage.runtime_env import configure_allocator
 
+logger = logging.getLogger("omnistage.engine")
+WORKER_POLL_S = 0.05
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Messages = Sequence[Mapping[str, Any]]
@@ -44,8 +54,15 @@ class EngineArgs:
     dtype: str = "float32"
     device: str = "cpu"
     fast: bool = False  # faster kernels whose float rounding may differ from the reference
+    distributed_executor_backend: str | None = None  # inproc | mp | ray; None: the pipeline config's
+    worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
 
     def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got "
+                             f"{self.distributed_executor_backend!r}")
+        if not (isinstance(self.worker_startup_timeout, (int, float)) and self.worker_startup_timeout > 0):
+            raise ValueError(f"worker_startup_timeout must be > 0, got {self.worker_startup_timeout!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not Path(self.model).is_dir():
@@ -60,6 +77,7 @@ def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
 def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: EngineArgs,
                 faults: FaultInjector | None = None) -> Stage:
     """One stage: its model (built by the family from the checkpoint), scheduler, runner and bridge."""
+    configure_allocator()  # once per process that holds a stage: freed large blocks stay for reuse
     dtype = DTYPES[args.dtype]
     model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast))
     bridge = family.build_bridge(stage.bridge, model, stage.bridge_args) if stage.bridge else None
@@ -97,9 +115,20 @@ class OmniEngine:
         self.pipeline = family_cls.validate_pipeline(pipeline)
         runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
         self.family = family_cls(args.model)
-        faults = FaultInjector.from_env()
-        stages = {name: build_stage(self.family, self.pipeline.stage(name), runners[name], args, faults)
-                  for name in self.pipeline.order}
+        self.backend = args.distributed_executor_backend or self.pipeline.distributed_executor_backend
+        self.workers = None
+        self._wake = threading.Event()
+        if self.backend == "inproc":
+            if any(s.devices or s.threads for s in self.pipeline.stages):
+                logger.warning("stage devices/threads take effect only with stage workers (backend mp or ray)")
+            faults = FaultInjector.from_env()
+            stages = {name: build_stage(self.family, self.pipeline.stage(name), runners[name], args, faults)
+                      for name in self.pipeline.order}
+        else:
+            from omnistage.pipeline.workers import StageWorkers
+
+            self.workers = StageWorkers(self.backend, family_cls, self.pipeline, runners, args)
+            stages = self.workers.stages
         self._deltas: list[RequestDelta] = []
         self.orchestrator = Orchestrator(self.pipeline, stages, sink=self._deltas.append, on_step=on_step)
         text = self.pipeline.final_stage("text") or self.pipeline.stage(self.pipeline.order[0])
@@ -193,18 +222,51 @@ class OmniEngine:
         return self.orchestrator.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.orchestrator.has_work()
+        """A stage has work, a request is in flight, or deltas (e.g. of an abort) wait for ``step``."""
+        return bool(self._deltas) or self.orchestrator.has_work()
 
     def step(self) -> list[RequestDelta]:
-        """Run one engine step over every stage; returns the deltas it produced (and any from aborts)."""
+        """Run one engine step over every stage; returns the deltas it produced (and any from aborts).
+
+        With stage workers, a step routes the steps the workers have sent; when none has arrived it first
+        waits up to ``WORKER_POLL_S`` for one (``wake`` cuts that short), so a loop of steps does not spin.
+        A dead or failed worker raises ``StageWorkerError``.
+        """
+        if self.workers is not None:
+            self.workers.check()
+            if not self._deltas and not any(s.has_work() for s in self.workers.stages.values()):
+                self.workers.wait(WORKER_POLL_S)
         if self.orchestrator.has_work():
             self.orchestrator.step()
         out, self._deltas[:] = list(self._deltas), []
         return out
 
+    def wait(self, timeout: float) -> None:
+        """Idle until ``timeout`` passes, ``wake`` is called or (with workers) a worker sends something;
+        with workers this also watches them (a dead one raises ``StageWorkerError``)."""
+        if self.workers is not None:
+            self.workers.wait(timeout)
+        else:
+            self._wake.wait(timeout)
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """Cut a ``wait`` (or a step's wait for workers) short; thread-safe."""
+        if self.workers is not None:
+            self.workers.wake()
+        else:
+            self._wake.set()
+
+    def shutdown(self) -> None:
+        """Stop the stage workers, if any (bounded; also done at interpreter exit)."""
+        if self.workers is not None:
+            self.workers.close()
+
     def num_waiting(self) -> int:
         """Requests admitted but not yet running in the stage that reads the prompt."""
-        return int(self.orchestrator.stages[self.pipeline.order[0]].stats().get("waiting", 0))
+        stage = self.orchestrator.stages[self.pipeline.order[0]]
+        cheap = getattr(stage, "num_waiting", None)  # a remote stage answers without a round trip
+        return int(cheap() if cheap is not None else stage.stats().get("waiting", 0))
 
     def resource_stats(self) -> dict[str, Any]:
         return self.orchestrator.resource_stats()

@@ -54,9 +54,9 @@ class GenerationStage(BridgedStage):
         return self.scheduler.has_work() or bool(self._pending)
 
     def step(self) -> StepEvents:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         so = self.scheduler.schedule()
-        events = self._pending.drain_into(StepEvents(self.name))
+        events = self._pending.drain_into(StepEvents(self.name, started=t0))
         if not so.is_empty:
             try:
                 self.faults.check(self.name, so.req_ids)
@@ -73,7 +73,7 @@ class GenerationStage(BridgedStage):
         for req_id in self.scheduler.update_from_output(so):
             events.finished[req_id] = "stop"
             self._free(req_id)
-        events.step_time = time.perf_counter() - t0
+        events.step_time = time.monotonic() - t0
         return events
 
     def stats(self) -> dict[str, Any]:

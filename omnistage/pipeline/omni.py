@@ -26,6 +26,7 @@ from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.engine import EngineArgs, OmniEngine, Prompt
+from omnistage.pipeline.remote_stage import StageWorkerError
 
 logger = logging.getLogger("omnistage.engine")
 
@@ -82,14 +83,34 @@ def _resolve_model(model: str | Path | None) -> str:
     return str(default_model_dir())
 
 
+def _engine_args(model: str | Path | None, stage_config: str | None, dtype: str, device: str, fast: bool,
+                 distributed_executor_backend: str | None) -> EngineArgs:
+    return EngineArgs(_resolve_model(model), stage_config, dtype, device, fast,
+                      distributed_executor_backend=distributed_executor_backend)
+
+
 class Omni:
+    """Offline generation. ``distributed_executor_backend="mp"`` (or ``"ray"``) runs every stage in its own
+    worker; ``shutdown()`` (or leaving a ``with`` block, or the interpreter exiting) stops them."""
+
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
-                 device: str = "cpu", pipeline=None, fast: bool = False) -> None:
-        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device, fast), pipeline)
+                 device: str = "cpu", pipeline=None, fast: bool = False,
+                 distributed_executor_backend: str | None = None) -> None:
+        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend),
+                                 pipeline)
 
     @property
     def info(self) -> ModelInfo:
         return self.engine.info
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,
@@ -111,15 +132,20 @@ class Omni:
             rid = engine.add_request(prepared, modalities, sampling_params, speaker)
             collectors[rid] = _Collector(OmniRequestOutput(rid, list(prepared.token_ids)))
         progress = _Progress(len(collectors), enabled=use_tqdm)
-        while not all(c.done for c in collectors.values()):
-            for d in engine.step():
-                c = collectors.get(d.req_id)
-                if c is not None:
-                    was_done = c.done
-                    c.add(d)
-                    if c.done and not was_done:
-                        progress.update()
-        progress.close()
+        try:
+            while not all(c.done for c in collectors.values()):
+                for d in engine.step():
+                    c = collectors.get(d.req_id)
+                    if c is not None:
+                        was_done = c.done
+                        c.add(d)
+                        if c.done and not was_done:
+                            progress.update()
+        except StageWorkerError:
+            engine.shutdown()  # a worker is gone: the engine cannot serve; stop the others now
+            raise
+        finally:
+            progress.close()
         wants_audio = "audio" in modalities
         return [c.finish(engine, wants_audio) for c in collectors.values()]
 
@@ -156,17 +182,17 @@ class AsyncOmni:
 
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
-                 on_step: Callable[[Any], None] | None = None, fast: bool = False) -> None:
+                 on_step: Callable[[Any], None] | None = None, fast: bool = False,
+                 distributed_executor_backend: str | None = None) -> None:
         # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
-        self.engine = OmniEngine(EngineArgs(_resolve_model(model), stage_config, dtype, device, fast), pipeline,
-                                 on_step)
+        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend),
+                                 pipeline, on_step)
         self.info = self.engine.info
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.dead: BaseException | None = None
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
         self._thread.start()
 
@@ -191,14 +217,15 @@ class AsyncOmni:
                     for d in self.engine.step():
                         self._publish(d)
                 else:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                    self.engine.wait(0.05)  # also watches stage workers while idle
         except BaseException as exc:  # the engine is dead: tell every waiting client
             logger.exception("the engine loop stopped; every request in flight fails")
             self.dead = exc
             for req_id in list(self._streams):
                 self._publish(RequestDelta(req_id, finished=True, finish_reason="error",
-                                           error=f"engine stopped: {exc!r}"))
+                                           error=f"engine stopped: {_describe(exc)}"))
+            self._fail_commands(exc)
+            self.engine.shutdown()  # stop the stage workers still running (bounded)
 
     def _run_commands(self) -> None:
         while True:
@@ -208,10 +235,21 @@ class AsyncOmni:
                 return
             try:
                 result = fn()
+            except StageWorkerError as exc:  # the engine itself is gone, not just this call
+                fut_loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(f"engine stopped: {_describe(exc)}"))
+                raise
             except Exception as exc:
                 fut_loop.call_soon_threadsafe(_set_exception, fut, exc)
             else:
                 fut_loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _fail_commands(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, fut_loop, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fut_loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(f"engine stopped: {_describe(exc)}"))
 
     def _publish(self, d: RequestDelta) -> None:
         entry = self._streams.get(d.req_id)
@@ -224,11 +262,13 @@ class AsyncOmni:
 
     async def _call(self, fn) -> Any:
         if self.dead is not None:
-            raise EngineDeadError(f"engine stopped: {self.dead!r}")
+            raise EngineDeadError(f"engine stopped: {_describe(self.dead)}")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._commands.put((fn, loop, fut))
-        self._wake.set()
+        if self.dead is not None:  # died meanwhile: nobody will run it
+            self._fail_commands(self.dead)
+        self.engine.wake()
         return await fut
 
     # ---- public API --------------------------------------------------------------------------------
@@ -284,7 +324,7 @@ class AsyncOmni:
                 if d.finished:
                     finished = True
                     if d.finish_reason == "error" and self.dead is not None:
-                        raise EngineDeadError(f"engine stopped: {self.dead!r}")
+                        raise EngineDeadError(f"engine stopped: {_describe(self.dead)}")
                     return
         finally:
             if not finished:
@@ -304,13 +344,19 @@ class AsyncOmni:
         return await self._call(self.engine.resource_stats)
 
     def shutdown(self) -> None:
+        """Stop the engine loop, then the stage workers (bounded)."""
         self._stop.set()
-        self._wake.set()
+        self.engine.wake()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
 
 class QueueFullError(RuntimeError):
     """Too many requests are waiting; retry later."""
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -3,6 +3,10 @@
 Everything that crosses it is plain data — request ids, ``StageRequest``s, payload dicts of tensors,
 ``StepEvents`` — never a reference to another stage's scheduler, runner or buffers, so a stage can live in
 another process. Pausing, per-request state and freeing are each stage's own business.
+
+A stage in a worker process (``RemoteStage``) steps on its own: there ``has_work`` means "a step's events
+have arrived" and ``step`` hands over the oldest of them, so the orchestrator routes the worker's steps one
+per call, in the order they ran; ``add_request`` cannot fail there (a rejection arrives as an error event).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class StepEvents:
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why serving it failed
     step_time: float = 0.0
     num_tokens: int = 0
+    started: float = 0.0  # time.monotonic() when the step began (the stage's host clock)
 
 
 class Stage(Protocol):

@@ -51,3 +51,24 @@ def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, 
     (answer,) = omni.generate(message, modalities=["text", "audio"], sampling_params=params)
     assert printed == answer.text and pcm.size > 0
     assert np.array_equal(pcm, (answer.audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy())
+
+
+def test_generate_fast_runs_on_packed_weights(tiny_ckpt, capsys, monkeypatch):
+    """`--fast` reaches every stage's build: its linear layers read oneDNN-packed weights."""
+    import omnistage
+    from omnistage.models.layers.fast_linear import PackedLinear
+
+    built = []
+
+    class Spy(Omni):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(omnistage, "Omni", Spy)
+    assert main(["generate", "Hello", "--model", str(tiny_ckpt), "--fast", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
+    stages = built[0].engine.orchestrator.stages
+    models = {"thinker": stages["thinker"].runner.model.thinker, "talker": stages["talker"].runner.model.talker}
+    for name, model in models.items():
+        assert any(isinstance(m, PackedLinear) for m in model.modules()), name

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import time
 
 import httpx
 import numpy as np
@@ -18,7 +19,7 @@ from server_thread import ServerThread
 
 from omnistage.entrypoints.realtime import RealtimeLimits
 from omnistage.entrypoints.realtime.tools import system_text
-from omnistage.entrypoints.server import create_app
+from omnistage.entrypoints.server import ServerLimits, create_app
 from omnistage.models.family import PreparedPrompt
 
 MODEL = "fake-omni"
@@ -65,7 +66,7 @@ def fake():
 @pytest.fixture(scope="module")
 def server(fake):
     limits = RealtimeLimits(max_sessions=2, max_buffered_audio_s=2, max_event_bytes=1 << 20)
-    with ServerThread(create_app(fake, MODEL, realtime_limits=limits)) as srv:
+    with ServerThread(create_app(fake, MODEL, limits=ServerLimits(realtime=limits))) as srv:
         yield srv
 
 
@@ -225,6 +226,34 @@ def test_model_mismatch_and_session_limit_are_error_events_then_close(server):
         assert re.search(r"omnistage_realtime_sessions_rejected_total [1-9]", text)
 
     run(scenario())
+
+
+def test_idle_session_is_closed_after_its_answer_and_frees_its_slot():
+    slow = RealtimeFake()
+    slow.delay = 0.05  # per token: the answer below streams for ~1.2 s, longer than the idle timeout
+    limits = RealtimeLimits(max_sessions=1, idle_timeout_s=0.4)
+
+    async def scenario(url):
+        async with client(url).realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            slow.answers = ["A slow answer, token by token."]
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hi"}]})
+            await conn.response.create()
+            events = await until(conn, "response.done", "error")
+            assert text_of(events) == "A slow answer, token by token."  # a running answer is not idleness
+            assert of(events, "response.done")[0].response.status == "completed"
+            err = (await until(conn, "error"))[-1].error
+            assert err.code == "session_idle_timeout"
+        async with client(url).realtime.connect(model=MODEL) as conn:  # the one slot is free again
+            await until(conn, "session.created")
+
+    with ServerThread(create_app(slow, MODEL, limits=ServerLimits(realtime=limits))) as srv:
+        run(scenario(srv.url))
+        deadline = time.monotonic() + 10  # the server sees the second client's close a moment later
+        while not re.search(r"^omnistage_realtime_sessions 0\.0$", httpx.get(srv.url + "/metrics").text, re.M):
+            assert time.monotonic() < deadline, "the closed sessions were not counted out"
+            time.sleep(0.05)
 
 
 def test_input_buffer_limit_is_reported_once_and_the_turn_keeps_what_fits(server, fake):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.layers.fast_linear import PackedLinear, onednn_available
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import EngineArgs, OmniEngine
 
@@ -47,7 +48,7 @@ def params(i):
     }
 
 
-def run(engine, schedule, aborts=None):
+def run(engine, schedule, aborts=None, params=params):
     """schedule: {step: [prompt index, ...]}; returns per prompt index: tokens, codes, audio, finish."""
     aborts = aborts or {}
     ids, results, step = {}, {}, 0
@@ -362,11 +363,19 @@ def test_stop_token_ends_the_answer_and_is_not_returned(engine):
     assert_all_free(engine)
 
 
-def test_bfloat16_pipeline_runs_end_to_end(tiny_ckpt):
-    eng = OmniEngine(EngineArgs(str(tiny_ckpt), dtype="bfloat16"), load_pipeline_config("qwen3_omni"))
+@pytest.mark.parametrize("dtype, fast", [("bfloat16", False), ("float32", True), ("bfloat16", True)])
+def test_bfloat16_and_fast_pipelines_run_end_to_end(tiny_ckpt, dtype, fast):
+    """The serving options without parity (their rounding differs from the reference): bfloat16 weights and
+    KV, and ``fast`` (linear layers through oneDNN on packed weights) in either dtype."""
+    eng = OmniEngine(EngineArgs(str(tiny_ckpt), dtype=dtype, fast=fast), load_pipeline_config("qwen3_omni"))
     thinker = eng.orchestrator.stages["thinker"].runner
-    assert next(thinker.model.thinker.parameters()).dtype == torch.bfloat16
-    assert thinker.kv_caches[0].dtype == torch.bfloat16
+    assert next(thinker.model.thinker.parameters()).dtype == getattr(torch, dtype)
+    assert thinker.kv_caches[0].dtype == getattr(torch, dtype)
+    if fast and onednn_available():
+        for name in ("thinker", "talker", "code2wav"):
+            model = eng.orchestrator.stages[name].runner.model
+            module = getattr(model, name)
+            assert any(isinstance(m, PackedLinear) for m in module.modules()), name
     got = run(eng, {0: [1]})[1]
     assert len(got["tokens"]) == THINKER_TOKENS[1] and got["finish"] == "length"
     frames = got["codes"].shape[1]

@@ -42,10 +42,16 @@ class RealtimeLimits:
     max_history_items: int = 200  # older items are dropped from the conversation
     max_history_audio_s: int = 120  # user audio kept in the conversation (re-heard every turn: ~13 tokens/s)
     max_event_bytes: int = 8 << 20  # one client event (an audio append of ~2.9 min of base64 pcm16)
+    # A session that sends nothing for this long while no response runs is closed, so abandoned connections
+    # (a closed laptop lid, a dead proxy) do not hold one of ``max_sessions`` forever.
+    idle_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            check_positive_int(getattr(self, f.name), f.name)
+            if f.name != "idle_timeout_s":
+                check_positive_int(getattr(self, f.name), f.name)
+        if not (isinstance(self.idle_timeout_s, (int, float)) and self.idle_timeout_s > 0):
+            raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {self.idle_timeout_s!r}")
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,15 @@ A connection is accepted first, so that every refusal reaches the client as an `
 than the served one (then closed, 1008), the session limit (then closed, 1013: try again later). After that
 nothing a client sends closes the socket: malformed or unknown events get an ``error`` event. A message larger
 than ``RealtimeLimits.max_event_bytes`` is refused the same way; beyond the WebSocket server's own frame limit
-(uvicorn's ``ws_max_size``, 16 MiB) the transport closes the connection. When the client goes away, its
-running response is aborted in every stage and the session's state is dropped.
+(uvicorn's ``ws_max_size``, 16 MiB) the transport closes the connection. A session that sends nothing for
+``RealtimeLimits.idle_timeout_s`` while no response runs gets a ``session_idle_timeout`` error event and is
+closed (1000). When the client goes away, its running response is aborted in every stage and the session's
+state is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from concurrent.futures import Executor
 
@@ -51,7 +54,14 @@ def realtime_router(omni: EngineClient, model: str, metrics: ServerMetrics, pool
         try:
             await session.start()
             while True:
-                message = await ws.receive()
+                try:
+                    message = await asyncio.wait_for(ws.receive(), ctx.limits.idle_timeout_s)
+                except TimeoutError:
+                    if session.response is not None and session.response.active:
+                        continue  # the client is listening to an answer
+                    await _refuse(ws, RealtimeError(f"no event for {ctx.limits.idle_timeout_s:g} s: the session is "
+                                                    "closed", code="session_idle_timeout"), 1000)
+                    break
                 if message["type"] == "websocket.disconnect":
                     break
                 data = message.get("text")

@@ -1,7 +1,13 @@
 """Top-k softmax-routed mixture of SwiGLU experts, optionally with a sigmoid-gated shared expert.
 
-Experts are kept as one module per expert because that is how the hub checkpoint stores them
-(``experts.N.gate_proj.weight``); transformers fuses them in memory but we load from disk.
+Expert weights are stacked (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I], the
+layout transformers keeps in memory) but load and save under the checkpoint's per-expert names
+(``experts.N.gate_proj.weight`` ...; see ``fused.py``). Rows are sorted by expert once; each expert's rows
+go through its gate/up and down GEMMs, as one grouped GEMM for all experts (``torch._grouped_mm``: no host
+sync, one call) or as a loop of per-expert GEMMs (the packed-weight ``fast`` path). Both give the same bits;
+on CPU their speed is within a few percent of each other from decode to prefill row counts
+(``benchmarks/moe_kernels.py``), so the grouped call is used wherever it exists. Slot outputs are weighted
+and summed per token in top-k order, as transformers' grouped-GEMM path does.
 """
 
 from __future__ import annotations
@@ -10,7 +16,77 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.mlp import GatedMLP
+from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear
+from omnistage.models.layers.fused import fuse_parts
+from omnistage.models.layers.mlp import GatedMLP, swiglu
+
+
+def _grouped_mm_available() -> bool:
+    return hasattr(torch, "_grouped_mm")
+
+
+class StackedExperts(nn.Module):
+    """All experts' SwiGLU weights in two 3-D tensors; ``forward`` runs expert-sorted rows through them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        i = intermediate_size
+        fuse_parts(self, "gate_up_proj", [
+            part for e in range(num_experts)
+            for part in ((f"{e}.gate_proj.weight", (e, slice(0, i))), (f"{e}.up_proj.weight", (e, slice(i, 2 * i))))
+        ])
+        fuse_parts(self, "down_proj", [(f"{e}.down_proj.weight", (e,)) for e in range(num_experts)])
+        # Per-expert oneDNN-packed weights (gate_up, down) once ``pack_weights`` ran (the ``fast`` option).
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def pack_weights(self, batch_hint: int) -> int:
+        """Pack every expert's two weights for oneDNN (see fast_linear.py); returns how many were packed."""
+        if not can_pack(self.gate_up_proj):
+            return 0
+        self.packed = [
+            (pack_weight(self.gate_up_proj[e], batch_hint), pack_weight(self.down_proj[e], batch_hint))
+            for e in range(self.num_experts)
+        ]
+        return 2 * self.num_experts
+
+    def _expert(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
+        if self.packed is not None and x.dtype == self.gate_up_proj.dtype:
+            gate_up, down = self.packed[expert_id]
+            return packed_linear(self._swiglu(packed_linear(x, gate_up)), down)
+        return F.linear(self._swiglu(F.linear(x, self.gate_up_proj[expert_id])), self.down_proj[expert_id])
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up, self.intermediate_size)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+        """x: [S, H] rows sorted by expert; counts: [E] rows per expert -> [S, H] expert outputs.
+
+        ``grouped``: one grouped GEMM (True) or a loop over experts with rows (False); default: grouped where
+        the op exists (CPU; CUDA's needs bfloat16 on recent GPUs), unless the weights are packed (``fast``).
+        """
+        if grouped is None:
+            grouped = _grouped_mm_available() and not x.is_cuda and self.packed is None
+        if grouped:
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = self._swiglu(torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets))
+            return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
+        out = torch.empty_like(x)
+        start = 0
+        for expert_id, count in enumerate(counts.tolist()):
+            if count:
+                rows = slice(start, start + count)
+                out[rows] = self._expert(x[rows], expert_id)
+                start += count
+        return out
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Every expert over every row: [N, H] -> [E, N, H] (no data-dependent shapes; graph capture)."""
+        h = self._swiglu(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))
+        return torch.matmul(h, self.down_proj.transpose(1, 2))
 
 
 class SparseMoE(nn.Module):
@@ -30,7 +106,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size > 0:
@@ -45,42 +121,34 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor, static: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static: bool | None = None, grouped: bool | None = None) -> torch.Tensor:
         """``static``: route without reading anything back to the host (every expert runs over every row,
-        unselected rows weighted 0) — what CUDA graph capture needs. Default: only while capturing."""
+        unselected rows weighted 0) — what CUDA graph capture needs. Default: only while capturing.
+        ``grouped``: force the grouped-GEMM (True) or per-expert loop (False) sparse path (tests)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         if static is None:
             static = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = self._static_experts(x, weights, ids) if static else self._sparse_experts(x, weights, ids)
+        out = self._static_experts(x, weights, ids) if static else self._sparse_experts(x, weights, ids, grouped)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
 
     def _static_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, ids, weights)
-        out = torch.zeros_like(x)
-        for expert_id, expert in enumerate(self.experts):  # ascending, like the sparse path
-            out += expert(x) * dense[:, expert_id, None]
-        return out
+        every = self.experts.dense(x)  # [E, N, H]
+        picked = every[ids, torch.arange(x.shape[0], device=x.device)[:, None]]  # [N, k, H]
+        return (picked * weights[..., None]).sum(dim=1)
 
-    def _sparse_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        # Group (token, slot) pairs by expert with one sort, so each expert runs once over all its rows.
+    def _sparse_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, grouped: bool | None
+    ) -> torch.Tensor:
+        # Sort the (token, slot) pairs by expert once, so each expert runs once over all its rows.
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
-        rows_sorted = order // self.top_k
-        weights_sorted = weights.flatten()[order]
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        start = 0
-        # Ascending expert order: the same accumulation order as the reference, so float32 sums agree.
-        for expert_id, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = rows_sorted[start : start + count]
-            y = self.experts[expert_id](x[rows]) * weights_sorted[start : start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-            start += count
-        return out
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        y = self.experts(x[order // self.top_k], counts, grouped) * weights.flatten()[order, None]
+        # Back to (token, slot) order, then the per-token sum over slots in top-k order (transformers' order).
+        slots = torch.empty_like(y)
+        slots[order] = y
+        return slots.view(x.shape[0], self.top_k, -1).sum(dim=1)

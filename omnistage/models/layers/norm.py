@@ -1,9 +1,22 @@
-"""RMS normalisation as the Qwen3 family computes it (statistics in float32, scale in the input dtype)."""
+"""RMS normalisation as the Qwen3 family computes it (statistics in float32, scale in the input dtype).
+
+Inside a ``torch.compile`` graph the norm keeps its eager numerics (``compiled.eager_in_graphs``).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from omnistage.models.layers.compiled import eager_in_graphs
+
+
+@eager_in_graphs("rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # Cast back before scaling so low-precision runs round where the reference rounds.
+    return weight * xf.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +26,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back before scaling so low-precision runs round where the reference rounds.
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -9,6 +9,7 @@ Talker's prompt length and voice, Token2Wav's voice and noise seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from omnistage.models.family import (
     StageRequest,
     no_args,
 )
+from omnistage.models.layers.fast_linear import fast_kernels
 from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTalker, talker2token2wav_args
 from omnistage.models.qwen2_5_omni.loading import (
     ARCHITECTURE,
@@ -72,6 +74,9 @@ class Qwen25OmniFamily(HFChatFamily):
         super().__init__(model_dir)
         self.config = load_config(self.model_dir)
         self.ids = TalkerTokenIds.from_config(self.config)
+        # One Talker step (codec token) reads one answer token and becomes `repeats` mel frames of `hop` samples.
+        t2w = self.config.token2wav_config
+        self.samples_per_frame = int(t2w.dit_config.repeats) * math.prod(t2w.bigvgan_config.upsample_rates)
         has_speakers = (self.model_dir / SPEAKER_FILE).is_file()
         self.speakers: dict[str, Speaker] = load_speakers(self.model_dir) if has_speakers else {}
         # The API names voices in lower case; resolve_voice maps them back to the spk_dict.pt keys.
@@ -83,14 +88,14 @@ class Qwen25OmniFamily(HFChatFamily):
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":
-            return ThinkerStageModel(load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device))
+            return ThinkerStageModel(fast_kernels(load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast))
         if part == "talker":
-            talker = load_talker(self.model_dir, self.config, ctx.dtype, ctx.device)
+            talker = fast_kernels(load_talker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
             # The Talker reads a few rows of the Thinker's embedding table (text specials, speaker bos rows).
             embed = load_thinker_embedding(self.model_dir, ctx.dtype, ctx.device)
             return TalkerStageModel.for_speakers(talker, embed, self.speakers)
         if part == "token2wav":
-            return Token2WavStageModel(load_token2wav(self.model_dir, self.config, ctx.device))
+            return Token2WavStageModel(fast_kernels(load_token2wav(self.model_dir, self.config, ctx.device), ctx.fast))
         raise ValueError(f"unknown part {part!r}")
 
     def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Any:

@@ -5,25 +5,43 @@ Names follow the checkpoint with ``talker.code_predictor.`` stripped: ``model.la
 
 One call runs all requests of a step in lockstep: a 2-row prefill ``[talker hidden, embed(code0)]`` at
 positions 0, 1, then Q-2 single-row steps, each attending to a small contiguous per-call KV cache.
+
+Two entry points share that loop:
+- ``predict``: a ``sample(logits, group)`` callback picks each group (and ``forced_codes`` can teacher-force);
+  tests and reference comparisons use it.
+- ``complete_frames``: the serving path. Each row is greedy (argmax) or sampled with transformers' residual
+  settings (top-k 50, top-p 0.8, temperature 1) from exponential noise drawn up front from the request's own
+  generator — the same number of draws per frame whatever the batch, so a request's random stream never
+  depends on its batch mates. With the noise fixed, the whole frame (all Q-1 passes and picks) is one pure
+  function of tensors, which ``frame_compiler`` compiles into one graph for every batch size (the batch
+  dimension is symbolic); norms, activations and sums keep their eager bits in it (``eager_in_graphs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.scan import scan
 
 from omnistage.models.layers.attention import AttendFn
+from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
+from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import RotaryEmbedding
 
 # sample(logits [B, V], group) -> codes [B]; group runs 1..Q-1.
 SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+# transformers' talker generate samples the residual codes with these (when the talker samples at all).
+RESIDUAL_TOP_K = 50
+RESIDUAL_TOP_P = 0.8
 
 
 @dataclass(frozen=True)
@@ -45,55 +63,135 @@ class CodePredictorConfig:
         return cls(DecoderConfig.from_hf(cfg), cfg.vocab_size, cfg.num_code_groups)
 
 
-class _ContiguousCache:
-    """K/V for one predict() call: [B, Q, kv_heads, dim] per layer, filled left to right."""
+class _FrameCache:
+    """K/V of one frame's Q positions per layer, [B, Q, kv_heads, dim], zero-initialised.
 
-    def __init__(self, num_layers: int, batch: int, length: int, kv_heads: int, dim: int, like: torch.Tensor):
+    A pass writes its rows' K/V at their positions and attends to every cached position up to its own
+    through a mask over all Q slots, so every pass has the same shapes: one loop body (and one compiled
+    graph) serves all of them. Unwritten slots are masked out (and zero, so they add exact zeros).
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.k, self.v = k, v
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, length: int, kv_heads: int, dim: int, like: torch.Tensor):
         shape = (batch, length, kv_heads, dim)
-        self.k = [like.new_empty(shape) for _ in range(num_layers)]
-        self.v = [like.new_empty(shape) for _ in range(num_layers)]
-        self.start = 0
+        return cls([like.new_zeros(shape) for _ in range(num_layers)], [like.new_zeros(shape) for _ in range(num_layers)])
 
-    def attend_fn(self, layer: int) -> AttendFn:
+    def attend_fn(self, layer: int, positions: torch.Tensor, mask: torch.Tensor) -> AttendFn:
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            # q: [B, T, heads, dim]; k, v: [B, T, kv_heads, dim] for positions start..start+T-1.
-            t = q.shape[1]
-            end = self.start + t
-            self.k[layer][:, self.start : end] = k
-            self.v[layer][:, self.start : end] = v
-            kb, vb = self.k[layer][:, :end], self.v[layer][:, :end]
-            rep = q.shape[2] // kb.shape[2]
-            if rep > 1:
-                kb = kb.repeat_interleave(rep, dim=2)
-                vb = vb.repeat_interleave(rep, dim=2)
-            # Every request sits at the same position, so one causal mask (or none for one query) serves all.
+            # q: [B, T, heads, dim]; k, v: [B, T, kv_heads, dim] at ``positions`` [T].
+            self.k[layer] = self.k[layer].index_copy(1, positions, k)
+            self.v[layer] = self.v[layer].index_copy(1, positions, v)
+            kb, vb = self.k[layer], self.v[layer]
+            # Every request sits at the same positions, so one mask [T, Q] serves the batch; grouped-query
+            # heads share their key/value head inside the kernel (no repeated copies).
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), is_causal=t > 1, scale=scale
+                q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=mask, scale=scale,
+                enable_gqa=q.shape[2] != kb.shape[2],
             )
             return out.transpose(1, 2)
 
         return attend
 
 
+class StackedTables(nn.Module):
+    """``n`` same-shape matrices in one [n, rows, cols] parameter, loaded and saved as ``{i}.weight`` (the
+    checkpoint's ``lm_head.{i}.weight`` / ``codec_embedding.{i}.weight``), so a loop over code groups can
+    walk them as one tensor."""
+
+    def __init__(self, n: int, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, rows, cols))
+        fuse_parts(self, "weight", [(f"{i}.weight", (i,)) for i in range(n)])
+
+    def __len__(self) -> int:
+        return self.weight.shape[0]
+
+
 class CodePredictorModel(nn.Module):
     def __init__(self, cfg: CodePredictorConfig) -> None:
         super().__init__()
         d = cfg.decoder
+        self.num_positions = cfg.num_code_groups
         self.layers = nn.ModuleList(DecoderLayer(d, i) for i in range(d.num_layers))
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.rotary = RotaryEmbedding(d.head_dim, d.rope_theta)
-        self.codec_embedding = nn.ModuleList(
-            nn.Embedding(cfg.vocab_size, d.hidden_size) for _ in range(cfg.num_code_groups - 1)
-        )
+        # Rotary tables of the frame's Q positions, computed once in float32 (the values a per-pass
+        # computation gives): a compiled graph indexes them instead of computing cos/sin with its own
+        # kernels, whose last bits differ from eager torch's.
+        cos, sin = RotaryEmbedding(d.head_dim, d.rope_theta)(torch.arange(cfg.num_code_groups), torch.float32)
+        self.rope_cos = nn.Buffer(cos, persistent=False)
+        self.rope_sin = nn.Buffer(sin, persistent=False)
+        self.codec_embedding = StackedTables(cfg.num_code_groups - 1, cfg.vocab_size, d.hidden_size)
 
-    def forward(self, h: torch.Tensor, start: int, cache: _ContiguousCache) -> torch.Tensor:
-        """h: [B, T, H] rows at positions start..start+T-1 -> final-normed [B, T, H]."""
-        positions = torch.arange(start, start + h.shape[1], device=h.device)
-        cos, sin = self.rotary(positions, h.dtype)
-        cache.start = start
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cache: _FrameCache) -> torch.Tensor:
+        """h: [B, T, H] rows at ``positions`` [T] (a tensor: the same code for every pass) -> normed [B, T, H]."""
+        cos, sin = self.rope_cos[positions].to(h.dtype), self.rope_sin[positions].to(h.dtype)
+        slots = torch.arange(self.num_positions, device=h.device)
+        mask = slots[None, :] <= positions[:, None]  # [T, Q]: causal over the frame's positions
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.attend_fn(i))
+            h = layer(h, cos, sin, cache.attend_fn(i, positions, mask))
         return self.norm(h)
+
+
+def pick_residual_codes(
+    logits: torch.Tensor, sampled: torch.Tensor | None = None, noise: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One code per row: the argmax, or where ``sampled`` a draw from the top-k / top-p distribution.
+
+    logits: [B, V]; sampled: [B] bool (None: every row greedy); noise: [B, k] exponential draws, one per
+    top-k candidate. The race ``argmax(p / noise)`` over the kept candidates is an exact draw from their
+    renormalised probabilities (as the runner's sampler draws over the whole vocabulary).
+    """
+    logits = logits.float()
+    best = logits.argmax(-1)
+    if sampled is None or noise is None:
+        return best
+    top, ids = logits.topk(noise.shape[-1], dim=-1)  # sorted, descending
+    kept = top_p_probs(top)
+    drawn = ids.gather(-1, (kept / noise).argmax(-1, keepdim=True))[:, 0]
+    return torch.where(sampled, drawn, best)
+
+
+# Softmax and sums keep their eager numerics in a compiled frame: a last-bit difference could change a draw.
+@eager_in_graphs("residual_top_p")
+def top_p_probs(top: torch.Tensor) -> torch.Tensor:
+    """Sorted top-k logits [B, k] -> probabilities of the smallest prefix whose mass reaches top-p (the first
+    candidate always survives), renormalised; 0 for the dropped candidates."""
+    probs = top.softmax(-1)
+    drop = (probs.cumsum(-1) - probs) >= RESIDUAL_TOP_P
+    drop[:, 0] = False
+    kept = probs.masked_fill(drop, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+@eager_in_graphs("code_embedding_sum")
+def embedding_sum(embeds: torch.Tensor) -> torch.Tensor:
+    """[B, Q, H] -> [B, H]: one reduction over the frame's code embeddings (the reference's order)."""
+    return embeds.sum(dim=1)
+
+
+def draw_residual_noise(
+    generators: Sequence[torch.Generator | None], groups: int, k: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampled [B] bool, noise [B, groups, k]) for one frame: each row with a generator draws
+    ``groups * k`` exponential values from it, in one call; greedy rows (None) get ones and draw nothing."""
+    sampled = [g is not None for g in generators]
+    noise = torch.ones(len(generators), groups, k, device=device)
+    for i, g in enumerate(generators):  # one draw per sampled request: generators cannot be batched
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return torch.tensor(sampled, device=device), noise
+
+
+def python_scan(body: Callable, carry: Any, xs: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+    """``torch.scan``'s semantics as a Python loop: ``body(carry, x_i)`` over dim 0 of ``xs``, outputs stacked."""
+    outs = []
+    for i in range(xs[0].shape[0]):
+        carry, out = body(carry, tuple(x[i] for x in xs))
+        outs.append(out)
+    return carry, tuple(torch.stack(parts) for parts in zip(*outs, strict=True))
 
 
 class CodePredictor(nn.Module):
@@ -103,22 +201,36 @@ class CodePredictor(nn.Module):
         self.cfg = config if isinstance(config, CodePredictorConfig) else CodePredictorConfig.from_hf(config)
         self.num_code_groups = self.cfg.num_code_groups
         self.model = CodePredictorModel(self.cfg)
-        self.lm_head = nn.ModuleList(
-            nn.Linear(self.cfg.decoder.hidden_size, self.cfg.vocab_size, bias=False)
-            for _ in range(self.num_code_groups - 1)
+        self.lm_head = StackedTables(self.num_code_groups - 1, self.cfg.vocab_size, self.cfg.decoder.hidden_size)
+        self.top_k = min(RESIDUAL_TOP_K, self.cfg.vocab_size)
+        # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
+        self.frame_compiler = LazyCompiled(
+            self._frame, name="code predictor frame", dynamic_batch=True,
+            eager=functools.partial(self._frame, loop=python_scan),
         )
 
     def embed_group(self, codes: torch.Tensor, group: int) -> torch.Tensor:
         """Embedding of code group ``group`` (1..Q-1); group 0 is embedded by the Talker's codec table."""
-        return self.model.codec_embedding[group - 1](codes)
-
-    def new_cache(self, batch: int, like: torch.Tensor) -> _ContiguousCache:
-        d = self.cfg.decoder
-        return _ContiguousCache(d.num_layers, batch, self.num_code_groups, d.num_kv_heads, d.head_dim, like)
+        return F.embedding(codes, self.model.codec_embedding.weight[group - 1])
 
     def logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
         """Logits for code group ``group`` (1..Q-1) from the predictor's last hidden row."""
-        return self.lm_head[group - 1](hidden)
+        return F.linear(hidden, self.lm_head.weight[group - 1])
+
+    def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
+        d = self.cfg.decoder
+        return _FrameCache.zeros(d.num_layers, batch, self.num_code_groups, d.num_kv_heads, d.head_dim, like)
+
+    def _first_pass(
+        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, cache: _FrameCache
+    ) -> torch.Tensor:
+        """Rows [talker hidden, embed(code0)] at positions 0, 1 -> the hidden that predicts group 1 [B, H]."""
+        x = torch.stack((talker_hidden, code0_embed), dim=1)
+        return self.model(x, torch.arange(2, device=x.device), cache)[:, -1]
+
+    def _next_pass(self, embed: torch.Tensor, position: torch.Tensor, cache: _FrameCache) -> torch.Tensor:
+        """One row (the previous group's code embedding) at ``position`` [1] -> hidden [B, H]."""
+        return self.model(embed[:, None], position, cache)[:, 0]
 
     def predict(
         self,
@@ -128,7 +240,7 @@ class CodePredictor(nn.Module):
         sample: SampleFn,
         forced_codes: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill a frame for B requests at once.
+        """Fill a frame for B requests at once, ``sample`` picking each group (a Python loop over groups).
 
         talker_hidden: [B, H] the Talker's final-normed hidden of the previous step; code0: [B] the layer-0 code
         sampled from it; code0_embed: [B, H] the Talker's codec embedding of code0. ``forced_codes`` [B, Q-1]
@@ -136,25 +248,103 @@ class CodePredictor(nn.Module):
         Returns (codes [B, Q] with code0 first, embed_sum [B, H] = sum of all Q code embeddings, which is what
         the Talker adds to the next step's input).
         """
+        self._check(talker_hidden, code0)
+        cache = self.new_cache(talker_hidden.shape[0], talker_hidden)
+        code0_embed = code0_embed.to(talker_hidden.dtype)
+        codes, embeds = [code0], [code0_embed]
+        h = self._first_pass(talker_hidden, code0_embed, cache)
+        for group in range(1, self.num_code_groups):
+            if group > 1:
+                h = self._next_pass(embeds[-1], torch.tensor([group], device=h.device), cache)
+            picked = sample(self.logits(h, group), group)
+            if forced_codes is not None:
+                picked = forced_codes[:, group - 1]
+            codes.append(picked)
+            embeds.append(self.embed_group(picked, group))
+        # One stacked sum (not a running sum): the same reduction the reference uses, so float32 bits agree.
+        return torch.stack(codes, dim=1), embedding_sum(torch.stack(embeds, dim=1))
+
+    def _frame(
+        self,
+        talker_hidden: torch.Tensor,
+        code0_embed: torch.Tensor,
+        sampled: torch.Tensor,
+        noise: torch.Tensor,
+        loop: Callable = scan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole frame as one pure function of tensors (what gets compiled): (codes [B, Q-1], embed_sum [B, H]).
+
+        The same passes as ``predict`` with ``pick_residual_codes`` as the sampler; groups 2..Q-1 run as one
+        loop body over the stacked output heads, embedding tables and noise: ``torch.scan`` when compiled
+        (the graph holds one pass, not Q-2 unrolled copies, so compile time does not grow with Q), a plain
+        Python loop over the same body when eager (``python_scan``).
+        """
+        cache = self.new_cache(talker_hidden.shape[0], talker_hidden)
+        h = self._first_pass(talker_hidden, code0_embed, cache)
+        first = pick_residual_codes(self.logits(h, 1), sampled, noise[:, 0])
+        first_embed = self.embed_group(first, 1)
+        if self.num_code_groups == 2:
+            return first[:, None], embedding_sum(torch.stack((code0_embed, first_embed), dim=1))
+        layers = len(cache.k)
+
+        def body(carry, xs):
+            embed, position, *kv = carry
+            head, table, group_noise = xs
+            step_cache = _FrameCache(list(kv[:layers]), list(kv[layers:]))
+            hidden = self._next_pass(embed, position, step_cache)
+            code = pick_residual_codes(F.linear(hidden, head), sampled, group_noise)
+            code_embed = F.embedding(code, table)
+            # The scanned output is a copy: a loop body may not return one tensor twice.
+            return (code_embed, position + 1, *step_cache.k, *step_cache.v), (code, code_embed.clone())
+
+        start = (first_embed, torch.tensor([2], device=h.device), *cache.k, *cache.v)
+        steps = (self.lm_head.weight[1:], self.model.codec_embedding.weight[1:], noise.transpose(0, 1)[1:])
+        _, (codes, embeds) = loop(body, start, steps)  # codes [Q-2, B], embeds [Q-2, B, H]
+        all_embeds = torch.cat((code0_embed[:, None], first_embed[:, None], embeds.transpose(0, 1)), dim=1)
+        return torch.cat((first[:, None], codes.transpose(0, 1)), dim=1), embedding_sum(all_embeds)
+
+    def complete_frames(
+        self,
+        talker_hidden: torch.Tensor,
+        code0: torch.Tensor,
+        code0_embed: torch.Tensor,
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Serving path: ``generators[i]`` None = greedy row, else row i samples from that generator.
+
+        Returns (codes [B, Q] with code0 first, embed_sum [B, H]), like ``predict``. A single row is padded to
+        two (a zero row, dropped again) so every batch size runs the one graph with a symbolic batch.
+        """
+        self._check(talker_hidden, code0)
+        batch = talker_hidden.shape[0]
+        if len(generators) != batch:
+            raise ValueError(f"{len(generators)} generators for {batch} rows")
+        sampled, noise = draw_residual_noise(generators, self.num_code_groups - 1, self.top_k, talker_hidden.device)
+        args = [talker_hidden, code0_embed.to(talker_hidden.dtype), sampled, noise]
+        with torch.inference_mode():
+            if batch == 1:
+                args = [torch.cat((a, a.new_ones(1, *a.shape[1:]) if a is noise else a.new_zeros(1, *a.shape[1:])))
+                        for a in args]
+            # Every input an inference tensor, whoever made it: dynamo guards on the dispatch keys, so a mix of
+            # inference and normal tensors would compile one graph per combination.
+            args = [a if a.is_inference() else a.clone() for a in args]
+            residual, embed_sum = self.frame_compiler(*args)
+        return torch.cat((code0[:, None], residual[:batch]), dim=1), embed_sum[:batch]
+
+    def warm_up(self) -> None:
+        """Compile the frame now (at load) rather than inside the first audio request's step, where every
+        request of the stage would wait for it. No-op when compiling is off or has failed."""
+        if not self.frame_compiler.active or self.frame_compiler.compile_seconds is not None:
+            return
+        # Two separate tensors, as real calls pass: dynamo guards on aliasing and storage offsets, and a shared
+        # or sliced one would compile a graph that real calls never reuse.
+        hidden, code0_embed = (self.lm_head.weight.new_zeros(2, self.cfg.decoder.hidden_size) for _ in range(2))
+        code0 = torch.zeros(2, dtype=torch.long, device=hidden.device)
+        self.complete_frames(hidden, code0, code0_embed, [None, None])
+
+    @staticmethod
+    def _check(talker_hidden: torch.Tensor, code0: torch.Tensor) -> None:
         if talker_hidden.dim() != 2 or code0.shape != talker_hidden.shape[:1]:
             raise ValueError(
                 f"expected talker_hidden [B, H] and code0 [B], got {talker_hidden.shape}, {code0.shape}"
             )
-        batch = talker_hidden.shape[0]
-        cache = self.new_cache(batch, talker_hidden)
-        x = torch.stack((talker_hidden, code0_embed.to(talker_hidden.dtype)), dim=1)  # [B, 2, H]
-        start = 0
-        codes = [code0]
-        embeds = [code0_embed.to(talker_hidden.dtype)]
-        for group in range(1, self.num_code_groups):
-            h = self.model(x, start, cache)
-            start += x.shape[1]
-            picked = sample(self.logits(h[:, -1], group), group)
-            if forced_codes is not None:
-                picked = forced_codes[:, group - 1]
-            codes.append(picked)
-            emb = self.embed_group(picked, group)
-            embeds.append(emb)
-            x = emb[:, None]
-        # One stacked sum (not a running sum): the same reduction the reference uses, so float32 bits agree.
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(dim=1)

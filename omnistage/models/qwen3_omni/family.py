@@ -25,13 +25,21 @@ from omnistage.models.family import (
     StageRequest,
     no_args,
 )
+from omnistage.models.layers.fast_linear import fast_kernels
 from omnistage.models.loader import building, checkpoint_files, load_into, load_weights
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
-from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor, media_data, thinker_media
+from omnistage.models.qwen3_omni.mrope import MediaSpan
+from omnistage.models.qwen3_omni.processor import (
+    MediaItem,
+    Qwen3OmniInputProcessor,
+    ThinkerMedia,
+    media_data,
+    thinker_media,
+)
 from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel, TalkerStageModel, ThinkerStageModel
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import (
@@ -49,7 +57,7 @@ PREFERRED_VOICE = "ethan"
 
 
 
-def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str) -> MediaEncoders:
+def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str, fast: bool) -> MediaEncoders:
     """The Thinker's audio and vision towers, when the checkpoint holds them."""
     names = checkpoint_files(model_dir)
     towers: dict[str, Any] = {}
@@ -65,7 +73,7 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
         with building(dtype, device):
             tower = cls(cfg)
         load_into(tower, model_dir, prefix, dtype, skip=(derived,))
-        towers[attr] = tower.eval()
+        towers[attr] = fast_kernels(tower.eval(), fast)
     return MediaEncoders(towers["audio"], towers["vision"])
 
 
@@ -74,6 +82,7 @@ class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
     architectures = ("Qwen3OmniMoeForConditionalGeneration",)
     preset_file = "qwen3_omni.yaml"
+    wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
         "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
         "talker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
@@ -104,8 +113,8 @@ class Qwen3OmniFamily(HFChatFamily):
             with building(ctx.dtype, ctx.device):
                 thinker = Thinker(self.config)
             load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."))
-            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device)
-            return ThinkerStageModel(thinker.eval(), encoders)
+            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast)
+            return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
             with building(ctx.dtype, ctx.device):
                 talker = Talker(self.config)
@@ -115,12 +124,13 @@ class Qwen3OmniFamily(HFChatFamily):
             embed = nn.Embedding.from_pretrained(table.to(ctx.device))
             with torch.inference_mode():
                 specials = text_specials(talker.eval(), embed, self.ids)
+            fast_kernels(talker, ctx.fast).code_predictor.warm_up()
             return TalkerStageModel(talker, self.ids, specials)
         if part == "code2wav":
             with building(ctx.dtype, ctx.device):
                 code2wav = Code2Wav(self.config.code2wav_config)
             load_into(code2wav, self.model_dir, "code2wav.", ctx.dtype)
-            return Code2WavStageModel(code2wav.eval())
+            return Code2WavStageModel(fast_kernels(code2wav.eval(), ctx.fast))
         raise ValueError(f"unknown part {part!r}")
 
     def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Any:

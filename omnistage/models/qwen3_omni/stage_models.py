@@ -20,7 +20,6 @@ import torch
 
 from omnistage.attention.backend import AttentionMetadata
 from omnistage.core.request import Request
-from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, Code2WavStreamState
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders, item_span
@@ -38,7 +37,6 @@ from omnistage.models.qwen3_omni.talker_inputs import (
 )
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.runner.outputs import OmniOutput, StepContext
-from omnistage.runner.sampler import SamplingRow, sample
 
 _NO_UPDATES = None
 
@@ -180,11 +178,6 @@ class ThinkerStageModel:
         return out
 
 
-# transformers' talker generate samples the residual codes with these (when the talker samples at all).
-CODE_PREDICTOR_TOP_K = 50
-CODE_PREDICTOR_TOP_P = 0.8
-
-
 class TalkerStageModel:
     supports_full_graph_aux_outputs = True
     # transformers penalises only generated codec ids (its talker prompt is embeddings, not ids).
@@ -280,11 +273,10 @@ class TalkerStageModel:
                     for i, _, step in new_rows
                 ]
             )
-            rows_for_cp = [_code_predictor_row(ctx.sampling_rows[i]) for i in idx]
+            # Residual codes follow the talker's greedy/sampling choice, each sampled row from its own generator.
+            generators = [None if ctx.sampling_rows[i].params.greedy else ctx.sampling_rows[i].generator for i in idx]
             with torch.inference_mode():
-                codes, embed_sum = self.talker.predict_codes(
-                    hidden_prev, input_ids[token_rows], lambda logits, _g: sample(logits, rows_for_cp)
-                )
+                codes, embed_sum = self.talker.complete_frames(hidden_prev, input_ids[token_rows], generators)
             step_in = talker_decode_input(embed_sum, text)
             embeds[token_rows] = step_in
             frames[token_rows] = codes
@@ -339,16 +331,6 @@ def _prompt_table(num_rows: int, rows: Mapping[int, torch.Tensor], like: torch.T
     if rows:
         table[torch.tensor(list(rows), dtype=torch.long, device=like.device)] = torch.stack(list(rows.values()))
     return table
-
-
-def _code_predictor_row(row: SamplingRow) -> SamplingRow:
-    """The residual codes follow the talker's greedy/sampling choice with transformers' fixed top-k/top-p."""
-    p = row.params
-    if p.greedy:
-        params = SamplingParams(temperature=0.0)
-    else:
-        params = SamplingParams(temperature=1.0, top_k=CODE_PREDICTOR_TOP_K, top_p=CODE_PREDICTOR_TOP_P)
-    return SamplingRow(params, row.generator)
 
 
 class Code2WavStageModel:

@@ -10,6 +10,7 @@ images or videos (``talker_inputs.talker_positions``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -107,5 +108,13 @@ class Talker(nn.Module):
     def predict_codes(
         self, talker_hidden: torch.Tensor, code0: torch.Tensor, sample: SampleFn
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Complete the frames of B requests: (codes [B, Q] with code0 first, embed_sum [B, H])."""
+        """Complete the frames of B requests, ``sample`` picking each residual group: (codes [B, Q] with code0
+        first, embed_sum [B, H])."""
         return self.code_predictor.predict(talker_hidden, code0, self.embed_codec(code0), sample)
+
+    def complete_frames(
+        self, talker_hidden: torch.Tensor, code0: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Serving path of ``predict_codes``: row i greedy (``generators[i]`` None) or sampled with transformers'
+        residual settings from its own generator; the whole frame runs as one compiled graph when enabled."""
+        return self.code_predictor.complete_frames(talker_hidden, code0, self.embed_codec(code0), generators)

@@ -78,9 +78,10 @@ def batched():
 
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
 def test_text_and_audio_equal_transformers_per_request_in_a_batch(batched, i):
-    _, outs = batched
+    o, outs = batched
     out = outs[i]
     tokens, codes, wav = hf_speech(tuple(out.prompt_token_ids))
+    assert o.info.samples_per_frame == 2 * 240  # declared: realtime barge-in maps played audio to text by it
     stop = tokens[-1] in EOS
     assert out.token_ids == (tokens[:-1] if stop else tokens)
     assert out.codes.shape == (1, len(codes)) and out.codes[0].tolist() == codes

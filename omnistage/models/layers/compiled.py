@@ -1,0 +1,106 @@
+"""Compile a pure tensor function lazily on first use, with the eager function as the fallback.
+
+Small-batch decoding on CPU spends much of its time dispatching small ops one by one; ``torch.compile``
+turns a loop of them into a few fused kernels. Compiling takes tens of seconds, so it happens on the first
+call (which a model may make with dummy inputs when it loads, never at import), and can be turned off:
+``OMNISTAGE_COMPILE=0`` in the environment, or ``enabled=False``. If compiling fails (no C++ compiler, an unsupported op), the failure is logged once and
+the eager function serves every later call: the results are the same function's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+ENV_VAR = "OMNISTAGE_COMPILE"
+# The symbolic batch dimension's range: 1 would be specialised (a second graph), so callers pad to 2.
+MIN_DYNAMIC_BATCH = 2
+MAX_DYNAMIC_BATCH = 1 << 16
+
+log = logging.getLogger(__name__)
+
+
+def compile_enabled_by_env() -> bool:
+    """False when ``OMNISTAGE_COMPILE`` is 0 / false / no / off."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class LazyCompiled:
+    """``self(*args)`` runs ``fn(*args)``: through the graph compiled on the first call, or eagerly (``eager``,
+    default ``fn``) when compiling is disabled or has failed.
+
+    ``dynamic_batch``: dim 0 of every tensor argument is one symbolic size (>= ``MIN_DYNAMIC_BATCH``), so
+    one graph serves every batch; otherwise the graph is specialised to the first call's shapes and torch
+    recompiles for new ones.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str, enabled: bool | None = None,
+                 dynamic_batch: bool = False, eager: Callable[..., Any] | None = None) -> None:
+        self.fn = fn
+        # What runs when not compiled: ``fn`` itself unless an eager equivalent is given (same results).
+        self.eager = eager or fn
+        self.name = name
+        self.enabled = compile_enabled_by_env() if enabled is None else enabled
+        self.dynamic_batch = dynamic_batch
+        self.compile_seconds: float | None = None  # wall time of the first (compiling) call
+        self.failure: str | None = None
+        self._graph: Callable[..., Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.failure is None
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.active:
+            return self.eager(*args)
+        if self.dynamic_batch:
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    torch._dynamo.mark_dynamic(a, 0, min=MIN_DYNAMIC_BATCH, max=MAX_DYNAMIC_BATCH)
+        if self._graph is not None:
+            return self._graph(*args)
+        graph = torch.compile(self.fn, dynamic=None if self.dynamic_batch else False, fullgraph=True)
+        start = time.perf_counter()
+        try:
+            out = graph(*args)
+        except Exception as exc:  # noqa: BLE001 - any compile failure falls back to the same eager function
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.warning("compiling %s failed, running it eagerly from now on: %s", self.name, self.failure)
+            return self.eager(*args)
+        self.compile_seconds = time.perf_counter() - start
+        log.info("compiled %s in %.1f s", self.name, self.compile_seconds)
+        self._graph = graph
+        return out
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager_in_graphs(name: str) -> Callable[[F], F]:
+    """Decorate a pure tensor function (type-annotated, returns a new tensor) so that inside a
+    ``torch.compile`` graph it runs as one opaque op (``omnistage::<name>``) with its eager body; outside a
+    graph it is a plain call.
+
+    Inductor generates its own kernels for reductions (sums, means, softmax) and transcendental functions
+    (exp, cos), and their last bits differ from eager torch's (measured: RMSNorm ~1e-6, SiLU on a vector
+    tail ~5e-7, rotary cos/sin). Keeping those few ops eager makes a compiled path give the eager path's bits,
+    so the parity the eager path has with the reference carries over.
+    """
+
+    def wrap(fn: F) -> F:
+        op = torch.library.custom_op(f"omnistage::{name}", mutates_args=())(fn)
+        op.register_fake(fn)  # the eager body runs on fake tensors too: shapes and dtypes come out right
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> Any:
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        return call  # type: ignore[return-value]
+
+    return wrap

@@ -1,0 +1,89 @@
+"""The ``fast`` kernel option: linear layers through oneDNN with weights packed once at load.
+
+At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs each weight matrix on every
+call; oneDNN reading a weight already in its blocked layout streams it up to ~2x faster (measured on
+this machine's AMD EPYC at 1-2 threads, issue 10). The price in float32 is a different summation order than the default
+GEMM's (and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a
+different greedy token than the reference. That is why it is an option (``fast=True``), not the default.
+In bfloat16 the default CPU GEMM already is oneDNN and packing gives the same bits.
+
+``pack_linear_weights(module)`` switches every ``nn.Linear`` (and every stacked-expert module with a
+``pack_weights`` method) under ``module`` in place. The checkpoint weights stay as they are (state dicts and
+loaders are unchanged); the packed copies are extra, non-persistent buffers, so weight memory doubles.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Row count the packed layout is tuned for (decode batches); any row count runs correctly.
+PACK_BATCH_HINT = 16
+_PACKABLE = (torch.float32, torch.bfloat16)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return onednn_available() and weight.device.type == "cpu" and weight.dtype in _PACKABLE
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:
+    """[out, in] weight -> oneDNN's blocked layout (an opaque tensor only ``packed_linear`` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
+@torch.library.custom_op("omnistage::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] times a ``pack_weight`` result. An opaque op to ``torch.compile``: inductor calls it as
+    is (its own oneDNN fusion passes do not handle the pre-packed weight)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward reads ``packed_weight`` (built by ``pack_linear_weights``)."""
+
+    packed_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.packed_weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.packed_weight, self.bias)
+
+
+def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
+    """Switch every packable linear layer under ``module`` to packed oneDNN weights; returns how many.
+
+    Call after the weights are loaded (a later load would leave the packed copies stale). No-op when oneDNN
+    is unavailable or the weights are not on the CPU in float32/bfloat16.
+    """
+    count = 0
+    for sub in module.modules():
+        if type(sub) is nn.Linear and can_pack(sub.weight):
+            sub.register_buffer("packed_weight", pack_weight(sub.weight, batch_hint), persistent=False)
+            sub.__class__ = PackedLinear
+            count += 1
+        elif hasattr(sub, "pack_weights") and callable(sub.pack_weights):
+            count += sub.pack_weights(batch_hint)
+    return count
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def fast_kernels(module: M, fast: bool) -> M:
+    """A model family's ``fast`` build option (``BuildContext.fast``) for one loaded module: its linear
+    weights packed when ``fast``, untouched otherwise. Returns the module."""
+    if fast:
+        pack_linear_weights(module)
+    return module

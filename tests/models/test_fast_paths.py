@@ -1,0 +1,202 @@
+"""The serving fast paths equal their reference paths: fused weights load from and save as the checkpoint's
+separate tensors; the grouped expert GEMM gives the loop's bits; the code predictor's whole-frame function
+(eager loop and compiled scan) gives ``predict``'s codes and embedding sums exactly, greedy and seeded
+sampling, and a sampled request's codes do not depend on its batch mates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.models.layers.attention import QKNormAttention
+from omnistage.models.layers.compiled import LazyCompiled
+from omnistage.models.layers.decoder import DecoderConfig
+from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
+from omnistage.models.layers.mlp import GatedMLP
+from omnistage.models.layers.moe import SparseMoE
+from omnistage.models.qwen3_omni.code_predictor import CodePredictor, CodePredictorConfig, draw_residual_noise
+
+
+def _seeded(module: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module.eval()
+
+
+def test_fused_projections_load_and_save_under_checkpoint_names():
+    attn = QKNormAttention(16, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, bias=True)
+    names = set(attn.state_dict())
+    assert {"q_proj.weight", "k_proj.bias", "v_proj.weight", "o_proj.weight"} <= names
+    assert not any(n.startswith("qkv_proj") for n in names)
+    g = torch.Generator().manual_seed(1)
+    ckpt = {k: torch.randn(v.shape, generator=g) for k, v in attn.state_dict().items()}
+    attn.load_state_dict(ckpt, strict=True)
+    x = torch.randn(5, 16, generator=g)
+    fused = attn.qkv_proj(x)
+    parts = [F.linear(x, ckpt[f"{p}_proj.weight"], ckpt[f"{p}_proj.bias"]) for p in "qkv"]
+    assert torch.equal(fused, torch.cat(parts, dim=-1))  # stacking changes no output bit
+    assert all(torch.equal(attn.state_dict()[k], v) for k, v in ckpt.items())
+
+    # Built on the meta device and loaded by assignment (big checkpoints): the fused tensor materialises.
+    with torch.device("meta"):
+        lazy = GatedMLP(16, 24)
+    mlp_ckpt = {k: torch.randn(v.shape, generator=g) for k, v in GatedMLP(16, 24).state_dict().items()}
+    lazy.load_state_dict(mlp_ckpt, strict=True, assign=True)
+    assert not lazy.gate_up_proj.weight.is_meta
+    assert all(torch.equal(lazy.state_dict()[k], v) for k, v in mlp_ckpt.items())
+
+    # A loader writing into state_dict(keep_vars=True) entries writes through to the fused weight.
+    mlp = GatedMLP(16, 24)
+    with torch.no_grad():
+        mlp.state_dict(keep_vars=True)["up_proj.weight"].copy_(mlp_ckpt["up_proj.weight"])
+    assert torch.equal(mlp.gate_up_proj.weight[24:], mlp_ckpt["up_proj.weight"])
+
+    partial = {k: v for k, v in mlp_ckpt.items() if k != "gate_proj.weight"}
+    with pytest.raises(RuntimeError, match="gate_proj.weight"):
+        GatedMLP(16, 24).load_state_dict(partial, strict=True)
+    bad = dict(mlp_ckpt, **{"up_proj.weight": torch.zeros(23, 16)})
+    with pytest.raises(RuntimeError, match="size mismatch for up_proj.weight"):
+        GatedMLP(16, 24).load_state_dict(bad, strict=True)
+
+
+def test_stacked_experts_keep_per_expert_names_and_grouped_gemm_equals_loop():
+    moe = _seeded(SparseMoE(16, 24, num_experts=6, top_k=2, norm_topk_prob=True, shared_expert_intermediate_size=8))
+    names = set(moe.state_dict())
+    assert {f"experts.{e}.{p}_proj.weight" for e in range(6) for p in ("gate", "up", "down")} <= names
+    assert {"shared_expert.gate_proj.weight", "shared_expert_gate.weight", "gate.weight"} <= names
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        grouped, loop = moe(x, grouped=True), moe(x, grouped=False)
+        one_expert = moe.experts.down_proj[3] @ (
+            F.silu(moe.experts.gate_up_proj[3, :24] @ x[0]) * (moe.experts.gate_up_proj[3, 24:] @ x[0])
+        )
+    assert torch.equal(grouped, loop)
+    assert (moe.experts.dense(x[:1])[3, 0] - one_expert).abs().max().item() <= 1e-5
+    assert moe.route(x)[1].unique().numel() > 3  # routing really spreads rows over experts
+
+
+def _predictor(groups: int = 5, seed: int = 0) -> CodePredictor:
+    dec = DecoderConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                        intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0)
+    return _seeded(CodePredictor(CodePredictorConfig(dec, vocab_size=64, num_code_groups=groups)), seed, std=0.5)
+
+
+def _generators(seeds):
+    return [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+
+
+@pytest.mark.parametrize("groups", [2, 5])
+@torch.inference_mode()
+def test_frame_equals_predict_greedy_and_a_sampled_row_ignores_its_batch_mates(groups):
+    cp = _predictor(groups)
+    cp.frame_compiler.enabled = False
+    g = torch.Generator().manual_seed(3)
+    hidden, code0_embed = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    code0 = torch.tensor([1, 5, 9, 60])
+    ref, ref_sum = cp.predict(hidden, code0, code0_embed, lambda logits, _g: logits.argmax(-1))
+    codes, embed_sum = cp.complete_frames(hidden, code0, code0_embed, [None] * 4)
+    assert torch.equal(codes, ref) and torch.equal(embed_sum, ref_sum)
+
+    seeds = [None, 11, 12, None]
+    batch, _ = cp.complete_frames(hidden, code0, code0_embed, _generators(seeds))
+    assert torch.equal(batch[[0, 3]], ref[[0, 3]])  # greedy rows stay greedy next to sampled ones
+    for i in (1, 2):
+        alone, _ = cp.complete_frames(hidden[i : i + 1], code0[i : i + 1], code0_embed[i : i + 1], _generators([seeds[i]]))
+        assert torch.equal(alone[0], batch[i])
+    if groups > 2:
+        # It really samples: other seeds give other codes for the same inputs.
+        draws = {tuple(cp.complete_frames(hidden, code0, code0_embed, _generators([s] * 4))[0][1].tolist())
+                 for s in range(8)}
+        assert len(draws) > 1
+
+
+@torch.inference_mode()
+def test_residual_noise_draws_a_fixed_amount_per_sampled_request_and_none_for_greedy():
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state()
+    sampled, noise = draw_residual_noise([None, g], groups=3, k=7, device="cpu")
+    assert sampled.tolist() == [False, True] and noise.shape == (2, 3, 7)
+    assert torch.equal(noise[0], torch.ones(3, 7))
+    replay = torch.Generator().manual_seed(5)
+    assert torch.equal(noise[1], torch.empty(3, 7).exponential_(generator=replay))
+    assert torch.equal(g.get_state(), replay.get_state()) and not torch.equal(g.get_state(), state)
+
+
+@torch.inference_mode()
+def test_compiled_frame_equals_eager_frame_greedy_and_sampled():
+    cp = _predictor(groups=5, seed=1)
+    g = torch.Generator().manual_seed(4)
+    eager = {}
+    cases = [(3, [None, 21, None]), (1, [None]), (1, [22]), (5, [23, 24, None, 25, None])]
+    inputs = [(torch.randn(b, 32, generator=g), torch.randint(0, 64, (b,), generator=g),
+               torch.randn(b, 32, generator=g), seeds) for b, seeds in cases]
+    with torch.inference_mode(False):  # the Talker stacks its hidden rows outside inference mode
+        inputs[3] = (inputs[3][0].clone(), *inputs[3][1:])
+    cp.frame_compiler.enabled = False
+    for i, (h, c0, e0, seeds) in enumerate(inputs):
+        eager[i] = cp.complete_frames(h, c0, e0, _generators(seeds))
+    cp.frame_compiler.enabled = True
+    cp.warm_up()  # compiles (what a model family does at load)
+    assert cp.frame_compiler.failure is None, cp.frame_compiler.failure
+    assert cp.frame_compiler.compile_seconds is not None
+    for i, (h, c0, e0, seeds) in enumerate(inputs):
+        with torch._dynamo.config.patch(error_on_recompile=True):  # one graph serves every batch size
+            codes, embed_sum = cp.complete_frames(h, c0, e0, _generators(seeds))
+        assert cp.frame_compiler.failure is None, cp.frame_compiler.failure
+        assert torch.equal(codes, eager[i][0]), i
+        assert torch.equal(embed_sum, eager[i][1]), i
+
+
+@torch.inference_mode()
+def test_a_compiled_pass_equals_the_eager_pass_in_every_bit():
+    """Equal codes can hide drifting hidden states: one predictor pass (decoder layer, q/k norms, rotary,
+    final norm) compiled gives the eager pass's bits. Inductor's own reductions and cos/sin differ in the last
+    bits (~1e-7 here), which is why norms run as opaque ops in graphs and rotary tables are precomputed."""
+    cp = _predictor(groups=5, seed=2)
+    g = torch.Generator().manual_seed(6)
+    hidden, code0_embed = torch.randn(3, 32, generator=g), torch.randn(3, 32, generator=g)
+
+    def two_passes(h: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = cp.new_cache(h.shape[0], h)
+        first = cp._first_pass(h, e, cache)
+        return first, cp._next_pass(first, torch.tensor([2]), cache)
+
+    compiled = LazyCompiled(two_passes, name="two passes", enabled=True)
+    got, want = compiled(hidden, code0_embed), two_passes(hidden, code0_embed)
+    assert compiled.failure is None, compiled.failure
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+@torch.inference_mode()
+def test_packed_weights_keep_checkpoint_names_and_compute_the_same_products():
+    """The ``fast`` option: packed copies are extra buffers (state dicts unchanged); products equal the
+    default GEMM's to float rounding (not bitwise: that is why it is an option), experts included."""
+    moe = _seeded(SparseMoE(16, 24, num_experts=6, top_k=2, norm_topk_prob=True, shared_expert_intermediate_size=8))
+    mlp = _seeded(GatedMLP(16, 24), seed=1)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(7))
+    before = {k: v.clone() for k, v in {**moe.state_dict(prefix="moe."), **mlp.state_dict(prefix="mlp.")}.items()}
+    want_moe, want_mlp = moe(x), mlp(x)
+    assert fast_kernels(moe, False) is moe and not any(isinstance(m, PackedLinear) for m in moe.modules())
+    fast_kernels(moe, True), fast_kernels(mlp, True)
+    assert moe.experts.packed is not None and isinstance(mlp.gate_up_proj, PackedLinear)
+    after = {**moe.state_dict(prefix="moe."), **mlp.state_dict(prefix="mlp.")}
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert (moe(x) - want_moe).abs().max().item() <= 1e-5
+    assert (mlp(x) - want_mlp).abs().max().item() <= 1e-5
+
+
+def test_lazy_compiled_falls_back_to_the_eager_function():
+    def breaks_the_graph(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return x * 2
+
+    fn = LazyCompiled(breaks_the_graph, name="test", enabled=True)
+    x = torch.arange(3.0)
+    assert torch.equal(fn(x), x * 2) and fn.failure is not None and not fn.active
+    assert torch.equal(fn(x), x * 2)
+    off = LazyCompiled(lambda x: x + 1, name="off", enabled=False)
+    assert torch.equal(off(x), x + 1) and off.compile_seconds is None

@@ -1,0 +1,63 @@
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+from omnistage import runtime_env
+from omnistage.pipeline.engine import EngineArgs, OmniEngine
+
+
+def test_configure_allocator_applies_once_and_is_idempotent(monkeypatch):
+    first = runtime_env.configure_allocator()
+    if ctypes.util.find_library("c") and runtime_env._glibc() is not None:
+        assert first.applied and first.mmap_max == 0
+        assert first.mmap_threshold == runtime_env.MMAP_THRESHOLD_BYTES
+    # Later calls return the first result without touching the C library again.
+    monkeypatch.setattr(runtime_env, "_glibc", lambda: pytest.fail("allocator configured twice"))
+    assert runtime_env.configure_allocator() is first
+
+
+def test_configure_allocator_is_a_no_op_off_glibc(monkeypatch):
+    monkeypatch.setattr(runtime_env, "_result", None)
+    monkeypatch.setattr(runtime_env, "_glibc", lambda: None)
+    settings = runtime_env.configure_allocator()
+    assert not settings.applied and settings.mmap_threshold is None
+    assert runtime_env.configure_allocator() is settings
+
+
+_DECODE_TWICE = """
+import sys, torch
+from omnistage import runtime_env
+from omnistage.models.loader import load_into
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+torch.set_num_threads(1)
+model = Code2Wav(Code2WavConfig.from_checkpoint(sys.argv[1])).eval()
+load_into(model, sys.argv[1], "code2wav.")
+codes = torch.randint(0, model.config.codebook_size, (3, model.config.num_quantizers, 60),
+                      generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    before = model(codes)
+    settings = runtime_env.configure_allocator()
+    after = [model(codes) for _ in range(2)]  # the second call reuses the blocks the first one freed
+print(settings.applied, all(torch.equal(before, a) for a in after), before.numel())
+"""
+
+
+def test_allocator_setting_leaves_code2wav_output_unchanged(tiny_ckpt):
+    """Code2Wav's audio is the same bits before and after the setting (a fresh process: this one may have
+    applied it already, engines do at start)."""
+    done = subprocess.run([sys.executable, "-c", _DECODE_TWICE, str(tiny_ckpt)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    applied, same, samples = done.stdout.split()
+    assert same == "True" and int(samples) > 0
+    assert applied == str(runtime_env._glibc() is not None)
+
+
+def test_building_a_stage_applies_the_allocator_setting_once(tiny_ckpt, monkeypatch):
+    calls = []
+    monkeypatch.setattr(runtime_env, "_result", None)
+    monkeypatch.setattr(runtime_env, "_glibc", lambda: calls.append(1))  # None: as off glibc
+    OmniEngine(EngineArgs(str(tiny_ckpt)))
+    assert calls == [1]  # three stages, one process: applied once
