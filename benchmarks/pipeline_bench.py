@@ -157,21 +157,34 @@ def run_hf_qwen2_5_omni(hf, engine, fixed_speech, texts, thinker_tokens, talker_
     return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), None)
 
 
-def same_output(ours, theirs) -> bool:
-    """Answer tokens (transformers may append the EOS that ended its answer) and every codec code."""
+def output_difference(ours, theirs) -> str | None:
+    """None when the answer tokens (transformers may append the EOS that ended its answer) and every codec
+    code are equal; else where they first differ."""
     (tok_a, codes_a), (tok_b, codes_b) = ours, theirs
     if tok_a != tok_b[: len(tok_a)] or len(tok_b) - len(tok_a) > 1:
-        return False
+        at = next((i for i, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y), min(len(tok_a), len(tok_b)))
+        return f"text token {at}"
     if codes_a is None or codes_b is None:
-        return codes_a is None and codes_b is None
-    return codes_a.shape == codes_b.shape and torch.equal(codes_a, codes_b)
+        return None if codes_a is None and codes_b is None else "codes on one side only"
+    if codes_a.shape != codes_b.shape:
+        return f"codes shape {tuple(codes_a.shape)} vs {tuple(codes_b.shape)}"
+    differs = (codes_a != codes_b).any(dim=0).nonzero()
+    return f"frame {int(differs[0])}" if differs.numel() else None
 
 
 def parity_cell(ours: Run, theirs: Run, comparable: bool) -> str:
     if not comparable or ours.outputs is None or theirs.outputs is None:
         return "n/a"
     n = min(len(ours.outputs), len(theirs.outputs))
-    return f"{sum(same_output(ours.outputs[i], theirs.outputs[i]) for i in range(n))}/{n}"
+    return f"{sum(output_difference(ours.outputs[i], theirs.outputs[i]) is None for i in range(n))}/{n}"
+
+
+def parity_details(ours: Run, theirs: Run) -> list[str]:
+    """Which requests differ from transformers' answer, and where first."""
+    if ours.outputs is None or theirs.outputs is None:
+        return []
+    diffs = [(i, output_difference(a, b)) for i, (a, b) in enumerate(zip(ours.outputs, theirs.outputs))]
+    return [f"    request {i}: first differs at {d}" for i, d in diffs if d is not None]
 
 
 # ---- timers ------------------------------------------------------------------------------------------
@@ -461,6 +474,9 @@ def main() -> None:
                     best = (run, comps, stage_steps(trace, t0, t1, stages), workers)
             ours, comps, steps, workers = best
             print(throughput_row(f"{config} {n:>3}", ours, theirs, comparable), flush=True)
+            details = parity_details(ours, theirs) if comparable and config == Config("float32", False) else []
+            if details:  # the configuration whose contract is equality: say where it broke
+                print("\n".join(details), flush=True)
             if workers is not None:
                 print("\n".join(workers), flush=True)
             measured.append((config, n, ours.wall, comps, steps))

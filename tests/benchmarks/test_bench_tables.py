@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.pipeline_bench import OVERHEAD, component_table, stage_table
+from benchmarks.pipeline_bench import OVERHEAD, component_table, output_difference, stage_table
 from benchmarks.roofline import DecoderShape, Peaks, decoder_forward_work
 from benchmarks.stage_timers import Component, StageTimers
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
@@ -86,3 +86,13 @@ def test_tables_account_for_the_whole_wall_time():
     assert overhead[2:4] == ["2.50", "62.5%"] and overhead[-2:] == ["2.00", "0.8"]  # 4 - 1.5; (3 - 2) x 2
     steps = stage_table(4.0, {"thinker": Component(seconds=1.0, calls=4), "talker": Component(seconds=2.0, calls=4)})
     assert steps[-1].split()[2:4] == ["1.00", "25.0%"]
+
+
+def test_output_difference_names_the_first_difference():
+    codes = torch.arange(12).reshape(3, 4)
+    assert output_difference(([1, 2], codes), ([1, 2, 9], codes.clone())) is None  # transformers' EOS appended
+    assert output_difference(([1, 3], codes), ([1, 2], codes)) == "text token 1"
+    changed = codes.clone()
+    changed[2, 3] = -1
+    assert output_difference(([1, 2], codes), ([1, 2], changed)) == "frame 3"
+    assert output_difference(([1, 2], codes), ([1, 2], codes[:, :2])) == "codes shape (3, 4) vs (3, 2)"
