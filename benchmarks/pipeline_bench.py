@@ -2,83 +2,143 @@
 
 Same checkpoint, prompts and thread count in one process. omnistage gets N requests at once; transformers
 runs them one at a time (its generate serves one request's audio per call). Reports text tokens/s, audio
-seconds per wall second, time to first audio chunk, real-time factor (wall / audio seconds), and ratios.
+seconds per wall second, time to first audio chunk, real-time factor (wall / audio seconds), audio seconds
+per CPU second (the work measure when other processes share the cores), the ratios, and whether
+omnistage's answer tokens and codec codes equal transformers' for the requests both ran (Qwen3-Omni,
+float32). Then, per concurrency, where the time went: per stage (its steps) and per component (Thinker,
+Talker, code predictor, Code2Wav, sampler, engine overhead = the rest of the wall time), each with its
+achieved GFLOP/s and GB/s, the machine's bound for its work (measured GEMM and read peaks, roofline.py)
+and transformers' time for the same part.
 
-    python benchmarks/pipeline_bench.py --preset small --concurrency 1 4 16 --threads 2
+    python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --hf-requests 16 \
+        --configs float32 bfloat16 float32-fast
     python -m benchmarks.pipeline_bench --family qwen2_5_omni --preset small --concurrency 16 \
         --hf-requests 1 --hf-thinker-tokens 8 --hf-talker-tokens 32
 
 Qwen2.5-Omni's reference is slow on CPU (its Token2Wav re-runs the speaker encoder at every ODE evaluation):
 --hf-thinker-tokens / --hf-talker-tokens give transformers shorter requests (same ratio of text to codes)
-without changing what omnistage runs.
+without changing what omnistage runs (no token comparison then).
 
 ``--distributed-executor-backend mp`` runs every stage in its own worker process (``--threads`` split between
 them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
-stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode / transit milliseconds).
+stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode /
+transit milliseconds); the per-component breakdown needs the models in this process (``inproc``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from benchmarks.roofline import (
+    DecoderShape,
+    Peaks,
+    code2wav_work,
+    code_predictor_work,
+    count_flops,
+    decoder_forward_work,
+    logits_work,
+    measure_peaks,
+)
+from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 
+CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
 
-def run_omnistage(engine, texts, thinker_tokens, talker_tokens):
+
+@dataclass
+class Run:
+    wall: float
+    cpu: float  # CPU seconds: this process and any stage workers
+    tokens: int
+    audio_s: float
+    latency: float  # median: time to first audio (omnistage) or end-to-end (transformers)
+    outputs: list[tuple[list[int], torch.Tensor | None]] | None  # per request: answer tokens, codes [Q, T]
+
+
+def run_omnistage(engine, texts, thinker_tokens, talker_tokens, fixed_speech=True) -> Run:
+    """``fixed_speech``: the Talker runs all ``talker_tokens`` (its EOS banned, as the Thinker's), else it
+    may end at its codec EOS."""
     from omnistage import SamplingParams
 
     params = {
         "thinker": SamplingParams(temperature=0.0, max_tokens=thinker_tokens, min_tokens=thinker_tokens),
-        "talker": SamplingParams(temperature=0.0, max_tokens=talker_tokens, repetition_penalty=1.0),
+        "talker": SamplingParams(temperature=0.0, max_tokens=talker_tokens, repetition_penalty=1.0,
+                                 min_tokens=talker_tokens if fixed_speech else 0),
     }
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), sum(cpu_seconds(engine).values())
     start, first_audio, tokens, samples = {}, {}, 0, 0
+    outputs: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
     for t in texts:
         rid = engine.add_request(t, ["text", "audio"], params)
         start[rid] = time.perf_counter()
+        outputs[rid] = ([], [])
     done = set()
     while len(done) < len(texts):
         for d in engine.step():
             tokens += len(d.new_token_ids)
+            outputs[d.req_id][0].extend(d.new_token_ids)
+            if d.codes is not None:
+                outputs[d.req_id][1].append(d.codes)
             if d.audio is not None:
                 samples += d.audio.numel()
                 first_audio.setdefault(d.req_id, time.perf_counter() - start[d.req_id])
             if d.finished:
                 done.add(d.req_id)
-    wall = time.perf_counter() - t0
-    return wall, tokens, samples / engine.info.sample_rate, statistics.median(first_audio.values())
+    wall, cpu = time.perf_counter() - t0, sum(cpu_seconds(engine).values()) - c0
+    results = [(toks, torch.cat(codes, dim=1) if codes else None) for toks, codes in outputs.values()]
+    return Run(wall, cpu, tokens, samples / engine.info.sample_rate, statistics.median(first_audio.values()),
+               results)
 
 
-def run_hf(hf, tok, texts, thinker_tokens, talker_tokens, sample_rate):
-    wall, samples, latencies, tokens = 0.0, 0, [], 0
-    for x in hf_inputs(tok, texts):
-        t0 = time.perf_counter()
-        seq, wav = hf.generate(x, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
-                               thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=hf.config.im_end_token_id,
-                               talker_max_new_tokens=talker_tokens, talker_do_sample=False,
-                               talker_repetition_penalty=1.0)
-        dt = time.perf_counter() - t0
-        wall += dt
-        latencies.append(dt)
-        samples += wav.numel()
-        tokens += seq.shape[1] - x.shape[1]
-    return wall, tokens, samples / sample_rate, statistics.median(latencies)
+def run_hf(hf, tok, eos_ids, fixed_speech, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
+    """transformers one request at a time; ``eos_ids``: the engine's stop ids, so that min_new_tokens bans
+    the same ids as omnistage's min_tokens. The codes are caught on their way into Code2Wav."""
+    wall, samples, latencies, tokens, results = 0.0, 0, [], 0, []
+    captured = {}
+    original = hf.code2wav.chunked_decode
+
+    def catch_codes(codes, **kw):
+        captured["codes"] = codes[0].clone()
+        return original(codes, **kw)
+
+    hf.code2wav.chunked_decode = catch_codes
+    c0 = time.process_time()
+    try:
+        for x in hf_inputs(tok, texts):
+            t0 = time.perf_counter()
+            seq, wav = hf.generate(x, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
+                                   thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=list(eos_ids),
+                                   talker_max_new_tokens=talker_tokens, talker_do_sample=False,
+                                   talker_min_new_tokens=talker_tokens if fixed_speech else 0,
+                                   talker_repetition_penalty=1.0)
+            dt = time.perf_counter() - t0
+            wall += dt
+            latencies.append(dt)
+            samples += wav.numel()
+            tokens += seq.shape[1] - x.shape[1]
+            results.append((seq[0, x.shape[1]:].tolist(), captured.pop("codes", None)))
+    finally:
+        del hf.code2wav.chunked_decode  # back to the class's method
+    return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), results)
 
 
-def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample_rate):
+def run_hf_qwen2_5_omni(hf, engine, fixed_speech, texts, thinker_tokens, talker_tokens, sample_rate) -> Run:
     """transformers' Qwen2.5-Omni, one request at a time, on the prompt ids omnistage renders (with its speech
     system prompt); the Talker's EOS ids are the checkpoint's (generate's defaults are the released model's)."""
     from omnistage.testing.qwen2_5_omni.reference import explicit_talker_mask
 
     tc = hf.config.talker_config
     wall, samples, latencies, tokens = 0.0, 0, [], 0
+    c0 = time.process_time()
     for text in texts:
         x = torch.tensor([engine.render_prompt(text).token_ids])
         t0 = time.perf_counter()
@@ -86,6 +146,7 @@ def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample
             seq, wav = hf.generate(x, speaker="Chelsie", thinker_max_new_tokens=thinker_tokens,
                                    thinker_min_new_tokens=thinker_tokens, thinker_do_sample=False,
                                    talker_max_new_tokens=talker_tokens, talker_do_sample=False,
+                                   talker_min_new_tokens=talker_tokens if fixed_speech else 0,
                                    talker_repetition_penalty=1.0,
                                    talker_eos_token_id=[tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id])
         dt = time.perf_counter() - t0
@@ -93,7 +154,207 @@ def run_hf_qwen2_5_omni(hf, engine, texts, thinker_tokens, talker_tokens, sample
         latencies.append(dt)
         samples += wav.numel()
         tokens += seq.shape[1] - x.shape[1]
-    return wall, tokens, samples / sample_rate, statistics.median(latencies)
+    return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), None)
+
+
+def output_difference(ours, theirs) -> str | None:
+    """None when the answer tokens (transformers may append the EOS that ended its answer) and every codec
+    code are equal; else where they first differ."""
+    (tok_a, codes_a), (tok_b, codes_b) = ours, theirs
+    if tok_a != tok_b[: len(tok_a)] or len(tok_b) - len(tok_a) > 1:
+        at = next((i for i, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y), min(len(tok_a), len(tok_b)))
+        return f"text token {at}"
+    if codes_a is None or codes_b is None:
+        return None if codes_a is None and codes_b is None else "codes on one side only"
+    if codes_a.shape != codes_b.shape:
+        return f"codes shape {tuple(codes_a.shape)} vs {tuple(codes_b.shape)}"
+    differs = (codes_a != codes_b).any(dim=0).nonzero()
+    return f"frame {int(differs[0])}" if differs.numel() else None
+
+
+def parity_cell(ours: Run, theirs: Run, comparable: bool) -> str:
+    if not comparable or ours.outputs is None or theirs.outputs is None:
+        return "n/a"
+    n = min(len(ours.outputs), len(theirs.outputs))
+    return f"{sum(output_difference(ours.outputs[i], theirs.outputs[i]) is None for i in range(n))}/{n}"
+
+
+def parity_details(ours: Run, theirs: Run) -> list[str]:
+    """Which requests differ from transformers' answer, and where first."""
+    if ours.outputs is None or theirs.outputs is None:
+        return []
+    diffs = [(i, output_difference(a, b)) for i, (a, b) in enumerate(zip(ours.outputs, theirs.outputs))]
+    return [f"    request {i}: first differs at {d}" for i, d in diffs if d is not None]
+
+
+# ---- timers ------------------------------------------------------------------------------------------
+def stage_steps(trace: StageTrace, t0: float, t1: float, order: list[str]) -> dict[str, Component]:
+    """Each stage's steps inside [t0, t1] (scheduler, runner, model, sampling, its output building), as the
+    stages time them."""
+    busy = trace.summary(t0, t1)["busy"]
+    counts: dict[str, int] = {}
+    for stage, start, _end in trace.steps:
+        if t0 <= start < t1:
+            counts[stage] = counts.get(stage, 0) + 1
+    return {name: Component(seconds=busy.get(name, 0.0), calls=counts.get(name, 0)) for name in order}
+
+
+def trace_lines(trace: StageTrace, t0: float, t1: float, before: dict | None, after: dict | None) -> list[str]:
+    """Stage workers: busy and waiting shares, overlap, transport cost per hand-off."""
+    window = trace.summary(t0, t1)
+    busy = " ".join(f"{k} {100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+    waiting = " ".join(f"{k} {100 - 100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
+    lines = [f"    stages busy (share of wall): {busy}; any stage busy {100 * window['any']:.0f}%, two or more at "
+             f"once {100 * window['overlap']:.0f}%; workers waiting (share of wall): {waiting}"]
+    if before is not None and after is not None:
+        lines += ["    " + line for line in transport_report(before, after)]
+    return lines
+
+
+def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
+    """Each stage's model calls, the Talker's code predictor and the AR sampler (these never nest). Work
+    models (for the bound) where the model's shape is known: Qwen3-Omni's decoders and Code2Wav."""
+    import omnistage.runner.ar_runner as ar_runner
+    from omnistage.models.layers.decoder import DecoderConfig
+
+    timers = StageTimers()
+    for name, stage in engine.orchestrator.stages.items():
+        model = stage.runner.model
+        if hasattr(model, "forward_batch"):  # a generation stage
+            work = None
+            if hasattr(model, "code2wav"):
+                c2w = model.code2wav
+                probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long,
+                                    device=c2w.code_embedding.weight.device)
+                weight_bytes = sum(p.numel() * p.element_size() for p in c2w.parameters())
+                work = code2wav_work(count_flops(c2w, probe) / 50, weight_bytes)
+            timers.attach(model, "forward_batch", name, work)
+            continue
+        part = getattr(model, name, None)  # Qwen3-Omni: ThinkerStageModel.thinker, TalkerStageModel.talker
+        cfg = getattr(part, "cfg", None)
+        shape = DecoderShape.from_config(cfg, dtype) if isinstance(cfg, DecoderConfig) else None
+        timers.attach(model, "forward", name, decoder_forward_work(shape) if shape else None)
+        timers.attach(model, "compute_logits", name,
+                      logits_work(cfg.hidden_size, part.vocab_size, dtype) if shape else None)
+        predictor = getattr(part, "code_predictor", None)
+        if predictor is not None:
+            cp_shape = DecoderShape.from_config(predictor.cfg.decoder, dtype)
+            # The serving path (whole compiled frame) where it exists, else the eager one.
+            serving = "complete_frames" if hasattr(part, "complete_frames") else "predict_codes"
+            timers.attach(part, serving, CODE_PREDICTOR,
+                          code_predictor_work(cp_shape, predictor.cfg.vocab_size, predictor.num_code_groups))
+    timers.attach(ar_runner, "sample", SAMPLER)
+    return timers
+
+
+def attach_hf_timers(hf, family: str) -> StageTimers:
+    timers = StageTimers()
+    timers.attach(hf.thinker, "forward", "thinker")
+    timers.attach(hf.talker, "forward", "talker")
+    if family == "qwen2_5_omni":
+        timers.attach(hf.token2wav, "forward", "token2wav")
+    else:
+        # Called from the talker's prepare_inputs_for_generation, not from its forward: no nesting.
+        timers.attach(hf.talker.code_predictor, "generate", CODE_PREDICTOR)
+        timers.attach(hf.code2wav, "forward", "code2wav")
+    return timers
+
+
+def compile_note(engine) -> str:
+    """How the code predictor's frame ran: compiled (and how long the compiling first call took) or eager."""
+    talker = engine.orchestrator.stages.get("talker")
+    runner = getattr(talker, "runner", None)  # none in this process with stage workers
+    if runner is None:
+        return "in a stage worker"
+    part = getattr(runner.model, "talker", None)
+    compiler = getattr(getattr(part, "code_predictor", None), "frame_compiler", None)
+    if compiler is None:
+        return "eager (no compiled path)"
+    if not compiler.active:
+        return f"eager ({compiler.failure or 'compiling disabled'})"
+    took = compiler.compile_seconds
+    return f"compiled (first call, compiling included: {'-' if took is None else f'{took:.1f} s'}, in the warm-up)"
+
+
+def allocator_note() -> str:
+    try:
+        from omnistage.runtime_env import configure_allocator
+    except ImportError:
+        return "malloc defaults (no runtime_env)"
+    return str(configure_allocator())  # applied once per process (the engine did it): reports the settings
+
+
+# ---- tables ------------------------------------------------------------------------------------------
+def stage_table(wall: float, stages: dict[str, Component]) -> list[str]:
+    lines = [f"    {'stage':<16} {'step s':>8} {'share':>6} {'steps':>6} {'ms/step':>8}"]
+    for name, c in stages.items():
+        lines.append(f"    {name:<16} {c.seconds:>8.2f} {c.seconds / wall:>6.1%} {c.calls:>6} "
+                     f"{1e3 * c.seconds / max(c.calls, 1):>8.1f}")
+    between = wall - sum(c.seconds for c in stages.values())
+    lines.append(f"    {'between steps':<16} {between:>8.2f} {between / wall:>6.1%}  (routing, bridges, deltas)")
+    return lines
+
+
+def component_table(wall: float, ours: dict[str, Component], hf_wall: float, hf: dict[str, Component],
+                    hf_scale: float, peaks: Peaks) -> list[str]:
+    """Ours for all N requests next to transformers' time for the same part, scaled to N requests."""
+    lines = [f"    {'component':<16} {'ours s':>8} {'share':>6} {'calls':>6} {'GFLOP':>8} {'GB':>7} {'GFLOP/s':>8} "
+             f"{'GB/s':>6} {'bound s':>8} {'bnd/ours':>8} | {'hf s':>8} {'hf/ours':>7}"]
+
+    def hf_cell(seconds: float | None, ours_s: float) -> str:
+        if seconds is None:
+            return f"{'-':>8} {'-':>7}"
+        return f"{seconds:>8.2f} {seconds / ours_s if ours_s else float('nan'):>7.1f}"
+
+    for name, c in ours.items():
+        measured = c.flops or c.bytes
+        work = (f"{c.flops / 1e9:>8.1f} {c.bytes / 1e9:>7.2f} {c.flops / 1e9 / c.seconds if c.seconds else 0:>8.1f} "
+                f"{c.bytes / 1e9 / c.seconds if c.seconds else 0:>6.1f}") if measured else f"{'':>8} {'':>7} {'':>8} {'':>6}"
+        bound = peaks.bound_seconds(c.flops, c.bytes) if measured else None
+        bcells = f"{bound:>8.3f} {bound / c.seconds if c.seconds else 0:>8.1%}" if bound is not None else f"{'-':>8} {'-':>8}"
+        theirs = hf.get(name)
+        lines.append(f"    {name:<16} {c.seconds:>8.2f} {c.seconds / wall:>6.1%} {c.calls:>6} {work} {bcells} | "
+                     f"{hf_cell(theirs.seconds * hf_scale if theirs else None, c.seconds)}")
+    rest = wall - sum(c.seconds for c in ours.values())
+    hf_rest = (hf_wall - sum(c.seconds for c in hf.values())) * hf_scale
+    lines.append(f"    {OVERHEAD:<16} {rest:>8.2f} {rest / wall:>6.1%} {'':>6} {'':>8} {'':>7} {'':>8} {'':>6} "
+                 f"{'':>8} {'':>8} | {hf_cell(hf_rest, rest)}")
+    lines.append(f"    {'total':<16} {wall:>8.2f} {1:>6.0%} {'':>6} {'':>8} {'':>7} {'':>8} {'':>6} {'':>8} {'':>8} | "
+                 f"{hf_cell(hf_wall * hf_scale, wall)}")
+    return lines
+
+
+@dataclass(frozen=True)
+class Config:
+    """One omnistage configuration of a run: serving dtype and the ``fast`` kernels option."""
+
+    dtype: str
+    fast: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        dtype, _, option = text.partition("-")
+        if dtype not in ("float32", "bfloat16") or option not in ("", "fast"):
+            raise argparse.ArgumentTypeError(f"expected float32, bfloat16, float32-fast or bfloat16-fast, got {text!r}")
+        return cls(dtype, option == "fast")
+
+    def __str__(self) -> str:
+        return self.dtype + ("-fast" if self.fast else "")
+
+
+def throughput_row(label: str, ours: Run, theirs: Run, comparable: bool) -> str:
+    return (f"{label:>18} | {ours.tokens / ours.wall:>10.1f} {ours.audio_s / ours.wall:>12.2f} "
+            f"{ours.latency:>11.2f} {ours.wall / ours.audio_s:>8.2f} {ours.audio_s / ours.cpu:>11.3f} | "
+            f"{theirs.tokens / theirs.wall:>8.1f} {theirs.audio_s / theirs.wall:>10.2f} "
+            f"{theirs.latency:>8.2f} {theirs.wall / theirs.audio_s:>7.2f} {theirs.audio_s / theirs.cpu:>11.3f} | "
+            f"{(ours.audio_s / ours.wall) / (theirs.audio_s / theirs.wall):>6.2f} "
+            f"{(ours.audio_s / ours.cpu) / (theirs.audio_s / theirs.cpu):>6.2f} "
+            f"{ours.latency / theirs.latency:>8.2f} {parity_cell(ours, theirs, comparable):>10}")
+
+
+THROUGHPUT_HEADER = (f"{'config, N':>18} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
+                     f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
+                     f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
 
 
 def main() -> None:
@@ -102,15 +363,27 @@ def main() -> None:
     ap.add_argument("--family", default="qwen3_omni", choices=["qwen3_omni", "qwen2_5_omni"],
                     help="model family of the built --preset checkpoint (a --model dir names its own)")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--thinker-tokens", type=int, default=32)
-    ap.add_argument("--talker-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--configs", type=Config.parse, nargs="+", default=[Config("float32", False)],
+                    help="omnistage configurations, each run against the same transformers run: float32 (default), "
+                         "bfloat16, float32-fast, bfloat16-fast (fast: EngineArgs(fast=True), rounding may differ)")
+    ap.add_argument("--thinker-tokens", type=int, default=48)
+    ap.add_argument("--talker-tokens", type=int, default=144,
+                    help="codec tokens per answer: frames + 1, the last one has no residual codes")
+    ap.add_argument("--speech-may-end", action="store_true",
+                    help="the Talker may stop at its codec EOS (default: exactly --talker-tokens, EOS banned)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (OMNISTAGE_COMPILE=0)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="every stage's batch cap (default: the packaged preset's)")
+    ap.add_argument("--repeats", type=int, default=1, help="omnistage runs per concurrency; the fastest counts")
     ap.add_argument("--hf-requests", type=int, default=2, help="requests transformers runs (one at a time)")
     ap.add_argument("--hf-thinker-tokens", type=int, default=None, help="transformers' (default: --thinker-tokens)")
     ap.add_argument("--hf-talker-tokens", type=int, default=None, help="transformers' (default: --talker-tokens)")
     ap.add_argument("--distributed-executor-backend", choices=["inproc", "mp", "ray"], default="inproc")
     args = ap.parse_args()
+    if args.eager:
+        os.environ["OMNISTAGE_COMPILE"] = "0"
     torch.set_num_threads(args.threads)
 
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
@@ -118,71 +391,115 @@ def main() -> None:
     from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
     from omnistage.pipeline.engine import EngineArgs, OmniEngine
 
+    fixed_speech = not args.speech_may_end
     model = resolve_model(args.model, args.preset, args.family)
     family = family_for_checkpoint(model).name
-    top = max(args.concurrency)
-    sched = {"max_num_seqs": top}
     stages = load_pipeline_config(family).order
     backend = args.distributed_executor_backend
-    # Stage workers share the thread budget (at least one each); in-process stages use all of it in turn.
-    per_stage = {"scheduler": sched} if backend == "inproc" else {"scheduler": sched,
-                                                                    "threads": max(1, args.threads // len(stages))}
-    pipeline = load_pipeline_config(family, {"stages": {name: per_stage for name in stages}})
-    engine = OmniEngine(EngineArgs(model, distributed_executor_backend=backend), pipeline)
+    per_stage: dict = {}
+    if args.max_num_seqs:
+        per_stage["scheduler"] = {"max_num_seqs": args.max_num_seqs}
+    if backend != "inproc":  # stage workers share the thread budget (at least one each)
+        per_stage["threads"] = max(1, args.threads // len(stages))
+    pipeline = load_pipeline_config(family, {"stages": {name: per_stage for name in stages}} if per_stage else None)
     trace = StageTrace()
-    engine.orchestrator.listeners.append(trace)
+
+    def build(config: Config) -> OmniEngine:
+        engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast,
+                                       distributed_executor_backend=backend), pipeline)
+        engine.orchestrator.listeners.append(trace)
+        # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
+        for n in sorted(set(args.concurrency)):
+            run_omnistage(engine, prompts(n), 4, 8)
+        return engine
+
+    engine = build(args.configs[0])
     if family == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni.reference import load_hf_reference
 
         hf = load_hf_reference(model)
-        reference = functools.partial(run_hf_qwen2_5_omni, hf, engine)
+        reference = functools.partial(run_hf_qwen2_5_omni, hf, engine, fixed_speech)
     else:
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
-        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model))
-    run_omnistage(engine, prompts(1), 4, 8)  # warm-up
+        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), engine.family.eos_token_ids,
+                                      fixed_speech)
     hf_thinker = args.hf_thinker_tokens or args.thinker_tokens
     hf_talker = args.hf_talker_tokens or args.talker_tokens
+    # Same requests on both sides: compare answers (equality is the contract in float32 without fast;
+    # bfloat16 and fast round differently, so their count says how often greedy picks still agree).
+    comparable = (hf_thinker, hf_talker) == (args.thinker_tokens, args.talker_tokens)
 
-    print(f"threads={args.threads} backend={backend} (threads per stage worker: {per_stage.get('threads', '-')}) "
-          f"model={Path(model).name} ({family}) thinker_tokens={args.thinker_tokens} "
-          f"talker_tokens={args.talker_tokens} transformers: {hf_thinker}/{hf_talker} tokens "
-          f"(audio chunks: {dict(pipeline.stage(stages[-1]).bridge_args)})")
-    # "aud s/cpu s": audio seconds per CPU second (ours: this process and its stage workers), the work measure
-    # when the machine is shared (wall-clock rates then depend on the neighbours' load).
-    print(f"{'N':>3} | {'ours tok/s':>10} {'ours aud s/s':>12} {'ours TTFA s':>11} {'ours RTF':>8} "
-          f"{'aud s/cpu s':>11} | {'hf tok/s':>8} {'hf aud s/s':>10} {'hf E2E s':>8} {'hf RTF':>7} "
-          f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8}")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    caps = {name: pipeline.stage(name).scheduler.max_num_seqs for name in stages}
+    print(f"cpu={cpu} threads={args.threads} backend={backend} (threads per stage worker: "
+          f"{per_stage.get('threads', '-')}) load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
+          f"({family}) max_num_seqs={caps}")
+    print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} "
+          f"({'exactly' if fixed_speech else 'at most'}) transformers: "
+          f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
+          f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
+    print(f"code predictor: {compile_note(engine)}; allocator: {allocator_note()}", flush=True)
+    dtypes = list(dict.fromkeys(c.dtype for c in args.configs))
+    peaks_before = {d: measure_peaks(getattr(torch, d)) for d in dtypes}
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
-    # on the first --hf-requests prompts, and compare every concurrency against it.
-    cpu = time.process_time()
+    # on the first --hf-requests prompts, and compare every configuration and concurrency against it.
+    hf_timers = attach_hf_timers(hf, family)
     with torch.no_grad():
-        hwall, htoks, haudio, hlat = reference(prompts(args.hf_requests), hf_thinker, hf_talker,
-                                               engine.info.sample_rate)
-    hcpu = time.process_time() - cpu
-    for n in args.concurrency:
-        texts = prompts(n)
-        counters = snapshot(engine) if engine.workers is not None else None
-        cpu0 = cpu_seconds(engine)
-        t0 = time.monotonic()
-        wall, toks, audio_s, ttfa = run_omnistage(engine, texts, args.thinker_tokens, args.talker_tokens)
-        window = trace.summary(t0, time.monotonic())
-        cpu = {k: v - cpu0[k] for k, v in cpu_seconds(engine).items()}
-        ocpu = sum(cpu.values())
-        print(f"{n:>3} | {toks / wall:>10.1f} {audio_s / wall:>12.2f} {ttfa:>11.2f} {wall / audio_s:>8.2f} "
-              f"{audio_s / ocpu:>11.3f} | {htoks / hwall:>8.1f} {haudio / hwall:>10.2f} {hlat:>8.2f} "
-              f"{hwall / haudio:>7.2f} {haudio / hcpu:>11.3f} | {(audio_s / wall) / (haudio / hwall):>6.2f} "
-              f"{(audio_s / ocpu) / (haudio / hcpu):>6.2f} {ttfa / hlat:>8.2f}", flush=True)
-        busy = " ".join(f"{k} {100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
-        print(f"    stages busy (share of wall): {busy}; any stage busy {100 * window['any']:.0f}%, "
-              f"two or more at once {100 * window['overlap']:.0f}%; CPU s: "
-              f"{', '.join(f'{k} {v:.1f}' for k, v in cpu.items())}", flush=True)
-        if counters is not None:  # a worker not stepping waits: for upstream input, or for the API process
-            waiting = " ".join(f"{k} {100 - 100 * v / window['wall']:.0f}%" for k, v in sorted(window["busy"].items()))
-            print(f"    workers waiting (share of wall): {waiting}", flush=True)
-            for line in transport_report(counters, snapshot(engine)):
-                print("    " + line, flush=True)
+        theirs = reference(prompts(args.hf_requests), hf_thinker, hf_talker, engine.info.sample_rate)
+    hf_timers.detach()
+    print(f"transformers: {theirs.wall:.2f} s", flush=True)
+
+    # Each row as soon as it is measured (a long run cut short keeps what it had); the breakdowns at the end.
+    print(THROUGHPUT_HEADER, flush=True)
+    measured = []
+    for i, config in enumerate(args.configs):
+        if i:
+            engine.shutdown()  # one engine's weights and KV pools (and workers) at a time
+            engine = build(config)
+        # Model timers need the models in this process; stage workers get the trace and transport lines.
+        timers = attach_component_timers(engine, getattr(torch, config.dtype)) if engine.workers is None else None
+        for n in args.concurrency:
+            best = None
+            for _ in range(args.repeats):
+                if timers is not None:
+                    timers.reset()
+                counters = snapshot(engine) if engine.workers is not None else None
+                t0 = time.monotonic()
+                run = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens, fixed_speech)
+                t1 = time.monotonic()
+                if best is None or run.wall < best[0].wall:
+                    comps = timers.snapshot() if timers is not None else None
+                    workers = None if counters is None else trace_lines(trace, t0, t1, counters, snapshot(engine))
+                    best = (run, comps, stage_steps(trace, t0, t1, stages), workers)
+            ours, comps, steps, workers = best
+            print(throughput_row(f"{config} {n:>3}", ours, theirs, comparable), flush=True)
+            details = parity_details(ours, theirs) if comparable and config == Config("float32", False) else []
+            if details:  # the configuration whose contract is equality: say where it broke
+                print("\n".join(details), flush=True)
+            if workers is not None:
+                print("\n".join(workers), flush=True)
+            measured.append((config, n, ours.wall, comps, steps))
+        if timers is not None:
+            timers.detach()
     engine.shutdown()
 
+    lines = []
+    for dtype_name in dtypes:
+        # Measured before and after the runs, the better kept: the neighbours' load only ever lowers a peak.
+        peaks = peaks_before[dtype_name].best(measure_peaks(getattr(torch, dtype_name)))
+        lines.append(f"peaks ({dtype_name}, {args.threads} threads, better of before/after the runs): GEMM "
+                     f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
+                     f"bound = max(GFLOP / GEMM peak, GB / read peak)")
+        for config, n, wall, comps, steps in measured:
+            if config.dtype != dtype_name or comps is None:
+                continue
+            lines += [f"where the time went, {config} N={n} (wall {wall:.2f} s): ours for all {n} requests; "
+                      f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",
+                      *stage_table(wall, steps),
+                      *component_table(wall, comps, theirs.wall, hf_timers.components, n / args.hf_requests, peaks)]
+    lines.append(f"load_avg_1m at the end {os.getloadavg()[0]:.1f}")
+    print("\n".join(lines))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,98 @@
+"""The pipeline benchmark's own machinery (timers, work model, tables): cheap, no timing asserted."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks.pipeline_bench import OVERHEAD, component_table, output_difference, stage_table
+from benchmarks.roofline import DecoderShape, Peaks, decoder_forward_work
+from benchmarks.stage_timers import Component, StageTimers
+from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
+
+
+class Counter:
+    def add(self, x: int, y: int = 0) -> int:
+        return x + y
+
+
+def test_timers_count_calls_and_work_and_detach_restores():
+    obj = Counter()
+    module = sys.modules[__name__]
+    original_fn = module.helper
+    timers = StageTimers()
+    timers.attach(obj, "add", "adder", work=lambda args, kwargs, out: (float(out), 2.0))
+    timers.attach(module, "helper", "helper")
+    assert obj.add(2, y=3) == 5 and obj.add(1) == 1
+    assert helper() == "ok"
+    c = timers.components["adder"]
+    assert (c.calls, c.flops, c.bytes) == (2, 6.0, 4.0) and c.seconds >= 0.0
+    assert timers.components["helper"].calls == 1
+    snap = timers.snapshot()
+    timers.reset()
+    assert timers.components["adder"].calls == 0 and snap["adder"].calls == 2
+    timers.detach()
+    assert "add" not in vars(obj) and module.helper is original_fn
+    obj.add(1)
+    assert timers.components["adder"].calls == 0
+
+
+def helper() -> str:
+    return "ok"
+
+
+def test_missing_hook_point_is_named():
+    with pytest.raises(AttributeError, match="predict_codes"):
+        StageTimers().attach(Counter(), "predict_codes", "code predictor")
+
+
+@pytest.mark.parametrize("sparse", [(), (1,), (0, 1, 2)])
+def test_decoder_shape_counts_the_modules_matrices(sparse):
+    cfg = DecoderConfig(hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
+                        rms_norm_eps=1e-6, rope_theta=1e4, num_experts=4 if sparse else 0,
+                        num_experts_per_tok=2 if sparse else 0, moe_intermediate_size=12 if sparse else 0,
+                        sparse_layers=sparse, shared_expert_intermediate_size=20 if sparse else 0)
+    shape = DecoderShape.from_config(cfg, torch.float32)
+    # Every weight matrix of the layers (norm and bias vectors are not in the work model).
+    matrices = sum(p.numel() for p in PagedDecoder(cfg).layers.parameters() if p.dim() >= 2)
+    assert shape.dense_params + shape.sparse_layers * shape.num_experts * shape.expert_params == matrices
+
+
+def test_forward_work_counts_attended_positions_per_row():
+    cfg = DecoderConfig(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
+                        rms_norm_eps=1e-6, rope_theta=1e4)
+    shape = DecoderShape.from_config(cfg, torch.float32)
+    # A 3-row prefill after 5 cached positions and a 1-row decode at context 9.
+    meta = SimpleNamespace(num_tokens=4, seq_lens=torch.tensor([8, 10]), query_start_loc=torch.tensor([0, 3, 4]))
+    flops, bytes_ = decoder_forward_work(shape)((None, meta), {}, None)
+    attended = (6 + 7 + 8) + 10
+    assert flops == 2 * 4 * shape.dense_params + 2 * 4 * attended * 4 * 8
+    assert bytes_ == (shape.dense_params + 2 * 2 * 18 * 2 * 8) * 4
+
+
+def test_tables_account_for_the_whole_wall_time():
+    peaks = Peaks(gemm_gflops=100.0, read_gbps=10.0)
+    assert peaks.bound_seconds(2e9, 1e9) == pytest.approx(0.1)
+    ours = {"thinker": Component(seconds=1.0, calls=3, flops=50e9, bytes=2e9), "sampler": Component(seconds=0.5)}
+    hf = {"thinker": Component(seconds=2.0)}
+    lines = component_table(4.0, ours, hf_wall=3.0, hf=hf, hf_scale=2.0, peaks=peaks)
+    thinker = next(line.split() for line in lines if line.split()[0] == "thinker")
+    assert thinker[1:3] == ["1.00", "25.0%"] and thinker[8:10] == ["0.500", "50.0%"]  # bound: 50 GFLOP / 100
+    assert thinker[-2:] == ["4.00", "4.0"]  # transformers' 2 s per request, scaled to N
+    overhead = next(line for line in lines if line.strip().startswith(OVERHEAD)).split()
+    assert overhead[2:4] == ["2.50", "62.5%"] and overhead[-2:] == ["2.00", "0.8"]  # 4 - 1.5; (3 - 2) x 2
+    steps = stage_table(4.0, {"thinker": Component(seconds=1.0, calls=4), "talker": Component(seconds=2.0, calls=4)})
+    assert steps[-1].split()[2:4] == ["1.00", "25.0%"]
+
+
+def test_output_difference_names_the_first_difference():
+    codes = torch.arange(12).reshape(3, 4)
+    assert output_difference(([1, 2], codes), ([1, 2, 9], codes.clone())) is None  # transformers' EOS appended
+    assert output_difference(([1, 3], codes), ([1, 2], codes)) == "text token 1"
+    changed = codes.clone()
+    changed[2, 3] = -1
+    assert output_difference(([1, 2], codes), ([1, 2], changed)) == "frame 3"
+    assert output_difference(([1, 2], codes), ([1, 2], codes[:, :2])) == "codes shape (3, 4) vs (3, 2)"
