@@ -12,9 +12,10 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from omnistage.testing.checkpoint import build_checkpoint
 
     try:
+        family = {"family": args.family} if args.family else {}
         path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed, max_shard_bytes=args.max_shard_bytes,
-                                family=args.family)
-    except ValueError as exc:  # e.g. a preset the family does not have
+                                **family)
+    except ValueError as exc:  # an unknown family, or a preset the family does not have
         print(f"omnistage make-checkpoint: error: {exc}", file=sys.stderr)
         return 2
     print(path)
@@ -88,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-checkpoint", help="write a random Qwen3-Omni or Qwen2.5-Omni checkpoint in the HF format")
+    p = sub.add_parser("make-checkpoint", help="write a random checkpoint of a model family in the HF format")
     p.add_argument("dir")
-    p.add_argument("--family", default="qwen3_omni", choices=["qwen3_omni", "qwen2_5_omni"])
-    p.add_argument("--preset", default="tiny", help="tiny, tiny-gqa (qwen3_omni only) or small")
+    p.add_argument("--family", default=None,
+                   help="model family (default: the built-in model's; an unknown name lists the families)")
+    p.add_argument("--preset", default="tiny", help="the family's size preset (an unknown name lists them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="split the weights into shards + model.safetensors.index.json above this size")

@@ -35,3 +35,5 @@ def test_make_checkpoint_of_another_family(tmp_path, capsys, q25_ckpt):
     assert family_for_checkpoint(out).name == "qwen2_5_omni"  # what serve --model / Omni(model=) pick
     assert main(["make-checkpoint", str(tmp_path / "x"), "--family", "qwen2_5_omni", "--preset", "tiny-gqa"]) == 2
     assert "unknown qwen2_5_omni preset 'tiny-gqa'; choose from ['small', 'tiny']" in capsys.readouterr().err
+    assert main(["make-checkpoint", str(tmp_path / "y"), "--family", "nope"]) == 2
+    assert "unknown model family 'nope'; choose from ['qwen3_omni', 'qwen2_5_omni']" in capsys.readouterr().err
