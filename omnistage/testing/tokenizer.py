@@ -63,28 +63,42 @@ QWEN_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|audio_pad|>", True),
 )
 
-# ChatML as Qwen3-Omni renders it: string content, or a list of typed parts (text / image / audio / video).
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- elif part['type'] == 'image' or part['type'] == 'image_url' -%}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'audio' or part['type'] == 'input_audio' or part['type'] == 'audio_url' -%}"
-    "{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
-    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}"
-    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+def chatml_template(image: str, audio: str, video: str, default_system: str | None = None) -> str:
+    """ChatML over string content or typed parts (text / image / audio / video), each media part written as
+    its marker string; ``default_system``: a system turn put first when the conversation has none."""
+    opening = "" if default_system is None else (
+        "{%- if loop.first and message['role'] != 'system' -%}"
+        "{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+    )
+    return (
+        "{%- for message in messages -%}"
+        + opening
+        + "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+        "{%- if message['content'] is string -%}"
+        "{{- message['content'] -}}"
+        "{%- else -%}"
+        "{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+        "{%- elif part['type'] == 'image' or part['type'] == 'image_url' -%}"
+        "{{- '" + image + "' -}}"
+        "{%- elif part['type'] == 'audio' or part['type'] == 'input_audio' or part['type'] == 'audio_url' -%}"
+        "{{- '" + audio + "' -}}"
+        "{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}"
+        "{{- '" + video + "' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+# ChatML as Qwen3-Omni renders it.
+CHAT_TEMPLATE = chatml_template("<|vision_start|><|image_pad|><|vision_end|>",
+                                "<|audio_start|><|audio_pad|><|audio_end|>",
+                                "<|vision_start|><|video_pad|><|vision_end|>")
 
 # Tokenizer attributes the Qwen3-Omni processor reads (tokenizer.image_token, ...).
 _EXTRA_SPECIAL_TOKENS = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from omnistage.testing.tokenizer import TokenizerFlavor, single_token_id, token_id
+from omnistage.testing.tokenizer import TokenizerFlavor, chatml_template, single_token_id, token_id
 
 # (content, special) in the order of the real Qwen2.5-Omni vocabulary (151643 ... 151664).
 QWEN2_5_OMNI_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
@@ -45,30 +45,8 @@ QWEN2_5_OMNI_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 DEFAULT_TEMPLATE_SYSTEM = "You are a helpful assistant."
 
 # ChatML with typed content parts; a conversation that does not open with a system turn gets the default one.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\n" + DEFAULT_TEMPLATE_SYSTEM + "<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- elif part['type'] == 'image' or part['type'] == 'image_url' -%}"
-    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' -}}"
-    "{%- elif part['type'] == 'audio' or part['type'] == 'input_audio' or part['type'] == 'audio_url' -%}"
-    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' -}}"
-    "{%- elif part['type'] == 'video' or part['type'] == 'video_url' -%}"
-    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE = chatml_template("<|vision_bos|><|IMAGE|><|vision_eos|>", "<|audio_bos|><|AUDIO|><|audio_eos|>",
+                                "<|vision_bos|><|VIDEO|><|vision_eos|>", DEFAULT_TEMPLATE_SYSTEM)
 
 FLAVOR = TokenizerFlavor(
     added_tokens=QWEN2_5_OMNI_ADDED_TOKENS,
