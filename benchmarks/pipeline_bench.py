@@ -114,12 +114,15 @@ def run_hf(hf, tok, eos_ids, fixed_speech, texts, thinker_tokens, talker_tokens,
     c0 = time.process_time()
     try:
         for x in hf_inputs(tok, texts):
+            x = x.to(hf.device)
             t0 = time.perf_counter()
             seq, wav = hf.generate(x, speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
                                    thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=list(eos_ids),
                                    talker_max_new_tokens=talker_tokens, talker_do_sample=False,
                                    talker_min_new_tokens=talker_tokens if fixed_speech else 0,
                                    talker_repetition_penalty=1.0)
+            if x.is_cuda:
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             wall += dt
             latencies.append(dt)
