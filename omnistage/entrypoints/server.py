@@ -25,7 +25,7 @@ Choices worth knowing as a client:
   ``audio.format`` says (as OpenAI requires pcm16 for streaming); the text streams in ``delta.content``
   and the full transcript comes in the last audio delta. An answer without speech still carries a valid
   file (a 0-sample WAV; FLAC cannot say "0 samples", see ``audio_format``, so it holds one silent sample).
-- Speech: Qwen3-Omni speaks its *own answer*; there is no TTS-only mode, so ``input`` is sent as the
+- Speech: an omni model speaks its *own answer*; there is no TTS-only mode, so ``input`` is sent as the
   user message and the spoken answer is returned. ``response_format`` wav / pcm / flac; ``speed`` other
   than 1.0 is rejected. ``stream_format="audio"`` streams raw pcm chunk by chunk; wav and flac are sent
   in one piece once complete (their headers carry exact sizes). ``stream_format="sse"`` sends
