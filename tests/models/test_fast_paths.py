@@ -189,6 +189,32 @@ def test_packed_weights_keep_checkpoint_names_and_compute_the_same_products():
     assert (mlp(x) - want_mlp).abs().max().item() <= 1e-5
 
 
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+@torch.inference_mode()
+def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes():
+    """The ``fast`` code predictor: output heads packed (walked by a scanned index) and a graph free to fuse
+    norms and activations. Its rounding differs from the exact frame's, its picks do not (greedy and seeded)."""
+    cp = _predictor(groups=5, seed=3)
+    g = torch.Generator().manual_seed(8)
+    cases = [(4, [None, 31, None, 32]), (1, [None]), (3, [33, None, 34])]
+    inputs = [(torch.randn(b, 32, generator=g), torch.randint(0, 64, (b,), generator=g),
+               torch.randn(b, 32, generator=g), seeds) for b, seeds in cases]
+    cp.frame_compiler.enabled = False
+    exact = [cp.complete_frames(h, c0, e0, _generators(seeds)) for h, c0, e0, seeds in inputs]
+    fast_kernels(cp, True)
+    assert cp.packed_heads is not None and len(cp.packed_heads) == 4 and not cp.frame_compiler.exact
+    eager_fast = [cp.complete_frames(h, c0, e0, _generators(seeds)) for h, c0, e0, seeds in inputs]
+    cp.frame_compiler.enabled = True
+    cp.warm_up()
+    assert cp.frame_compiler.failure is None, cp.frame_compiler.failure
+    for i, (h, c0, e0, seeds) in enumerate(inputs):
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            codes, embed_sum = cp.complete_frames(h, c0, e0, _generators(seeds))
+        for got, got_sum in ((codes, embed_sum), eager_fast[i]):
+            assert torch.equal(got, exact[i][0]), i
+            assert (got_sum - exact[i][1]).abs().max().item() <= 1e-5, i
+
+
 def test_lazy_compiled_falls_back_to_the_eager_function():
     def breaks_the_graph(x: torch.Tensor) -> torch.Tensor:
         torch._dynamo.graph_break()

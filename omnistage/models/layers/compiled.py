@@ -25,6 +25,10 @@ MAX_DYNAMIC_BATCH = 1 << 16
 
 log = logging.getLogger(__name__)
 
+# Read while a graph is traced (dynamo guards on it): whether ``eager_in_graphs`` functions stay opaque eager ops
+# (exact) or are traced into inductor's own kernels. Each ``LazyCompiled`` call sets it to its own ``exact``.
+_exact_numerics = True
+
 
 def compile_enabled_by_env() -> bool:
     """False when ``OMNISTAGE_COMPILE`` is 0 / false / no / off."""
@@ -38,16 +42,20 @@ class LazyCompiled:
     ``dynamic_batch``: dim 0 of every tensor argument is one symbolic size (>= ``MIN_DYNAMIC_BATCH``), so
     one graph serves every batch; otherwise the graph is specialised to the first call's shapes and torch
     recompiles for new ones.
+
+    ``exact``: the graph gives the eager function's bits (``eager_in_graphs`` ops stay eager); False lets inductor
+    fuse them too (faster; last bits may differ: the ``fast`` option).
     """
 
     def __init__(self, fn: Callable[..., Any], name: str, enabled: bool | None = None,
-                 dynamic_batch: bool = False, eager: Callable[..., Any] | None = None) -> None:
+                 dynamic_batch: bool = False, eager: Callable[..., Any] | None = None, exact: bool = True) -> None:
         self.fn = fn
         # What runs when not compiled: ``fn`` itself unless an eager equivalent is given (same results).
         self.eager = eager or fn
         self.name = name
         self.enabled = compile_enabled_by_env() if enabled is None else enabled
         self.dynamic_batch = dynamic_batch
+        self.exact = exact
         self.compile_seconds: float | None = None  # wall time of the first (compiling) call
         self.failure: str | None = None
         self._graph: Callable[..., Any] | None = None
@@ -64,11 +72,11 @@ class LazyCompiled:
                 if isinstance(a, torch.Tensor):
                     torch._dynamo.mark_dynamic(a, 0, min=MIN_DYNAMIC_BATCH, max=MAX_DYNAMIC_BATCH)
         if self._graph is not None:
-            return self._graph(*args)
+            return self._run(self._graph, args)
         graph = torch.compile(self.fn, dynamic=None if self.dynamic_batch else False, fullgraph=True)
         start = time.perf_counter()
         try:
-            out = graph(*args)
+            out = self._run(graph, args)
         except Exception as exc:  # noqa: BLE001 - any compile failure falls back to the same eager function
             self.failure = f"{type(exc).__name__}: {exc}"
             log.warning("compiling %s failed, running it eagerly from now on: %s", self.name, self.failure)
@@ -77,6 +85,14 @@ class LazyCompiled:
         log.info("compiled %s in %.1f s", self.name, self.compile_seconds)
         self._graph = graph
         return out
+
+    def _run(self, graph: Callable[..., Any], args: tuple) -> Any:
+        global _exact_numerics
+        before, _exact_numerics = _exact_numerics, self.exact
+        try:
+            return graph(*args)
+        finally:
+            _exact_numerics = before
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -90,7 +106,8 @@ def eager_in_graphs(name: str) -> Callable[[F], F]:
     Inductor generates its own kernels for reductions (sums, means, softmax) and transcendental functions
     (exp, cos), and their last bits differ from eager torch's (measured: RMSNorm ~1e-6, SiLU on a vector
     tail ~5e-7, rotary cos/sin). Keeping those few ops eager makes a compiled path give the eager path's bits,
-    so the parity the eager path has with the reference carries over.
+    so the parity the eager path has with the reference carries over. A graph compiled with ``exact=False``
+    traces the body instead (inductor fuses it).
     """
 
     def wrap(fn: F) -> F:
@@ -99,7 +116,7 @@ def eager_in_graphs(name: str) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def call(*args: Any) -> Any:
-            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+            return op(*args) if torch.compiler.is_compiling() and _exact_numerics else fn(*args)
 
         return call  # type: ignore[return-value]
 

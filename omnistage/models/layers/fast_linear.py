@@ -50,6 +50,18 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
+@torch.library.custom_op("omnistage::packed_linear_at", mutates_args=())
+def packed_linear_at(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """``packed_linear(x, packed[index])`` for a 0-d ``index`` tensor: a loop compiled as ``torch.scan`` walks
+    a list of packed weights (which cannot be stacked into one tensor) by a scanned index."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed[int(index)], None, "none", [], "")
+
+
+@packed_linear_at.register_fake
+def _(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed[0].shape[0])
+
+
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward reads ``packed_weight`` (built by ``pack_linear_weights``)."""
 

@@ -32,6 +32,7 @@ from torch._higher_order_ops.scan import scan
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
+from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import RotaryEmbedding
@@ -203,6 +204,8 @@ class CodePredictor(nn.Module):
         self.model = CodePredictorModel(self.cfg)
         self.lm_head = StackedTables(self.num_code_groups - 1, self.cfg.vocab_size, self.cfg.decoder.hidden_size)
         self.top_k = min(RESIDUAL_TOP_K, self.cfg.vocab_size)
+        # The output heads in oneDNN's packed layout once ``pack_weights`` ran (the ``fast`` option).
+        self.packed_heads: list[torch.Tensor] | None = None
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True,
@@ -213,9 +216,26 @@ class CodePredictor(nn.Module):
         """Embedding of code group ``group`` (1..Q-1); group 0 is embedded by the Talker's codec table."""
         return F.embedding(codes, self.model.codec_embedding.weight[group - 1])
 
+    def pack_weights(self, batch_hint: int) -> int:
+        """The ``fast`` option: the output heads packed for oneDNN (``fast_linear``; the decoder's linears are
+        packed as ``nn.Linear``s) and the compiled frame free to fuse norms and activations its own way."""
+        if not can_pack(self.lm_head.weight):
+            return 0
+        self.packed_heads = [pack_weight(w, batch_hint) for w in self.lm_head.weight]
+        self.frame_compiler.exact = False
+        return len(self.packed_heads)
+
     def logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
         """Logits for code group ``group`` (1..Q-1) from the predictor's last hidden row."""
+        if self.packed_heads is not None:
+            return self._head_logits(hidden, torch.tensor(group - 1))
         return F.linear(hidden, self.lm_head.weight[group - 1])
+
+    def _head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """``head``: a head's weight [V, H], or with packed heads a 0-d index into them (a scan walks either)."""
+        if self.packed_heads is not None:
+            return packed_linear_at(hidden, self.packed_heads, head)
+        return F.linear(hidden, head)
 
     def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
         d = self.cfg.decoder
@@ -292,13 +312,15 @@ class CodePredictor(nn.Module):
             head, table, group_noise = xs
             step_cache = _FrameCache(list(kv[:layers]), list(kv[layers:]))
             hidden = self._next_pass(embed, position, step_cache)
-            code = pick_residual_codes(F.linear(hidden, head), sampled, group_noise)
+            code = pick_residual_codes(self._head_logits(hidden, head), sampled, group_noise)
             code_embed = F.embedding(code, table)
             # The scanned output is a copy: a loop body may not return one tensor twice.
             return (code_embed, position + 1, *step_cache.k, *step_cache.v), (code, code_embed.clone())
 
         start = (first_embed, torch.tensor([2], device=h.device), *cache.k, *cache.v)
-        steps = (self.lm_head.weight[1:], self.model.codec_embedding.weight[1:], noise.transpose(0, 1)[1:])
+        groups = self.num_code_groups - 1
+        heads = self.lm_head.weight[1:] if self.packed_heads is None else torch.arange(1, groups, device=h.device)
+        steps = (heads, self.model.codec_embedding.weight[1:], noise.transpose(0, 1)[1:])
         _, (codes, embeds) = loop(body, start, steps)  # codes [Q-2, B], embeds [Q-2, B, H]
         all_embeds = torch.cat((code0_embed[:, None], first_embed[:, None], embeds.transpose(0, 1)), dim=1)
         return torch.cat((first[:, None], codes.transpose(0, 1)), dim=1), embedding_sum(all_embeds)
