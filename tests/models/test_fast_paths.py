@@ -15,7 +15,12 @@ from omnistage.models.layers.decoder import DecoderConfig
 from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
 from omnistage.models.layers.mlp import GatedMLP
 from omnistage.models.layers.moe import SparseMoE
-from omnistage.models.qwen3_omni.code_predictor import CodePredictor, CodePredictorConfig, draw_residual_noise
+from omnistage.models.qwen3_omni.code_predictor import (
+    CodePredictor,
+    CodePredictorConfig,
+    _math_attention,
+    draw_residual_noise,
+)
 
 
 def _seeded(module: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.nn.Module:
@@ -213,6 +218,20 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes():
         for got, got_sum in ((codes, embed_sum), eager_fast[i]):
             assert torch.equal(got, exact[i][0]), i
             assert (got_sum - exact[i][1]).abs().max().item() <= 1e-5, i
+
+
+def test_math_attention_equals_sdpa_with_grouped_heads_and_the_frame_mask():
+    """The ``fast`` bfloat16 frame's attention (plain matmuls, query heads of a key/value head stacked as rows)
+    computes what ``scaled_dot_product_attention`` does: same heads paired, same positions masked."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(3, 2, 8, 16, generator=g), torch.randn(3, 6, 2, 16, generator=g), torch.randn(3, 6, 2, 16, generator=g)
+    positions = torch.tensor([3, 4])
+    mask = torch.arange(6)[None, :] <= positions[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                          scale=0.25, enable_gqa=True).transpose(1, 2)
+    got = _math_attention(q, k, v, mask, 0.25)
+    assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-6
+    assert (got[:, 0] - _math_attention(q, k.roll(1, dims=1), v, mask, 0.25)[:, 0]).abs().max() > 1e-3  # keys matter
 
 
 def test_lazy_compiled_falls_back_to_the_eager_function():

@@ -70,15 +70,20 @@ class _FrameCache:
     A pass writes its rows' K/V at their positions and attends to every cached position up to its own
     through a mask over all Q slots, so every pass has the same shapes: one loop body (and one compiled
     graph) serves all of them. Unwritten slots are masked out (and zero, so they add exact zeros).
+    ``math``: attention as plain matmuls and a softmax, which a compiled graph fuses (the ``fast`` option in
+    bfloat16, where the CPU flash kernel is ~3x slower at these few keys; in float32 it is as fast), else
+    ``scaled_dot_product_attention``.
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        self.k, self.v = k, v
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], math: bool = False) -> None:
+        self.k, self.v, self.math = k, v, math
 
     @classmethod
-    def zeros(cls, num_layers: int, batch: int, length: int, kv_heads: int, dim: int, like: torch.Tensor):
+    def zeros(cls, num_layers: int, batch: int, length: int, kv_heads: int, dim: int, like: torch.Tensor,
+              math: bool = False) -> _FrameCache:
         shape = (batch, length, kv_heads, dim)
-        return cls([like.new_zeros(shape) for _ in range(num_layers)], [like.new_zeros(shape) for _ in range(num_layers)])
+        return cls([like.new_zeros(shape) for _ in range(num_layers)], [like.new_zeros(shape) for _ in range(num_layers)],
+                   math)
 
     def attend_fn(self, layer: int, positions: torch.Tensor, mask: torch.Tensor) -> AttendFn:
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -86,6 +91,8 @@ class _FrameCache:
             self.k[layer] = self.k[layer].index_copy(1, positions, k)
             self.v[layer] = self.v[layer].index_copy(1, positions, v)
             kb, vb = self.k[layer], self.v[layer]
+            if self.math:
+                return _math_attention(q, kb, vb, mask, scale)
             # Every request sits at the same positions, so one mask [T, Q] serves the batch; grouped-query
             # heads share their key/value head inside the kernel (no repeated copies).
             out = F.scaled_dot_product_attention(
@@ -95,6 +102,19 @@ class _FrameCache:
             return out.transpose(1, 2)
 
         return attend
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, H, D] over k, v [B, Q, KVH, D] with mask [T, Q] -> [B, T, H, D]; the H // KVH query heads of a
+    key/value head are stacked as rows of one product (no key/value copies)."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    rows = q.reshape(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
+    scores = (rows @ k.permute(0, 2, 3, 1)) * scale  # [B, KVH, group * T, Q]
+    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
+    out = scores.softmax(-1) @ v.transpose(1, 2)  # [B, KVH, group * T, D]
+    return out.reshape(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 class StackedTables(nn.Module):
@@ -143,16 +163,25 @@ def pick_residual_codes(
 
     logits: [B, V]; sampled: [B] bool (None: every row greedy); noise: [B, k] exponential draws, one per
     top-k candidate. The race ``argmax(p / noise)`` over the kept candidates is an exact draw from their
-    renormalised probabilities (as the runner's sampler draws over the whole vocabulary).
+    renormalised probabilities (as the runner's sampler draws over the whole vocabulary). A batch with no
+    sampled row skips the top-k (a ``torch.cond``, so one compiled graph serves both kinds of batch).
     """
     logits = logits.float()
     best = logits.argmax(-1)
     if sampled is None or noise is None:
         return best
+    return torch.cond(sampled.any(), _draw_residual_codes, _keep_best, (logits, sampled, noise, best))
+
+
+def _draw_residual_codes(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor,
+                         best: torch.Tensor) -> torch.Tensor:
     top, ids = logits.topk(noise.shape[-1], dim=-1)  # sorted, descending
-    kept = top_p_probs(top)
-    drawn = ids.gather(-1, (kept / noise).argmax(-1, keepdim=True))[:, 0]
+    drawn = ids.gather(-1, (top_p_probs(top) / noise).argmax(-1, keepdim=True))[:, 0]
     return torch.where(sampled, drawn, best)
+
+
+def _keep_best(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    return best.clone()  # a cond branch may not return one of its inputs
 
 
 # Softmax and sums keep their eager numerics in a compiled frame: a last-bit difference could change a draw.
@@ -206,6 +235,7 @@ class CodePredictor(nn.Module):
         self.top_k = min(RESIDUAL_TOP_K, self.cfg.vocab_size)
         # The output heads in oneDNN's packed layout once ``pack_weights`` ran (the ``fast`` option).
         self.packed_heads: list[torch.Tensor] | None = None
+        self.exact_kernels = True  # False: the ``fast`` option (packed heads, math attention, fused graph)
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True,
@@ -222,7 +252,7 @@ class CodePredictor(nn.Module):
         if not can_pack(self.lm_head.weight):
             return 0
         self.packed_heads = [pack_weight(w, batch_hint) for w in self.lm_head.weight]
-        self.frame_compiler.exact = False
+        self.exact_kernels = self.frame_compiler.exact = False
         return len(self.packed_heads)
 
     def logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
@@ -239,7 +269,8 @@ class CodePredictor(nn.Module):
 
     def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
         d = self.cfg.decoder
-        return _FrameCache.zeros(d.num_layers, batch, self.num_code_groups, d.num_kv_heads, d.head_dim, like)
+        return _FrameCache.zeros(d.num_layers, batch, self.num_code_groups, d.num_kv_heads, d.head_dim, like,
+                                 math=not self.exact_kernels and like.dtype != torch.float32)
 
     def _first_pass(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, cache: _FrameCache
@@ -310,7 +341,7 @@ class CodePredictor(nn.Module):
         def body(carry, xs):
             embed, position, *kv = carry
             head, table, group_noise = xs
-            step_cache = _FrameCache(list(kv[:layers]), list(kv[layers:]))
+            step_cache = _FrameCache(list(kv[:layers]), list(kv[layers:]), cache.math)
             hidden = self._next_pass(embed, position, step_cache)
             code = pick_residual_codes(self._head_logits(hidden, head), sampled, group_noise)
             code_embed = F.embedding(code, table)
