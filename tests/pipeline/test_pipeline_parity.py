@@ -386,6 +386,24 @@ def test_bfloat16_and_fast_pipelines_run_end_to_end(tiny_ckpt, dtype, fast):
     assert_all_free(eng)
 
 
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+def test_fast_compiled_pipeline_matches_transformers(tiny_ckpt, monkeypatch):
+    """``fast`` with the code predictor's frame compiled as served (packed heads, inductor's own norms and
+    activations): its rounding differs from the reference's, its tokens and codes do not, here."""
+    monkeypatch.setenv("OMNISTAGE_COMPILE", "1")
+    eng = OmniEngine(EngineArgs(str(tiny_ckpt), fast=True), load_pipeline_config("qwen3_omni"))
+    predictor = eng.orchestrator.stages["talker"].runner.model.talker.code_predictor
+    assert predictor.packed_heads is not None and not predictor.frame_compiler.exact
+    got = run(eng, {0: [1], 2: [0], 5: [2]})
+    assert predictor.frame_compiler.failure is None and predictor.frame_compiler.compile_seconds is not None
+    for i in range(len(PROMPTS)):
+        tokens, codes, wav = reference(str(tiny_ckpt), i)
+        assert got[i]["tokens"] == tokens
+        assert torch.equal(got[i]["codes"], codes), i
+        assert (got[i]["audio"] - wav).abs().max().item() <= 1e-4
+    assert_all_free(eng)
+
+
 def test_talker_repetition_penalty_matches_transformers(tiny_ckpt):
     """The talker penalty (transformers default 1.05; 2.0 here so it bites) sees only generated codec ids."""
     eng = make_engine(tiny_ckpt)
