@@ -19,8 +19,8 @@ Qwen2.5-Omni's reference is slow on CPU (its Token2Wav re-runs the speaker encod
 --hf-thinker-tokens / --hf-talker-tokens give transformers shorter requests (same ratio of text to codes)
 without changing what omnistage runs (no token comparison then).
 
-``--distributed-executor-backend mp`` runs every stage in its own worker process (``--threads`` split between
-them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
+``--distributed-executor-backend mp`` (or a configuration's ``-mp`` suffix, e.g. ``float32-fast-mp``, to compare
+backends in one run) runs every stage in its own worker process (``--threads`` split between them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
 stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode /
 transit milliseconds); the per-component breakdown needs the models in this process (``inproc``).
 """
@@ -329,20 +329,24 @@ def component_table(wall: float, ours: dict[str, Component], hf_wall: float, hf:
 
 @dataclass(frozen=True)
 class Config:
-    """One omnistage configuration of a run: serving dtype and the ``fast`` kernels option."""
+    """One omnistage configuration of a run: serving dtype, the ``fast`` kernels option and, when given, its own
+    executor backend (``-mp``: one worker process per stage, the thread budget split between them)."""
 
     dtype: str
     fast: bool
+    backend: str | None = None  # None: --distributed-executor-backend
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        dtype, _, option = text.partition("-")
-        if dtype not in ("float32", "bfloat16") or option not in ("", "fast"):
-            raise argparse.ArgumentTypeError(f"expected float32, bfloat16, float32-fast or bfloat16-fast, got {text!r}")
-        return cls(dtype, option == "fast")
+        dtype, *options = text.split("-")
+        backend = options.pop() if options and options[-1] in ("mp", "inproc") else None
+        if dtype not in ("float32", "bfloat16") or options not in ([], ["fast"]):
+            raise argparse.ArgumentTypeError(
+                f"expected float32 or bfloat16, then optionally -fast, then optionally -mp / -inproc; got {text!r}")
+        return cls(dtype, options == ["fast"], backend)
 
     def __str__(self) -> str:
-        return self.dtype + ("-fast" if self.fast else "")
+        return self.dtype + ("-fast" if self.fast else "") + (f"-{self.backend}" if self.backend else "")
 
 
 def throughput_row(label: str, ours: Run, theirs: Run, comparable: bool) -> str:
@@ -369,7 +373,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--configs", type=Config.parse, nargs="+", default=[Config("float32", False)],
                     help="omnistage configurations, each run against the same transformers run: float32 (default), "
-                         "bfloat16, float32-fast, bfloat16-fast (fast: EngineArgs(fast=True), rounding may differ)")
+                         "bfloat16, float32-fast, bfloat16-fast (fast: EngineArgs(fast=True), rounding may differ); a "
+                         "-mp suffix runs that configuration with one worker process per stage")
     ap.add_argument("--thinker-tokens", type=int, default=48)
     ap.add_argument("--talker-tokens", type=int, default=144,
                     help="codec tokens per answer: frames + 1, the last one has no residual codes")
@@ -399,17 +404,22 @@ def main() -> None:
     family = family_for_checkpoint(model).name
     stages = load_pipeline_config(family).order
     backend = args.distributed_executor_backend
-    per_stage: dict = {}
-    if args.max_num_seqs:
-        per_stage["scheduler"] = {"max_num_seqs": args.max_num_seqs}
-    if backend != "inproc":  # stage workers share the thread budget (at least one each)
-        per_stage["threads"] = max(1, args.threads // len(stages))
-    pipeline = load_pipeline_config(family, {"stages": {name: per_stage for name in stages}} if per_stage else None)
+
+    def pipeline_for(backend: str | None):
+        per_stage: dict = {}
+        if args.max_num_seqs:
+            per_stage["scheduler"] = {"max_num_seqs": args.max_num_seqs}
+        if backend not in (None, "inproc"):  # stage workers share the thread budget (at least one each)
+            per_stage["threads"] = max(1, args.threads // len(stages))
+        return load_pipeline_config(family, {"stages": {name: per_stage for name in stages}} if per_stage else None)
+
+    pipeline = pipeline_for(backend)
     trace = StageTrace()
 
     def build(config: Config) -> OmniEngine:
+        own = config.backend or backend
         engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast,
-                                       distributed_executor_backend=backend), pipeline)
+                                       distributed_executor_backend=own), pipeline_for(own))
         engine.orchestrator.listeners.append(trace)
         # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
         for n in sorted(set(args.concurrency)):
@@ -435,8 +445,9 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     caps = {name: pipeline.stage(name).scheduler.max_num_seqs for name in stages}
-    print(f"cpu={cpu} threads={args.threads} backend={backend} (threads per stage worker: "
-          f"{per_stage.get('threads', '-')}) load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
+    worker_threads = max(1, args.threads // len(stages))
+    print(f"cpu={cpu} threads={args.threads} backend={backend} (threads per stage worker, under mp/ray: "
+          f"{worker_threads}) load_avg_1m={os.getloadavg()[0]:.1f} model={Path(model).name} "
           f"({family}) max_num_seqs={caps}")
     print(f"thinker_tokens={args.thinker_tokens} talker_tokens={args.talker_tokens} "
           f"({'exactly' if fixed_speech else 'at most'}) transformers: "
