@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from benchmarks.pipeline_bench import run_hf, run_omnistage
+from benchmarks.pipeline_bench import compile_note, run_hf, run_omnistage
 from benchmarks.thinker_throughput import prompts, resolve_model
 
 
@@ -60,6 +60,7 @@ def main() -> None:
         engine = OmniEngine(EngineArgs(model, dtype=args.dtype, device=args.device), load_pipeline_config("qwen3_omni", {
             "runner": runner, "stages": {s: {"scheduler": sched} for s in ("thinker", "talker", "code2wav")}}))
         run_omnistage(engine, prompts(2), 4, 8)  # warm-up (and graph capture)
+        print(f"{runner}: code predictor {compile_note(engine)}", flush=True)
         for n in args.concurrency:
             ours = run_omnistage(engine, prompts(n), args.thinker_tokens, args.talker_tokens)
             outputs[(runner, n)] = ours.outputs
