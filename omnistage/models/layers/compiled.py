@@ -76,7 +76,10 @@ class LazyCompiled:
         graph = torch.compile(self.fn, dynamic=None if self.dynamic_batch else False, fullgraph=True)
         start = time.perf_counter()
         try:
-            out = self._run(graph, args)
+            # Another instance's graph of the same code (another model in this process) must not turn this one's
+            # constants (e.g. an attention scale) symbolic: only the marked batch dimension is dynamic.
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                out = self._run(graph, args)
         except Exception as exc:  # noqa: BLE001 - any compile failure falls back to the same eager function
             self.failure = f"{type(exc).__name__}: {exc}"
             log.warning("compiling %s failed, running it eagerly from now on: %s", self.name, self.failure)
