@@ -174,6 +174,27 @@ class StreamStep:
         self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
         return out
 
+    # -- channels-last convolutions ([B, T, C] signals; the state keeps its [C, history] layout) --------
+
+    def history_channels_last(self, conv: CausalConv1d) -> torch.Tensor:
+        """[B, history_size, C_in] view of ``conv``'s carried inputs."""
+        return self.histories[conv].transpose(1, 2)
+
+    def keep_channels_last(self, conv: CausalConv1d, extended: torch.Tensor) -> None:
+        """Next history of ``conv`` from its inputs [B, history_size + W, C_in] (history then new)."""
+        self.updated[conv] = slide_window(extended, self.valid, conv.history_size, dim=1).transpose(1, 2)
+
+    def conv_transpose_channels_last(self, conv: CausalConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+        if conv.history_size == 0:
+            out = conv.forward_channels_last(x)
+        else:
+            out, last = conv.forward_stream_channels_last(
+                x, self.histories[conv].transpose(1, 2), self.valid, self.starting
+            )
+            self.updated[conv] = last.transpose(1, 2)
+        self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
+        return out
+
 
 class Code2WavStreamer:
     """Streaming decoder over a loaded ``Code2Wav`` (shares its weights; holds no request state)."""
