@@ -181,8 +181,10 @@ class StreamStep:
         return self.histories[conv].transpose(1, 2)
 
     def keep_channels_last(self, conv: CausalConv1d, extended: torch.Tensor) -> None:
-        """Next history of ``conv`` from its inputs [B, history_size + W, C_in] (history then new)."""
-        self.updated[conv] = slide_window(extended, self.valid, conv.history_size, dim=1).transpose(1, 2)
+        """Next history of ``conv`` from its inputs [B, history_size + W, C_in] (history then new); a copy,
+        so the large ``extended`` is freed (and its memory reused) as soon as the convolution is done."""
+        kept = slide_window(extended, self.valid, conv.history_size, dim=1)
+        self.updated[conv] = (kept.clone() if isinstance(self.valid, int) else kept).transpose(1, 2)
 
     def conv_transpose_channels_last(self, conv: CausalConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
         if conv.history_size == 0:
