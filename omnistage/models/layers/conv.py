@@ -312,7 +312,8 @@ class CausalConvTranspose1d(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward_stream`` in the channels-last layout: hidden [B, W, C_in], last [B, 1, C_in]."""
         extended = torch.cat((last, hidden), 1)
-        next_last = slide_window(extended, valid, 1, dim=1).contiguous()
+        # A copy (``contiguous`` would not copy a one-row batch): starting rows rewrite `extended` below.
+        next_last = slide_window(extended, valid, 1, dim=1).clone()
         if starting is not None:
             extended[starting, :-1] = hidden[starting]
         return self.forward_channels_last(extended), next_last

@@ -285,7 +285,7 @@ class Code2WavStreamer:
         sizes = [model.samples_for_frames(p + n) - model.samples_for_frames(p) for p, n in zip(frames, counts)]
         wave = stacked.new_empty((batch, max(sizes)))
         # Rows are independent: on CPU, tiles of rows whose signals stay in cache (as Code2Wav.decode does).
-        tile = batch if codes.is_cuda else max(1, model.CPU_TILE_SAMPLES // (width * model.samples_per_frame))
+        tile = batch if codes.is_cuda else max(1, model.cpu_tile_samples // (width * model.samples_per_frame))
         with torch.no_grad():
             for start in range(0, batch, tile):
                 rows = slice(start, start + tile)
