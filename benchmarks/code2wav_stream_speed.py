@@ -79,12 +79,20 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def count_flops(fn) -> int:
-    """Convolution and matmul FLOPs of one call (torch's flop counter)."""
+def decode(model, streamer, codes: torch.Tensor, chunk: int | None) -> tuple[Timer, torch.Tensor]:
+    """One-shot (``chunk`` None) or streamed decoding of ``codes``."""
+    return one_shot(model, codes) if chunk is None else streamed(streamer, codes, chunk)
+
+
+def count_flops(model, streamer, codes: torch.Tensor, chunk: int | None) -> int:
+    """Convolution and matmul FLOPs of a decode on the reference kernels (torch's flop counter)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    fast = model.reference_kernels
+    model.reference_kernels = True
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        fn()
+        decode(model, streamer, codes, chunk)
+    model.reference_kernels = fast
     return counter.get_total_flops()
 
 
@@ -122,22 +130,14 @@ def main() -> None:
                 modes = [("one-shot", None)] + [(f"chunk {c}", c) for c in args.chunks]
                 results: dict[tuple[str, str], tuple[Timer, torch.Tensor]] = {}
                 flops: dict[str, int] = {}
+                for name, chunk in modes:
+                    flops[name] = count_flops(model, streamer, codes, chunk)
                 for kernels in args.kernels:
                     model.reference_kernels = kernels == "reference"
+                    model.warm_up()
                     for name, chunk in modes:
-                        if chunk is None:
-                            one_shot(model, codes[..., : min(args.frames, 50)])  # warm-up
-                            results[kernels, name] = one_shot(model, codes)
-                        else:
-                            streamed(streamer, codes[..., : min(args.frames, 2 * chunk)], chunk)  # warm-up
-                            results[kernels, name] = streamed(streamer, codes, chunk)
-                        if name not in flops:
-                            model.reference_kernels = True
-                            flops[name] = count_flops(
-                                (lambda: one_shot(model, codes)) if chunk is None
-                                else (lambda: streamed(streamer, codes, chunk))  # noqa: B023
-                            )
-                            model.reference_kernels = kernels == "reference"
+                        decode(model, streamer, codes[..., : min(args.frames, 2 * (chunk or 25))], chunk)  # warm-up
+                        results[kernels, name] = decode(model, streamer, codes, chunk)
                 for kernels in args.kernels:
                     base = results[kernels, "one-shot"][0].cpu
                     for name, _ in modes:

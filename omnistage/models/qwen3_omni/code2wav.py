@@ -15,6 +15,13 @@ frames determines a prefix of the waveform and right-padded batches are exact; `
 and deviates near each boundary; ``code2wav_stream`` decodes chunks of any size with no recomputation and no
 loss: every module below takes an optional ``stream`` (one streaming call's carried state) and then runs on
 new frames only.
+
+Kernels: the decoder (most of the FLOPs) runs on [B, T, C] signals by default: oneDNN channels-last
+convolutions, pointwise and transposed convolutions as GEMMs whose outputs already have the next layer's
+layout, SnakeBeta as one compiled pass that also prepends the next convolution's left context. Measured on
+the small preset (batch 16, 25-frame chunks, 1 thread, AMD EPYC): 1.44x float32, 1.8x bfloat16 over
+``reference_kernels`` (torch's [B, C, T] convolutions, transformers' layout), which stays as the reference
+the fast path is tested against; outputs differ by float rounding only (~5e-6 in float32).
 """
 
 from __future__ import annotations
@@ -566,6 +573,17 @@ class Code2Wav(nn.Module):
             return self._synthesize(codes)
         rows = max(1, self.cpu_tile_samples // max(1, codes.shape[-1] * self.samples_per_frame))
         return torch.cat([self._synthesize(part) for part in codes.split(rows)])
+
+    def warm_up(self) -> None:
+        """Compile the fast decoder's fused SnakeBeta kernels now rather than on the first request (seconds
+        per dtype): short decodes of one and of two rows (torch specialises size-1 batches)."""
+        if self.reference_kernels:
+            return
+        weight = self.code_embedding.weight
+        for rows in (1, 2):
+            codes = torch.zeros((rows, self.config.num_quantizers, 2), dtype=torch.long, device=weight.device)
+            with torch.no_grad():
+                self.decode(codes, torch.full((rows,), 2, device=weight.device))
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, Q, T] (all T frames valid) -> wave [B, 1, samples_for_frames(T)]."""

@@ -35,8 +35,8 @@ Why the result equals one-shot decoding
 
 Batching
     One call decodes one chunk for each of B requests, right-padded to the longest chunk: every module
-    runs once over the batch (on CPU once per tile of rows whose signals fit in cache, like
-    ``Code2Wav.decode``; small chunks put all rows in one tile). Causality keeps padding out of valid
+    runs once over the batch (on CPU once per tile of rows, ``Code2Wav.cpu_tile_samples`` output samples
+    each, like ``Code2Wav.decode``; small chunks put all rows in one tile). Causality keeps padding out of valid
     samples. Each row's next history is cut at its own last valid input (a gather when rows differ), so
     padding never enters a state; rows with no new frames get their state back unchanged. Rows that start
     their stream shift their transposed-convolution inputs one place left (one indexed copy per decoder
@@ -284,7 +284,7 @@ class Code2WavStreamer:
         packed = torch.empty_like(stacked)
         sizes = [model.samples_for_frames(p + n) - model.samples_for_frames(p) for p, n in zip(frames, counts)]
         wave = stacked.new_empty((batch, max(sizes)))
-        # Rows are independent: on CPU, tiles of rows whose signals stay in cache (as Code2Wav.decode does).
+        # Rows are independent: on CPU, tiles of rows sized for the decoder's kernels (as Code2Wav.decode does).
         tile = batch if codes.is_cuda else max(1, model.cpu_tile_samples // (width * model.samples_per_frame))
         with torch.no_grad():
             for start in range(0, batch, tile):
