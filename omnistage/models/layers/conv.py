@@ -257,6 +257,7 @@ class CausalConvTranspose1d(nn.Module):
         last: torch.Tensor,
         valid: int | torch.Tensor,
         starting: torch.Tensor | None,
+        channels_last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Kernel 2 * stride: new inputs [B, C_in, W] after the previous input ``last`` [B, C_in, 1] ->
         (outputs [B, C_out, W * stride], next ``last``).
@@ -266,13 +267,15 @@ class CausalConvTranspose1d(nn.Module):
         for the next call. Rows listed in ``starting`` (index tensor) begin their stream here: they have no
         previous input, and their first block is the one ``forward`` trims, so their inputs move one place
         left and they emit ``stride`` samples fewer (left-aligned; the rest of the row is padding).
+        ``channels_last``: hidden [B, W, C_in], last [B, 1, C_in] and outputs [B, W * stride, C_out].
         """
-        extended = torch.cat((last, hidden), -1)
-        # Copy: for rows that start here `extended` is rewritten below, and a view would follow it.
-        next_last = slide_window(extended, valid, 1).contiguous()
+        dim = 1 if channels_last else -1
+        extended = torch.cat((last, hidden), dim)
+        # A copy (``contiguous`` would not copy a one-row batch): starting rows rewrite `extended` below.
+        next_last = slide_window(extended, valid, 1, dim=dim).clone()
         if starting is not None:
-            extended[starting, :, :-1] = hidden[starting]
-        return self.forward(extended), next_last
+            extended.narrow(dim, 0, extended.shape[dim] - 1)[starting] = hidden[starting]
+        return (self.forward_channels_last(extended) if channels_last else self.forward(extended)), next_last
 
     # -- channels-last path ---------------------------------------------------------------------------
 
@@ -303,17 +306,3 @@ class CausalConvTranspose1d(nn.Module):
         taps = (weight[:, :, stride:], weight[:, :, :stride]) if self.trim else (weight,)
         return torch.cat([t.permute(0, 2, 1).reshape(channels, -1) for t in taps]).contiguous()
 
-    def forward_stream_channels_last(
-        self,
-        hidden: torch.Tensor,
-        last: torch.Tensor,
-        valid: int | torch.Tensor,
-        starting: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_stream`` in the channels-last layout: hidden [B, W, C_in], last [B, 1, C_in]."""
-        extended = torch.cat((last, hidden), 1)
-        # A copy (``contiguous`` would not copy a one-row batch): starting rows rewrite `extended` below.
-        next_last = slide_window(extended, valid, 1, dim=1).clone()
-        if starting is not None:
-            extended[starting, :-1] = hidden[starting]
-        return self.forward_channels_last(extended), next_last

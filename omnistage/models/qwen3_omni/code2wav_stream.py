@@ -190,8 +190,8 @@ class StreamStep:
         if conv.history_size == 0:
             out = conv.forward_channels_last(x)
         else:
-            out, last = conv.forward_stream_channels_last(
-                x, self.histories[conv].transpose(1, 2), self.valid, self.starting
+            out, last = conv.forward_stream(
+                x, self.histories[conv].transpose(1, 2), self.valid, self.starting, channels_last=True
             )
             self.updated[conv] = last.transpose(1, 2)
         self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
