@@ -70,6 +70,20 @@ def test_channels_last_layers_equal_torch(make):
             assert (summed.float() - (got.float() + residual.float())).abs().max().item() <= tol * 4
 
 
+def test_derived_weights_follow_the_weight():
+    """The channels-last layouts are derived from the weight once and rebuilt when it changes; weights made
+    under inference mode (no version counter) work too."""
+    conv = _seeded(CausalConv1d(8, 8, 7, dilation=2), seed=6)
+    x = torch.randn(2, 20, 8)
+    before = conv.forward_channels_last(x)
+    conv.conv.weight.mul_(2)  # in place: same storage, new version
+    after = conv.forward_channels_last(x)
+    assert torch.allclose(after - conv.conv.bias, 2 * (before - conv.conv.bias), atol=1e-5)
+    with torch.inference_mode():
+        made = CausalConv1d(8, 8, 1)
+        assert made.forward_channels_last(x).shape == (2, 20, 8)
+
+
 @functools.cache
 def _model(decoder_dim: int) -> Code2Wav:
     """Random Code2Wav whose decoder blocks have realistic widths (decoder_dim 64: 32 down to 4 channels)."""

@@ -54,8 +54,12 @@ def slide_window(extended: torch.Tensor, starts: int | torch.Tensor, size: int, 
 
 
 def _derived(module: nn.Module, name: str, weight: torch.Tensor, make) -> torch.Tensor:
-    """``make(weight)`` cached on ``module`` until ``weight`` changes (new tensor, in-place update, dtype)."""
-    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    """``make(weight)`` cached on ``module`` until ``weight`` changes (new tensor, in-place update, dtype).
+
+    Inference tensors (weights made under ``torch.inference_mode``) keep no version counter: an in-place
+    update of one of those under inference mode is not seen."""
+    version = 0 if weight.is_inference() else weight._version
+    key = (weight.data_ptr(), version, weight.dtype, weight.device)
     cached = module.__dict__.get(name)
     if cached is None or cached[0] != key:
         with torch.no_grad():

@@ -336,7 +336,10 @@ def _conv_channels_last(
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
-    left = x.new_zeros((batch, context, channels)) if stream is None else stream.history_channels_last(conv)
+    if stream is None:  # zeros laid out as a stream's carried inputs, so both take the same compiled graph
+        left = x.new_zeros((batch, channels, context)).transpose(1, 2)
+    else:
+        left = stream.history_channels_last(conv)
     extended = torch.cat((left, x), 1) if snake is None else snake.forward_channels_last(x, left)
     if stream is not None:
         stream.keep_channels_last(conv, extended)
@@ -381,9 +384,11 @@ class SnakeBeta(nn.Module):
         convolution's input, made without a separate concatenation pass)."""
         alpha = self.alpha.exp()
         scale = (self.beta.exp() + 1e-9).rsqrt()
+        # detach(): same memory, but no view base for the compiled graph to guard on (a view's base shape
+        # would otherwise recompile it for every layer).
         if context is None:
-            return _SNAKE(x, alpha, scale)
-        return _SNAKE_AFTER(context, x, alpha, scale)
+            return _SNAKE(x.detach(), alpha, scale)
+        return _SNAKE_AFTER(context.detach(), x.detach(), alpha, scale)
 
 
 def _snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -581,13 +586,14 @@ class Code2Wav(nn.Module):
 
     def warm_up(self) -> None:
         """Compile the fast decoder's fused SnakeBeta kernels now rather than on the first request (seconds
-        per dtype): short decodes of one and of two rows (torch specialises size-1 batches)."""
+        per dtype): short decodes of one and of two rows (torch specialises size-1 batches), under inference
+        mode as the generation runner calls (its tensors would not match a graph traced under no_grad)."""
         weight = self.code_embedding.weight
         if not self.uses_fast_kernels(weight.device):
             return
         for rows in (1, 2):
             codes = torch.zeros((rows, self.config.num_quantizers, 2), dtype=torch.long, device=weight.device)
-            with torch.no_grad():
+            with torch.inference_mode():
                 self.decode(codes, torch.full((rows,), 2, device=weight.device))
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:

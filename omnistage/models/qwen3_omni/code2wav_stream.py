@@ -177,8 +177,9 @@ class StreamStep:
     # -- channels-last convolutions ([B, T, C] signals; the state keeps its [C, history] layout) --------
 
     def history_channels_last(self, conv: CausalConv1d) -> torch.Tensor:
-        """[B, history_size, C_in] view of ``conv``'s carried inputs."""
-        return self.histories[conv].transpose(1, 2)
+        """[B, history_size, C_in]: ``conv``'s carried inputs, copied out of the state rows (a few numbers per
+        channel) so they have the strides of one-shot decoding's zeros (one compiled SnakeBeta graph)."""
+        return self.histories[conv].contiguous().transpose(1, 2)
 
     def keep_channels_last(self, conv: CausalConv1d, extended: torch.Tensor) -> None:
         """Next history of ``conv`` from its inputs [B, history_size + W, C_in] (history then new); a copy,
