@@ -40,21 +40,23 @@ class LazyCompiled:
     default ``fn``) when compiling is disabled or has failed.
 
     ``dynamic_batch``: dim 0 of every tensor argument is one symbolic size (>= ``MIN_DYNAMIC_BATCH``), so
-    one graph serves every batch; otherwise the graph is specialised to the first call's shapes and torch
-    recompiles for new ones.
+    one graph serves every batch; ``dynamic_shapes``: every size is symbolic; otherwise the graph is
+    specialised to the first call's shapes and torch recompiles for new ones.
 
     ``exact``: the graph gives the eager function's bits (``eager_in_graphs`` ops stay eager); False lets inductor
     fuse them too (faster; last bits may differ: the ``fast`` option).
     """
 
     def __init__(self, fn: Callable[..., Any], name: str, enabled: bool | None = None,
-                 dynamic_batch: bool = False, eager: Callable[..., Any] | None = None, exact: bool = True) -> None:
+                 dynamic_batch: bool = False, eager: Callable[..., Any] | None = None, exact: bool = True,
+                 dynamic_shapes: bool = False) -> None:
         self.fn = fn
         # What runs when not compiled: ``fn`` itself unless an eager equivalent is given (same results).
         self.eager = eager or fn
         self.name = name
         self.enabled = compile_enabled_by_env() if enabled is None else enabled
         self.dynamic_batch = dynamic_batch
+        self.dynamic_shapes = dynamic_shapes  # every size symbolic (elementwise kernels over any shape)
         self.exact = exact
         self.compile_seconds: float | None = None  # wall time of the first (compiling) call
         self.failure: str | None = None
@@ -73,7 +75,8 @@ class LazyCompiled:
                     torch._dynamo.mark_dynamic(a, 0, min=MIN_DYNAMIC_BATCH, max=MAX_DYNAMIC_BATCH)
         if self._graph is not None:
             return self._run(self._graph, args)
-        graph = torch.compile(self.fn, dynamic=None if self.dynamic_batch else False, fullgraph=True)
+        dynamic = True if self.dynamic_shapes else None if self.dynamic_batch else False
+        graph = torch.compile(self.fn, dynamic=dynamic, fullgraph=True)
         start = time.perf_counter()
         try:
             # Another instance's graph of the same code (another model in this process) must not turn this one's

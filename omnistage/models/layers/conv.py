@@ -12,6 +12,15 @@ window still reaches (``history_size`` of them, zeros at the start of a stream, 
 one-shot ``forward`` pads with), and returns the history for the next call. Rows of a batch may hold
 different numbers of valid inputs (right padding); each row's next history ends at its own last valid
 input, so padding never enters a history.
+
+Channels-last path (``*_channels_last``): the same convolutions on [B, T, C] signals. Audio decoders keep
+few channels at many samples, where torch's [B, C, T] convolutions spend much of their time converting
+layouts: oneDNN runs a channels-last convolution without reordering activations (up to 1.7x faster for
+32-64 channels in bfloat16 on this project's AVX-512 CPU), kernel-1 convolutions and transposed
+convolutions become plain GEMMs whose outputs already have the next layer's layout, and streaming
+histories are prepended with contiguous copies. Results equal the [B, C, T] path up to float rounding
+(other summation order). Weights in the layouts these calls need are derived on first use and kept until
+the weight changes.
 """
 
 from __future__ import annotations
@@ -42,6 +51,21 @@ def slide_window(extended: torch.Tensor, starts: int | torch.Tensor, size: int, 
     shape = list(extended.shape)
     shape[dim] = size
     return extended.gather(dim, index.expand(shape))
+
+
+def _derived(module: nn.Module, name: str, weight: torch.Tensor, make) -> torch.Tensor:
+    """``make(weight)`` cached on ``module`` until ``weight`` changes (new tensor, in-place update, dtype).
+
+    Inference tensors (weights made under ``torch.inference_mode``) keep no version counter: an in-place
+    update of one of those under inference mode is not seen."""
+    version = 0 if weight.is_inference() else weight._version
+    key = (weight.data_ptr(), version, weight.dtype, weight.device)
+    cached = module.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, make(weight.detach()))
+        module.__dict__[name] = cached
+    return cached[1]
 
 
 class CausalConv1d(nn.Module):
@@ -99,6 +123,67 @@ class CausalConv1d(nn.Module):
         """
         extended = torch.cat((history, hidden), -1)
         return self.conv(extended), slide_window(extended, valid, self.history_size)
+
+    # -- channels-last path ---------------------------------------------------------------------------
+
+    def forward_channels_last(self, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, C_in] -> [B, T_out, C_out] (plus ``residual`` [B, T_out, C_out] when given): ``forward``
+        in the channels-last layout."""
+        pad = (self.left_pad, self._right_pad(hidden.shape[1]))
+        if pad != (0, 0):
+            hidden = F.pad(hidden, (0, 0, *pad))
+        return self.apply_padded_channels_last(hidden, residual)
+
+    # oneDNN runs a convolution with very few output channels (a vocoder's last layer: one) at a few GFLOP/s;
+    # up to this many, one GEMM gives every tap's output and the taps are summed at their shifts instead.
+    FEW_OUTPUTS = 4
+
+    def _few_outputs_channels_last(self, padded: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        conv = self.conv
+        kernel, dilation = conv.kernel_size[0], conv.dilation[0]
+        batch, length, channels = padded.shape
+        out_length = length - (kernel - 1) * dilation
+        weight = _derived(  # [C_in, kernel * C_out], columns ordered (tap, channel)
+            self, "_cl_taps_weight", conv.weight, lambda w: w.permute(1, 2, 0).reshape(w.shape[1], -1).contiguous()
+        )
+        taps = (padded.reshape(-1, channels) @ weight).view(batch, length, kernel, conv.out_channels)
+        out = taps[:, :out_length, 0].clone() if residual is None else residual + taps[:, :out_length, 0]
+        for tap in range(1, kernel):
+            out += taps[:, tap * dilation : tap * dilation + out_length, tap]
+        return out if conv.bias is None else out.add_(conv.bias)
+
+    def apply_padded_channels_last(self, padded: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The convolution over inputs [B, T_in, C_in] that already carry their left context (padding or a
+        streaming history) -> [B, T_out, C_out], plus ``residual`` when given (``residual`` may be
+        overwritten with the result: a kernel-1 convolution accumulates into it)."""
+        conv = self.conv
+        batch = padded.shape[0]
+        if conv.kernel_size[0] == 1 and self.stride == 1 and conv.groups == 1:
+            # A pointwise convolution is one GEMM; the residual is its accumulator (no extra pass).
+            weight = _derived(self, "_cl_gemm_weight", conv.weight, lambda w: w[:, :, 0].t().contiguous())
+            rows = padded.reshape(-1, conv.in_channels)
+            if residual is None:
+                out = rows @ weight if conv.bias is None else torch.addmm(conv.bias, rows, weight)
+            else:
+                out = residual.reshape(-1, conv.out_channels).addmm_(rows, weight)
+                if conv.bias is not None:
+                    out.add_(conv.bias)
+            return out.view(batch, -1, conv.out_channels)
+        if conv.out_channels * conv.groups <= self.FEW_OUTPUTS and conv.groups == 1 and self.stride == 1:
+            return self._few_outputs_channels_last(padded, residual)
+        weight = _derived(
+            self, "_cl_conv_weight", conv.weight,
+            lambda w: w.unsqueeze(2).contiguous(memory_format=torch.channels_last),
+        )
+        # [B, T, C] viewed as NCHW with H = 1 has channels-last strides, which oneDNN reads in place.
+        out = F.conv2d(
+            padded.transpose(1, 2).unsqueeze(2), weight, conv.bias,
+            stride=(1, self.stride), dilation=(1, conv.dilation[0]), groups=conv.groups,
+        )
+        out = out.squeeze(2).transpose(1, 2)
+        if not out.is_contiguous():  # oneDNN keeps channels-last; this is a guard for other backends
+            out = out.contiguous()
+        return out if residual is None else out.add_(residual)
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -176,6 +261,7 @@ class CausalConvTranspose1d(nn.Module):
         last: torch.Tensor,
         valid: int | torch.Tensor,
         starting: torch.Tensor | None,
+        channels_last: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Kernel 2 * stride: new inputs [B, C_in, W] after the previous input ``last`` [B, C_in, 1] ->
         (outputs [B, C_out, W * stride], next ``last``).
@@ -185,10 +271,42 @@ class CausalConvTranspose1d(nn.Module):
         for the next call. Rows listed in ``starting`` (index tensor) begin their stream here: they have no
         previous input, and their first block is the one ``forward`` trims, so their inputs move one place
         left and they emit ``stride`` samples fewer (left-aligned; the rest of the row is padding).
+        ``channels_last``: hidden [B, W, C_in], last [B, 1, C_in] and outputs [B, W * stride, C_out].
         """
-        extended = torch.cat((last, hidden), -1)
-        # Copy: for rows that start here `extended` is rewritten below, and a view would follow it.
-        next_last = slide_window(extended, valid, 1).contiguous()
+        dim = 1 if channels_last else -1
+        extended = torch.cat((last, hidden), dim)
+        # A copy (``contiguous`` would not copy a one-row batch): starting rows rewrite `extended` below.
+        next_last = slide_window(extended, valid, 1, dim=dim).clone()
         if starting is not None:
-            extended[starting, :, :-1] = hidden[starting]
-        return self.forward(extended), next_last
+            extended.narrow(dim, 0, extended.shape[dim] - 1)[starting] = hidden[starting]
+        return (self.forward_channels_last(extended) if channels_last else self.forward(extended)), next_last
+
+    # -- channels-last path ---------------------------------------------------------------------------
+
+    def forward_channels_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, L, C_in] -> [B, output_length(L), C_out]: ``forward`` in the channels-last layout.
+
+        One GEMM whose output rows are already channels-last output samples. Kernel == stride: input i's
+        row times the weight gives samples ``i * stride ...``. Kernel == 2 * stride: kept block j needs
+        inputs j and j + 1, so the GEMM reads the pair side by side (K = 2 * C_in) and no overlap-add
+        pass is needed."""
+        if self.trim not in (0, self.stride):
+            return self.forward(hidden.transpose(1, 2)).transpose(1, 2)
+        batch, length, channels = hidden.shape
+        weight = _derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
+        if self.trim:
+            length = max(length - 1, 0)
+            hidden = torch.cat((hidden[:, :-1], hidden[:, 1:]), dim=2) if length else hidden[:, :0]
+            channels *= 2
+        rows = hidden.reshape(-1, channels)
+        bias = self.conv.bias
+        out = rows @ weight if bias is None else torch.addmm(bias.repeat(self.stride), rows, weight)
+        return out.view(batch, length * self.stride, self.conv.out_channels)
+
+    def _gemm_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """[C_in, C_out, kernel] -> [C_in * taps, stride * C_out], columns ordered (sample, channel); with two
+        taps the first C_in rows are the earlier input's (its trailing ``stride`` kernel taps)."""
+        channels, stride = weight.shape[0], self.stride
+        taps = (weight[:, :, stride:], weight[:, :, :stride]) if self.trim else (weight,)
+        return torch.cat([t.permute(0, 2, 1).reshape(channels, -1) for t in taps]).contiguous()
+

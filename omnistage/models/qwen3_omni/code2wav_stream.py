@@ -35,8 +35,8 @@ Why the result equals one-shot decoding
 
 Batching
     One call decodes one chunk for each of B requests, right-padded to the longest chunk: every module
-    runs once over the batch (on CPU once per tile of rows whose signals fit in cache, like
-    ``Code2Wav.decode``; small chunks put all rows in one tile). Causality keeps padding out of valid
+    runs once over the batch (on CPU once per tile of rows, ``Code2Wav.cpu_tile_samples`` output samples
+    each, like ``Code2Wav.decode``; small chunks put all rows in one tile). Causality keeps padding out of valid
     samples. Each row's next history is cut at its own last valid input (a gather when rows differ), so
     padding never enters a state; rows with no new frames get their state back unchanged. Rows that start
     their stream shift their transposed-convolution inputs one place left (one indexed copy per decoder
@@ -174,6 +174,30 @@ class StreamStep:
         self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
         return out
 
+    # -- channels-last convolutions ([B, T, C] signals; the state keeps its [C, history] layout) --------
+
+    def history_channels_last(self, conv: CausalConv1d) -> torch.Tensor:
+        """[B, history_size, C_in]: ``conv``'s carried inputs, copied out of the state rows (a few numbers per
+        channel) so they have the strides of one-shot decoding's zeros (one compiled SnakeBeta graph)."""
+        return self.histories[conv].contiguous().transpose(1, 2)
+
+    def keep_channels_last(self, conv: CausalConv1d, extended: torch.Tensor) -> None:
+        """Next history of ``conv`` from its inputs [B, history_size + W, C_in] (history then new); a copy,
+        so the large ``extended`` is freed (and its memory reused) as soon as the convolution is done."""
+        kept = slide_window(extended, self.valid, conv.history_size, dim=1)
+        self.updated[conv] = (kept.clone() if isinstance(self.valid, int) else kept).transpose(1, 2)
+
+    def conv_transpose_channels_last(self, conv: CausalConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+        if conv.history_size == 0:
+            out = conv.forward_channels_last(x)
+        else:
+            out, last = conv.forward_stream(
+                x, self.histories[conv].transpose(1, 2), self.valid, self.starting, channels_last=True
+            )
+            self.updated[conv] = last.transpose(1, 2)
+        self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
+        return out
+
 
 class Code2WavStreamer:
     """Streaming decoder over a loaded ``Code2Wav`` (shares its weights; holds no request state)."""
@@ -261,8 +285,8 @@ class Code2WavStreamer:
         packed = torch.empty_like(stacked)
         sizes = [model.samples_for_frames(p + n) - model.samples_for_frames(p) for p, n in zip(frames, counts)]
         wave = stacked.new_empty((batch, max(sizes)))
-        # Rows are independent: on CPU, tiles of rows whose signals stay in cache (as Code2Wav.decode does).
-        tile = batch if codes.is_cuda else max(1, model.CPU_TILE_SAMPLES // (width * model.samples_per_frame))
+        # Rows are independent: on CPU, tiles of rows sized for the decoder's kernels (as Code2Wav.decode does).
+        tile = batch if codes.is_cuda else max(1, model.cpu_tile_samples // (width * model.samples_per_frame))
         with torch.no_grad():
             for start in range(0, batch, tile):
                 rows = slice(start, start + tile)

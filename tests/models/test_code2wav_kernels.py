@@ -1,0 +1,161 @@
+"""Code2Wav's fast decoder kernels (channels-last convolutions, GEMM pointwise and transposed convolutions,
+fused SnakeBeta) equal the reference kernels (torch's [B, C, T] convolutions, as in transformers): layer by
+layer, one-shot and streamed, float32 and bfloat16; the compiled SnakeBeta equals its eager fallback."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_code2wav import random_codes, randomize_
+from test_code2wav_stream import stream_interleaved
+
+from omnistage.models.layers.compiled import LazyCompiled
+from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
+from omnistage.models.qwen3_omni.code2wav import (
+    Code2Wav,
+    Code2WavConfig,
+    SnakeBeta,
+    _snake_after,
+    _snake_after_eager,
+)
+from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
+
+F32_TOL = 1e-5  # fast vs reference kernels in float32 (measured ~1e-6 on the small preset)
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _seeded(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) / max(1, p[0].numel()) ** 0.5)
+    return module
+
+
+def _cl(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CausalConv1d(32, 32, 7, dilation=3),
+        lambda: CausalConv1d(48, 16, 7),
+        lambda: CausalConv1d(32, 32, 1),
+        lambda: CausalConv1d(32, 1, 7, dilation=2),  # few outputs: taps GEMM + shifted sums
+        lambda: CausalConvTranspose1d(32, 16, 10, 5),
+        lambda: CausalConvTranspose1d(32, 16, 4, 4),
+    ],
+    ids=["k7-d3", "k7-48to16", "k1", "k7-to1", "transposed-2x", "transposed-1x"],
+)
+def test_channels_last_layers_equal_torch(make):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, make().conv.in_channels, 37, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = _seeded(make(), seed=2).to(dtype)
+        expect = _seeded(make(), seed=2).to(dtype).float()(x.to(dtype).float())  # float32 math, same weights
+        got = layer.forward_channels_last(_cl(x.to(dtype)))
+        assert got.dtype == dtype and got.shape == _cl(expect).shape
+        tol = F32_TOL if dtype == torch.float32 else 2e-2
+        assert (got.float() - _cl(expect)).abs().max().item() <= tol * expect.abs().max().item()
+        if isinstance(layer, CausalConv1d) and layer.conv.out_channels == layer.conv.in_channels:
+            residual = _cl(x.to(dtype))
+            summed = layer.forward_channels_last(_cl(x.to(dtype)), residual=residual.clone())
+            assert (summed.float() - (got.float() + residual.float())).abs().max().item() <= tol * 4
+
+
+def test_derived_weights_follow_the_weight():
+    """The channels-last layouts are derived from the weight once and rebuilt when it changes; weights made
+    under inference mode (no version counter) work too."""
+    conv = _seeded(CausalConv1d(8, 8, 7, dilation=2), seed=6)
+    x = torch.randn(2, 20, 8)
+    before = conv.forward_channels_last(x)
+    conv.conv.weight.mul_(2)  # in place: same storage, new version
+    after = conv.forward_channels_last(x)
+    assert torch.allclose(after - conv.conv.bias, 2 * (before - conv.conv.bias), atol=1e-5)
+    with torch.inference_mode():
+        made = CausalConv1d(8, 8, 1)
+        assert made.forward_channels_last(x).shape == (2, 20, 8)
+
+
+@functools.cache
+def _model(decoder_dim: int) -> Code2Wav:
+    """Random Code2Wav whose decoder blocks have realistic widths (decoder_dim 64: 32 down to 4 channels)."""
+    config = Code2WavConfig(
+        codebook_size=64, num_quantizers=8, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16, decoder_dim=decoder_dim,
+    )
+    model = Code2Wav(config).eval()
+    randomize_(model, seed=3)
+    return model
+
+
+def _decode(model: Code2Wav, codes: torch.Tensor, reference: bool) -> torch.Tensor:
+    model.reference_kernels = reference
+    try:
+        return model(codes)[:, 0]
+    finally:
+        model.reference_kernels = False
+
+
+def test_fast_decoder_equals_reference_kernels_float32():
+    model = _model(64)
+    codes = random_codes(8, 30, seed=5, batch=2)
+    reference = _decode(model, codes, reference=True)
+    fast = _decode(model, codes, reference=False)
+    diff = (fast - reference).abs().max().item()
+    print(f"float32 fast vs reference kernels: {diff:.2e} (signal std {reference.std():.2f})")
+    assert reference.std() > 0.02 and diff <= F32_TOL
+    # Streamed on the fast kernels (rows at different positions, odd chunk sizes) == reference one-shot.
+    streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[1, 6, 23], [4, 25, 1]], rounds=12, seed=1)
+    worst = max((s - r).abs().max().item() for s, r in zip(streams, reference))
+    print(f"float32 fast streamed vs reference one-shot: {worst:.2e}")
+    assert worst <= 1e-4
+
+
+def test_fast_decoder_bfloat16_is_as_close_to_float32_as_the_reference():
+    """bfloat16 rounds differently on the two paths; each is compared to the float32 result it approximates."""
+    model = _model(64)
+    codes = random_codes(8, 30, seed=6, batch=2)
+    exact = _decode(model, codes, reference=True)
+    half = Code2Wav(model.config).eval()
+    half.load_state_dict(model.state_dict())
+    half.to(torch.bfloat16)
+    reference_err = (_decode(half, codes, reference=True).float() - exact).abs().max().item()
+    fast_err = (_decode(half, codes, reference=False).float() - exact).abs().max().item()
+    streams = stream_interleaved(Code2WavStreamer(half), list(codes), [[4, 26], [1, 29]], rounds=8, seed=2)
+    stream_err = max((s.float() - e).abs().max().item() for s, e in zip(streams, exact))
+    print(f"bfloat16 vs float32: reference kernels {reference_err:.3f}, fast {fast_err:.3f}, fast streamed "
+          f"{stream_err:.3f} (signal std {exact.std():.2f})")
+    assert max(fast_err, stream_err) <= 2 * reference_err + 0.02
+
+
+def test_compiled_snake_equals_eager():
+    compiled = LazyCompiled(_snake_after, "test.snake_after", enabled=True, dynamic_shapes=True)
+    snake = SnakeBeta(24)
+    gen = torch.Generator().manual_seed(5)
+    snake.alpha.copy_(0.3 * torch.randn(24, generator=gen))  # log-scale, as trained vocoders have them
+    snake.beta.copy_(0.3 * torch.randn(24, generator=gen))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for length, context in ((50, 6), (123, 18)):  # another shape: the same dynamic graph
+            x = (2 * torch.randn(2, length, 24, generator=gen)).to(dtype)
+            left = torch.randn(2, 24, context, generator=gen).to(dtype).transpose(1, 2)  # a strided history
+            alpha = snake.alpha.exp().to(dtype)
+            scale = (snake.beta.exp() + 1e-9).rsqrt().to(dtype)
+            got = compiled(left, x, alpha, scale)
+            assert compiled.failure is None, compiled.failure
+            expect = _snake_after_eager(left.float(), x.float(), alpha.float(), scale.float())
+            assert got.dtype == dtype and got.shape == (2, context + length, 24)
+            assert torch.equal(got[:, :context], left)
+            assert (got.float() - expect).abs().max().item() <= tol * expect.abs().max().item()
+            # The eager fallback computes the same function as the reference SnakeBeta.
+            reference = snake(x.float().transpose(1, 2)).transpose(1, 2)
+            eager = _snake_after_eager(left, x, alpha, scale)
+            assert torch.equal(eager[:, :context], left)
+            assert (eager[:, context:].float() - reference).abs().max().item() <= tol * 4 * reference.abs().max().item()
