@@ -159,6 +159,7 @@ def count_flops(fn: Callable[..., Any], *args: Any) -> float:
     """Matmul/conv flops of one call, counted by torch (elementwise work is not counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+    # Compiled parts run their eager functions here: a dispatch mode cannot enter a compiled graph.
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter, torch.inference_mode():
         fn(*args)
     return float(counter.get_total_flops())
