@@ -177,21 +177,26 @@ def test_a_compiled_pass_equals_the_eager_pass_in_every_bit():
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
 @torch.inference_mode()
-def test_packed_weights_keep_checkpoint_names_and_compute_the_same_products():
-    """The ``fast`` option: packed copies are extra buffers (state dicts unchanged); products equal the
-    default GEMM's to float rounding (not bitwise: that is why it is an option), experts included."""
+def test_packed_weights_replace_the_unpacked_ones_and_compute_the_same_products():
+    """The ``fast`` option: products equal the default GEMM's to float rounding (not bitwise), experts
+    included; each packed weight's unpacked parameter is released (one copy of the weights in memory); a
+    weight tied to another parameter stays unpacked."""
     moe = _seeded(SparseMoE(16, 24, num_experts=6, top_k=2, norm_topk_prob=True, shared_expert_intermediate_size=8))
     mlp = _seeded(GatedMLP(16, 24), seed=1)
     x = torch.randn(9, 16, generator=torch.Generator().manual_seed(7))
-    before = {k: v.clone() for k, v in {**moe.state_dict(prefix="moe."), **mlp.state_dict(prefix="mlp.")}.items()}
     want_moe, want_mlp = moe(x), mlp(x)
     assert fast_kernels(moe, False) is moe and not any(isinstance(m, PackedLinear) for m in moe.modules())
     fast_kernels(moe, True), fast_kernels(mlp, True)
     assert moe.experts.packed is not None and isinstance(mlp.gate_up_proj, PackedLinear)
-    after = {**moe.state_dict(prefix="moe."), **mlp.state_dict(prefix="mlp.")}
-    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert moe.experts.gate_up_proj.numel() == moe.experts.down_proj.numel() == 0
+    assert mlp.gate_up_proj.weight.numel() == 0 and mlp.gate_up_proj.weight.dtype == torch.float32
     assert (moe(x) - want_moe).abs().max().item() <= 1e-5
     assert (mlp(x) - want_mlp).abs().max().item() <= 1e-5
+
+    tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 16), "head": torch.nn.Linear(16, 10, bias=False)})
+    tied["head"].weight = tied["embed"].weight
+    fast_kernels(tied, True)
+    assert type(tied["head"]) is torch.nn.Linear and tied["embed"].weight.shape == (10, 16)
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")

@@ -4,20 +4,22 @@ At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs 
 call; oneDNN reading a weight already in its blocked layout streams it up to ~2x faster (measured on
 this machine's AMD EPYC at 1-2 threads, issue 10). The price in float32 is a different summation order than the default
 GEMM's (and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a
-different greedy token than the reference. That is why it is an option (``fast=True``), not the default.
+different greedy token than the reference (the parity tests hold with it on every test checkpoint).
 In bfloat16 the default CPU GEMM already is oneDNN and packing gives the same bits.
 
-``pack_linear_weights(module)`` switches every ``nn.Linear`` (and every stacked-expert module with a
-``pack_weights`` method) under ``module`` in place. The checkpoint weights stay as they are (state dicts and
-loaders are unchanged); the packed copies are extra, non-persistent buffers, so weight memory doubles.
+``pack_linear_weights(module)`` switches every ``nn.Linear`` (and every module with a ``pack_weights``
+method: stacked experts, the code predictor's heads) under ``module`` in place, for serving: each packed
+weight's unpacked parameter is released (replaced by an empty one), so weight memory stays one copy; a
+weight shared with another parameter (tied embeddings) stays unpacked. A packed module no longer has a
+usable ``state_dict``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # Row count the packed layout is tuned for (decode batches); any row count runs correctly.
@@ -68,9 +70,16 @@ class PackedLinear(nn.Linear):
     packed_weight: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed_weight.dtype:
-            return F.linear(x, self.weight, self.bias)
+        if x.dtype != self.packed_weight.dtype:  # the unpacked weight is gone: compute in the weight's dtype
+            return packed_linear(x.to(self.packed_weight.dtype), self.packed_weight, self.bias).to(x.dtype)
         return packed_linear(x, self.packed_weight, self.bias)
+
+
+def release_weight(owner: nn.Module, name: str) -> None:
+    """Replace parameter ``name`` of ``owner`` by an empty one of the same dtype and device: its packed copy
+    serves every call, and the unpacked tensor's memory is freed."""
+    old = getattr(owner, name)
+    setattr(owner, name, nn.Parameter(old.detach().new_empty(0), requires_grad=False))
 
 
 def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
@@ -80,10 +89,12 @@ def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) ->
     is unavailable or the weights are not on the CPU in float32/bfloat16.
     """
     count = 0
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     for sub in module.modules():
-        if type(sub) is nn.Linear and can_pack(sub.weight):
+        if type(sub) is nn.Linear and can_pack(sub.weight) and uses[id(sub.weight)] == 1:
             sub.register_buffer("packed_weight", pack_weight(sub.weight, batch_hint), persistent=False)
             sub.__class__ = PackedLinear
+            release_weight(sub, "weight")
             count += 1
         elif hasattr(sub, "pack_weights") and callable(sub.pack_weights):
             count += sub.pack_weights(batch_hint)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear
+from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.mlp import GatedMLP, swiglu
 
@@ -51,6 +51,8 @@ class StackedExperts(nn.Module):
             (pack_weight(self.gate_up_proj[e], batch_hint), pack_weight(self.down_proj[e], batch_hint))
             for e in range(self.num_experts)
         ]
+        release_weight(self, "gate_up_proj")
+        release_weight(self, "down_proj")
         return 2 * self.num_experts
 
     def _expert(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:

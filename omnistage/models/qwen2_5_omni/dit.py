@@ -187,11 +187,16 @@ class CodecEmbedding(nn.Module):
         return torch.repeat_interleave(self.codec_embed(codes), self.repeats, dim=1)
 
 
+class ColumnSplitLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is read in column blocks (``InputEmbedding``): not a plain ``nn.Linear``, so
+    the ``fast`` kernels never pack (and release) its weight."""
+
+
 class InputEmbedding(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.mel_dim = cfg.mel_dim
-        self.proj = nn.Linear(cfg.mel_dim + cfg.enc_dim + cfg.enc_emb_dim + cfg.emb_dim, cfg.hidden_size)
+        self.proj = ColumnSplitLinear(cfg.mel_dim + cfg.enc_dim + cfg.enc_emb_dim + cfg.emb_dim, cfg.hidden_size)
         self.spk_encoder = SpeakerEncoder(cfg)
 
     def constant_part(self, spk: torch.Tensor, code: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch._higher_order_ops.scan import scan
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
-from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at
+from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import RotaryEmbedding
@@ -252,6 +252,7 @@ class CodePredictor(nn.Module):
         if not can_pack(self.lm_head.weight):
             return 0
         self.packed_heads = [pack_weight(w, batch_hint) for w in self.lm_head.weight]
+        release_weight(self.lm_head, "weight")
         self.exact_kernels = self.frame_compiler.exact = False
         return len(self.packed_heads)
 
