@@ -11,7 +11,7 @@ achieved GFLOP/s and GB/s, the machine's bound for its work (measured GEMM and r
 and transformers' time for the same part.
 
     python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --hf-requests 16 \
-        --configs float32 bfloat16 float32-fast
+        --configs float32 float32-exact bfloat16 float32-mp
     python -m benchmarks.pipeline_bench --family qwen2_5_omni --preset small --concurrency 16 \
         --hf-requests 1 --hf-thinker-tokens 8 --hf-talker-tokens 32
 
@@ -19,7 +19,7 @@ Qwen2.5-Omni's reference is slow on CPU (its Token2Wav re-runs the speaker encod
 --hf-thinker-tokens / --hf-talker-tokens give transformers shorter requests (same ratio of text to codes)
 without changing what omnistage runs (no token comparison then).
 
-``--distributed-executor-backend mp`` (or a configuration's ``-mp`` suffix, e.g. ``float32-fast-mp``, to compare
+``--distributed-executor-backend mp`` (or a configuration's ``-mp`` suffix, e.g. ``bfloat16-mp``, to compare
 backends in one run) runs every stage in its own worker process (``--threads`` split between them) and adds, per row, a stage trace (busy share of the wall time per stage, share of time with two or more
 stages busy, each worker's share of time waiting) and the transport cost of a hand-off (bytes, encode / decode /
 transit milliseconds); the per-component breakdown needs the models in this process (``inproc``).
@@ -329,8 +329,9 @@ def component_table(wall: float, ours: dict[str, Component], hf_wall: float, hf:
 
 @dataclass(frozen=True)
 class Config:
-    """One omnistage configuration of a run: serving dtype, the ``fast`` kernels option and, when given, its own
-    executor backend (``-mp``: one worker process per stage, the thread budget split between them)."""
+    """One omnistage configuration of a run: serving dtype, the kernels (``fast``, the default, or ``-exact``:
+    ``EngineArgs(fast=False)``, the reference's kernels) and, when given, its own executor backend (``-mp``: one
+    worker process per stage, the thread budget split between them)."""
 
     dtype: str
     fast: bool
@@ -340,13 +341,13 @@ class Config:
     def parse(cls, text: str) -> Config:
         dtype, *options = text.split("-")
         backend = options.pop() if options and options[-1] in ("mp", "inproc") else None
-        if dtype not in ("float32", "bfloat16") or options not in ([], ["fast"]):
+        if dtype not in ("float32", "bfloat16") or options not in ([], ["exact"]):
             raise argparse.ArgumentTypeError(
-                f"expected float32 or bfloat16, then optionally -fast, then optionally -mp / -inproc; got {text!r}")
-        return cls(dtype, options == ["fast"], backend)
+                f"expected float32 or bfloat16, then optionally -exact, then optionally -mp / -inproc; got {text!r}")
+        return cls(dtype, options != ["exact"], backend)
 
     def __str__(self) -> str:
-        return self.dtype + ("-fast" if self.fast else "") + (f"-{self.backend}" if self.backend else "")
+        return self.dtype + ("" if self.fast else "-exact") + (f"-{self.backend}" if self.backend else "")
 
 
 def throughput_row(label: str, ours: Run, theirs: Run, comparable: bool) -> str:
@@ -371,10 +372,10 @@ def main() -> None:
                     help="model family of the built --preset checkpoint (a --model dir names its own)")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--configs", type=Config.parse, nargs="+", default=[Config("float32", False)],
+    ap.add_argument("--configs", type=Config.parse, nargs="+", default=[Config("float32", True)],
                     help="omnistage configurations, each run against the same transformers run: float32 (default), "
-                         "bfloat16, float32-fast, bfloat16-fast (fast: EngineArgs(fast=True), rounding may differ); a "
-                         "-mp suffix runs that configuration with one worker process per stage")
+                         "bfloat16, float32-exact, bfloat16-exact (exact: EngineArgs(fast=False), the reference's "
+                         "kernels); a -mp suffix runs that configuration with one worker process per stage")
     ap.add_argument("--thinker-tokens", type=int, default=48)
     ap.add_argument("--talker-tokens", type=int, default=144,
                     help="codec tokens per answer: frames + 1, the last one has no residual codes")
@@ -438,8 +439,8 @@ def main() -> None:
                                       fixed_speech)
     hf_thinker = args.hf_thinker_tokens or args.thinker_tokens
     hf_talker = args.hf_talker_tokens or args.talker_tokens
-    # Same requests on both sides: compare answers (equality is the contract in float32 without fast;
-    # bfloat16 and fast round differently, so their count says how often greedy picks still agree).
+    # Same requests on both sides: compare answers (equality is the contract in float32; bfloat16 rounds
+    # differently, so its count says how often greedy picks still agree).
     comparable = (hf_thinker, hf_talker) == (args.thinker_tokens, args.talker_tokens)
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -488,7 +489,7 @@ def main() -> None:
                     best = (run, comps, stage_steps(trace, t0, t1, stages), workers)
             ours, comps, steps, workers = best
             print(throughput_row(f"{config} {n:>3}", ours, theirs, comparable), flush=True)
-            details = parity_details(ours, theirs) if comparable and config == Config("float32", False) else []
+            details = parity_details(ours, theirs) if comparable and config.dtype == "float32" else []
             if details:  # the configuration whose contract is equality: say where it broke
                 print("\n".join(details), flush=True)
             if workers is not None:

@@ -1022,7 +1022,7 @@ DEFAULT_MODEL_NAME = "omnistage-tiny"
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
-          distributed_executor_backend: str | None = None, fast: bool = False) -> None:
+          distributed_executor_backend: str | None = None, fast: bool = True) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
@@ -1093,9 +1093,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distributed-executor-backend", choices=list(EXECUTOR_BACKENDS), default=None,
                    help="inproc: every stage in this process; mp: one worker process per stage; ray: one Ray actor "
                         "per stage (default: the stage config's, else inproc)")
-    p.add_argument("--fast", action="store_true",
-                   help="faster CPU kernels (oneDNN on weights packed at load, twice the weight memory) whose float "
-                        "rounding differs from the reference: a near-tie may pick another greedy token")
+    p.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU kernels: oneDNN on weights packed at load and a fused code-predictor frame (default); "
+                        "--no-fast: the reference's kernels, bit-identical to transformers' float32 arithmetic. The "
+                        "fast kernels round differently: a near-tie may pick another greedy token")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ class EngineArgs:
     stage_config: str | None = None  # preset name or YAML path; None: the checkpoint family's preset
     dtype: str = "float32"
     device: str = "cpu"
-    fast: bool = False  # faster kernels whose float rounding may differ from the reference
+    fast: bool = True  # packed oneDNN kernels on CPU (rounding differs from the reference's; False: reference kernels)
     distributed_executor_backend: str | None = None  # inproc | mp | ray; None: the pipeline config's
     worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
 

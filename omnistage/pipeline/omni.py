@@ -94,7 +94,7 @@ class Omni:
     worker; ``shutdown()`` (or leaving a ``with`` block, or the interpreter exiting) stops them."""
 
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
-                 device: str = "cpu", pipeline=None, fast: bool = False,
+                 device: str = "cpu", pipeline=None, fast: bool = True,
                  distributed_executor_backend: str | None = None) -> None:
         self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend),
                                  pipeline)
@@ -182,7 +182,7 @@ class AsyncOmni:
 
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
-                 on_step: Callable[[Any], None] | None = None, fast: bool = False,
+                 on_step: Callable[[Any], None] | None = None, fast: bool = True,
                  distributed_executor_backend: str | None = None) -> None:
         # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
         self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend),
