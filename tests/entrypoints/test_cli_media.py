@@ -4,6 +4,7 @@ in text and, with `--audio`, in speech."""
 import wave
 
 import numpy as np
+import pytest
 import soundfile
 import torch
 from PIL import Image
@@ -53,8 +54,11 @@ def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, 
     assert np.array_equal(pcm, (answer.audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy())
 
 
-def test_generate_fast_runs_on_packed_weights(tiny_ckpt, capsys, monkeypatch):
-    """`--fast` reaches every stage's build: its linear layers read oneDNN-packed weights."""
+@pytest.mark.parametrize("flags, packed", [([], True), (["--fast"], True), (["--no-fast"], False)])
+def test_generate_runs_fast_kernels_by_default_and_reference_ones_with_no_fast(tiny_ckpt, capsys, monkeypatch, flags,
+                                                                              packed):
+    """The fast kernels are the default and reach every stage's build (linear layers on oneDNN-packed weights);
+    `--no-fast` keeps the reference's kernels everywhere."""
     import omnistage
     from omnistage.models.layers.fast_linear import PackedLinear
 
@@ -66,9 +70,9 @@ def test_generate_fast_runs_on_packed_weights(tiny_ckpt, capsys, monkeypatch):
             built.append(self)
 
     monkeypatch.setattr(omnistage, "Omni", Spy)
-    assert main(["generate", "Hello", "--model", str(tiny_ckpt), "--fast", "--max-tokens", "4"]) == 0
+    assert main(["generate", "Hello", "--model", str(tiny_ckpt), *flags, "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
     stages = built[0].engine.orchestrator.stages
     models = {"thinker": stages["thinker"].runner.model.thinker, "talker": stages["talker"].runner.model.talker}
     for name, model in models.items():
-        assert any(isinstance(m, PackedLinear) for m in model.modules()), name
+        assert any(isinstance(m, PackedLinear) for m in model.modules()) == packed, name
