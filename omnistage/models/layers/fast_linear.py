@@ -44,6 +44,10 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torc
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] times a ``pack_weight`` result. An opaque op to ``torch.compile``: inductor calls it as
     is (its own oneDNN fusion passes do not handle the pre-packed weight)."""
+    return _onednn_linear(x, packed, bias)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -56,7 +60,7 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -
 def packed_linear_at(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """``packed_linear(x, packed[index])`` for a 0-d ``index`` tensor: a loop compiled as ``torch.scan`` walks
     a list of packed weights (which cannot be stacked into one tensor) by a scanned index."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed[int(index)], None, "none", [], "")
+    return _onednn_linear(x, packed[int(index)], None)
 
 
 @packed_linear_at.register_fake

@@ -235,7 +235,6 @@ class CodePredictor(nn.Module):
         self.top_k = min(RESIDUAL_TOP_K, self.cfg.vocab_size)
         # The output heads in oneDNN's packed layout once ``pack_weights`` ran (the ``fast`` option).
         self.packed_heads: list[torch.Tensor] | None = None
-        self.exact_kernels = True  # False: the ``fast`` option (packed heads, math attention, fused graph)
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True,
@@ -253,7 +252,7 @@ class CodePredictor(nn.Module):
             return 0
         self.packed_heads = [pack_weight(w, batch_hint) for w in self.lm_head.weight]
         release_weight(self.lm_head, "weight")
-        self.exact_kernels = self.frame_compiler.exact = False
+        self.frame_compiler.exact = False
         return len(self.packed_heads)
 
     def logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
@@ -271,7 +270,7 @@ class CodePredictor(nn.Module):
     def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
         d = self.cfg.decoder
         return _FrameCache.zeros(d.num_layers, batch, self.num_code_groups, d.num_kv_heads, d.head_dim, like,
-                                 math=not self.exact_kernels and like.dtype != torch.float32)
+                                 math=self.packed_heads is not None and like.dtype != torch.float32)
 
     def _first_pass(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, cache: _FrameCache
