@@ -1,10 +1,15 @@
-"""Stacked-expert GEMMs: one grouped GEMM (torch._grouped_mm) vs a loop of per-expert GEMMs, by row count.
+"""Expert kernels on the small preset's Thinker (H 768, I 384) and Talker (H 512, I 256) experts (16, top-4).
 
-Rows are (token, slot) pairs sorted by expert, as SparseMoE runs them; sizes are the small preset's Thinker
-(H 768, I 384, 16 experts) and Talker (H 512, I 256) experts. Prints CPU time per call of both paths and
-checks they give the same bits (the measurement behind the grouped default in omnistage/models/layers/moe.py).
+1. Stacked-expert GEMMs: one grouped GEMM (torch._grouped_mm) vs a loop of per-expert GEMMs, by row count.
+   Rows are (token, slot) pairs sorted by expert, as SparseMoE runs them. Prints CPU time per call of both
+   paths and checks they give the same bits (the measurement behind the grouped default in
+   omnistage/models/layers/moe.py).
+2. A whole MoE layer by token count with the ``fast`` packed weights: the sparse path (a packed GEMM per
+   expert with rows) vs the dense path (every expert over every row in two GEMMs), next to the default
+   kernels' grouped GEMM; the largest difference to the default kernels' output (the measurement behind
+   the dense path's row limits).
 
-    python -m benchmarks.moe_kernels --threads 1
+    python -m benchmarks.moe_kernels --threads 2 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -14,17 +19,64 @@ import time
 
 import torch
 
-from omnistage.models.layers.moe import StackedExperts
+from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.layers.moe import SparseMoE, StackedExperts
+
+SIZES = (("thinker", 768, 384), ("talker", 512, 256))
 
 
-def cpu_time(experts: StackedExperts, x: torch.Tensor, counts: torch.Tensor, grouped: bool, repeats: int) -> float:
-    experts(x, counts, grouped)
+def cpu_time(repeats: int, call, *args, **kwargs) -> float:
+    call(*args, **kwargs)
     best = float("inf")
     for _ in range(repeats):
         start = time.process_time()
-        experts(x, counts, grouped)
+        call(*args, **kwargs)
         best = min(best, time.process_time() - start)
     return best
+
+
+def seeded(module: torch.nn.Module, gen: torch.Generator, dtype: torch.dtype) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return module.to(dtype)
+
+
+def stacked_gemms(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> None:
+    print(f"{'experts':>14} {'rows':>5} {'loop ms':>8} {'grouped ms':>10} {'same bits':>9}")
+    for name, hidden, inter in SIZES:
+        experts = seeded(StackedExperts(16, hidden, inter), gen, dtype)
+        for rows in args.rows:
+            ids = torch.randint(0, 16, (rows,), generator=gen)
+            counts = torch.bincount(ids, minlength=16)
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            with torch.inference_mode():
+                same = torch.equal(experts(x, counts, grouped=False), experts(x, counts, grouped=True))
+                loop = cpu_time(args.repeats, experts, x, counts, False)
+                grouped = cpu_time(args.repeats, experts, x, counts, True)
+            print(f"{name:>14} {rows:>5} {loop * 1e3:>8.2f} {grouped * 1e3:>10.2f} {str(same):>9}", flush=True)
+
+
+def moe_layers(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> None:
+    print(f"{'MoE layer':>14} {'tokens':>6} {'default ms':>10} {'fast sparse':>11} {'fast dense':>10} "
+          f"{'served by':>9} {'max diff':>9}")
+    for name, hidden, inter in SIZES:
+        reference = seeded(SparseMoE(hidden, inter, 16, 4, True), gen, dtype)
+        fast = SparseMoE(hidden, inter, 16, 4, True).to(dtype)
+        fast.load_state_dict(reference.state_dict())
+        fast_kernels(fast, True)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+            with torch.inference_mode():
+                default = cpu_time(args.repeats, reference, x)
+                sparse = cpu_time(args.repeats, fast, x, dense=False)
+                dense = "-"
+                if fast.experts.serves_dense(x):
+                    dense = f"{cpu_time(args.repeats, fast, x, dense=True) * 1e3:.2f}"
+                picked = "dense" if tokens * 4 >= 16 and fast.experts.serves_dense(x) else "sparse"
+                diff = (fast(x) - reference(x)).abs().max().item()
+            print(f"{name:>14} {tokens:>6} {default * 1e3:>10.2f} {sparse * 1e3:>11.2f} {dense:>10} {picked:>9} "
+                  f"{diff:>9.1e}", flush=True)
 
 
 def main() -> None:
@@ -32,28 +84,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rows", type=int, nargs="+", default=[4, 16, 64, 256, 1024, 2048])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     print(f"threads={args.threads} dtype={args.dtype} (best-of-{args.repeats} process CPU time per call)")
-    print(f"{'experts':>14} {'rows':>5} {'loop ms':>8} {'grouped ms':>10} {'same bits':>9}")
-    for name, hidden, inter in (("thinker", 768, 384), ("talker", 512, 256)):
-        experts = StackedExperts(16, hidden, inter)
-        with torch.no_grad():
-            for p in experts.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        experts = experts.to(dtype)
-        for rows in args.rows:
-            ids = torch.randint(0, 16, (rows,), generator=gen)
-            counts = torch.bincount(ids, minlength=16)
-            x = torch.randn(rows, hidden, generator=gen).to(dtype)
-            with torch.inference_mode():
-                same = torch.equal(experts(x, counts, grouped=False), experts(x, counts, grouped=True))
-                loop = cpu_time(experts, x, counts, False, args.repeats)
-                grouped = cpu_time(experts, x, counts, True, args.repeats)
-            print(f"{name:>14} {rows:>5} {loop * 1e3:>8.2f} {grouped * 1e3:>10.2f} {str(same):>9}", flush=True)
+    stacked_gemms(args, dtype, gen)
+    moe_layers(args, dtype, gen)
 
 
 if __name__ == "__main__":

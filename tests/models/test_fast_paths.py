@@ -14,7 +14,7 @@ from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig
 from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
 from omnistage.models.layers.mlp import GatedMLP
-from omnistage.models.layers.moe import SparseMoE
+from omnistage.models.layers.moe import DENSE_MAX_ROWS, SparseMoE
 from omnistage.models.qwen3_omni.code_predictor import (
     CodePredictor,
     CodePredictorConfig,
@@ -197,6 +197,36 @@ def test_packed_weights_replace_the_unpacked_ones_and_compute_the_same_products(
     tied["head"].weight = tied["embed"].weight
     fast_kernels(tied, True)
     assert type(tied["head"]) is torch.nn.Linear and tied["embed"].weight.shape == (10, 16)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@torch.inference_mode()
+def test_dense_expert_path_serves_decode_batches_and_equals_the_sparse_one(dtype, tol):
+    """The ``fast`` dense expert path (every expert over every row, unselected ones weighted 0): where it is
+    packed (experts at most 4x top-k) it serves batches whose rows cover the experts, up to the dtype's row
+    limit, and computes what the per-expert path computes, rows routed differently included."""
+    moe = _seeded(SparseMoE(16, 24, num_experts=6, top_k=2, norm_topk_prob=True, shared_expert_intermediate_size=8))
+    moe = moe.to(dtype)
+    many = _seeded(SparseMoE(16, 24, num_experts=12, top_k=2, norm_topk_prob=False)).to(dtype)
+    g = torch.Generator().manual_seed(11)
+    xs = {n: torch.randn(n, 16, generator=g).to(dtype) for n in (1, 3, 9, DENSE_MAX_ROWS[dtype] + 1)}
+    want = {n: moe(x) for n, x in xs.items()}
+    fast_kernels(moe, True), fast_kernels(many, True)
+    assert moe.experts.packed_dense is not None and many.experts.packed_dense is None  # 12 > 4 * 2
+    calls = []
+    dense_call = moe.experts.weighted_dense
+    moe.experts.weighted_dense = lambda *a: calls.append(a[0].shape[0]) or dense_call(*a)
+    for n, x in xs.items():
+        got = moe(x)
+        assert (got - want[n]).abs().max().item() <= tol * max(1.0, want[n].abs().max().item()), n
+        assert (moe(x, dense=True) - moe(x, dense=False)).abs().max().item() <= tol * max(1.0, got.abs().max().item())
+    assert moe.route(xs[9])[1].unique().numel() > 2  # rows really pick different experts
+    # Chosen by default for 3 rows (x top-2 cover the 6 experts) and 9, not for 1 row or the limit + 1;
+    # every size when forced.
+    assert calls == [1, 3, 3, 9, 9, DENSE_MAX_ROWS[dtype] + 1]
+    with pytest.raises(RuntimeError, match="dense"):
+        many(xs[9], dense=True)
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
