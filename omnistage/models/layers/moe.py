@@ -14,8 +14,8 @@ The ``fast`` option adds a dense path for decode-sized batches when experts are 
 stream their weights at a fraction of the machine's bandwidth. Instead every expert runs over every row as
 two GEMMs on all experts' weights packed side by side (gate/up ``[E * 2I, H]``, down ``[H, E * I]``), each
 row's unselected experts weighted 0 before the down projection, so the down GEMM also sums the selected
-experts (measured on 2 threads of an AMD EPYC, 16 rows, 16 experts, top-4: 1.8x faster in float32, 3.3x in
-bfloat16; ``benchmarks/moe_kernels.py``). It costs ``num_experts / top_k`` times the FLOPs, which is why it
+experts (measured on 2 threads of an AMD EPYC, a stack of the small preset's Talker layers, 16 rows, 16
+experts, top-4: 1.5x faster in float32, 1.9x in bfloat16; ``benchmarks/moe_kernels.py`` per layer). It costs ``num_experts / top_k`` times the FLOPs, which is why it
 serves only batches of at most ``dense_max_rows`` rows that cover most experts, and a second packed copy of
 the experts' weights (the per-expert copy serves prefill). Its rounding differs from the sparse path's.
 """
@@ -35,10 +35,12 @@ def _grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-# Dense path limits (``fast``): the FLOP factor it may spend, and the largest batch it serves per dtype
-# (beyond these row counts the sparse path was as fast or faster on the benchmark machine).
+# Dense path limits (``fast``): the FLOP factor it may spend, and the largest batch it serves per dtype. Measured
+# on a stack of the small preset's layers (weights streamed from memory, not cache-hot), 2 threads: in float32
+# dense was faster up to 16 rows for both the Thinker's and the Talker's experts, slower for the Thinker's
+# at 24; in bfloat16 faster up to 32 rows for both, slower for the Thinker's at 48.
 DENSE_MAX_FLOP_FACTOR = 4
-DENSE_MAX_ROWS = {torch.float32: 24, torch.bfloat16: 48}
+DENSE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 
 
 class StackedExperts(nn.Module):
@@ -160,6 +162,11 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
+    def uses_dense(self, x: torch.Tensor) -> bool:
+        """Whether rows ``x`` [N, H] take the ``fast`` dense path by default: enough rows to select most experts
+        (each picks top_k) and few enough for the dense GEMMs to pay."""
+        return x.shape[0] * self.top_k >= self.num_experts and self.experts.serves_dense(x)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, H] -> (weights [N, k] in x.dtype, expert ids [N, k]). Softmax in float32, then top-k."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -181,8 +188,7 @@ class SparseMoE(nn.Module):
         if static is None:
             static = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if dense is None:
-            # Enough rows to select most experts (each row picks top_k) and few enough for the dense GEMMs.
-            dense = grouped is None and x.shape[0] * self.top_k >= self.num_experts and self.experts.serves_dense(x)
+            dense = grouped is None and self.uses_dense(x)
         if static:
             out = self._static_experts(x, weights, ids)
         elif dense:
