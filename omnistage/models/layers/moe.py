@@ -15,9 +15,10 @@ stream their weights at a fraction of the machine's bandwidth. Instead every exp
 two GEMMs on all experts' weights packed side by side (gate/up ``[E * 2I, H]``, down ``[H, E * I]``), each
 row's unselected experts weighted 0 before the down projection, so the down GEMM also sums the selected
 experts (measured on 2 threads of an AMD EPYC, a stack of the small preset's Talker layers, 16 rows, 16
-experts, top-4: 1.5x faster in float32, 1.9x in bfloat16; ``benchmarks/moe_kernels.py`` per layer). It costs ``num_experts / top_k`` times the FLOPs, which is why it
-serves only batches of at most ``dense_max_rows`` rows that cover most experts, and a second packed copy of
-the experts' weights (the per-expert copy serves prefill). Its rounding differs from the sparse path's.
+experts, top-4: 1.5x faster in float32, 1.9x in bfloat16; ``benchmarks/moe_kernels.py``). It costs
+``num_experts / top_k`` times the FLOPs, which is why it serves only batches of at most ``DENSE_MAX_ROWS``
+rows that cover most experts, and a second packed copy of the experts' weights (the per-expert copy serves
+prefill). Its rounding differs from the sparse path's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ DENSE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 class StackedExperts(nn.Module):
     """All experts' SwiGLU weights in two 3-D tensors; ``forward`` runs expert-sorted rows through them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dense_packing: bool = False) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dense_packing: bool = False
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.dense_packing = dense_packing
