@@ -151,28 +151,32 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query row to its request's context.
 
     q: [rows, heads, dim]; k, v: [rows, kv_heads, dim]; kv_cache: [2, slots, kv_heads, dim]. Rows past
     ``meta.num_tokens`` are padding: their K/V go to the scratch slot and their output is zero.
+    ``compute_dtype``: attend in this dtype (the gathered context is converted as it is copied), output in
+    q's; default q's dtype.
     """
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    dtype = compute_dtype or q.dtype
     kv_cache[0].index_copy_(0, meta.slot_mapping[:rows], k.to(kv_cache.dtype))
     kv_cache[1].index_copy_(0, meta.slot_mapping[:rows], v.to(kv_cache.dtype))
     out = q.new_zeros(rows, num_heads, head_dim)
     rep = num_heads // num_kv_heads
     for g in meta.groups:
         n_req = g.kv_slots.shape[0]
-        qb = q.new_zeros(n_req, g.max_q, num_heads, head_dim)
-        qb[g.token_req, g.token_qpos] = q[g.token_rows]
-        kb = kv_cache[0][g.kv_slots].to(q.dtype)  # [g, max_kv, kv_heads, dim]
-        vb = kv_cache[1][g.kv_slots].to(q.dtype)
+        qb = q.new_zeros(n_req, g.max_q, num_heads, head_dim, dtype=dtype)
+        qb[g.token_req, g.token_qpos] = q[g.token_rows].to(dtype)
+        kb = kv_cache[0][g.kv_slots].to(dtype)  # [g, max_kv, kv_heads, dim]
+        vb = kv_cache[1][g.kv_slots].to(dtype)
         # Grouped-query heads read their shared key/value head inside the kernel: no repeated copies.
         ob = F.scaled_dot_product_attention(
             qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=g.mask, scale=scale,
             enable_gqa=rep > 1,
         ).transpose(1, 2)
-        out[g.token_rows] = ob[g.token_req, g.token_qpos]
+        out[g.token_rows] = ob[g.token_req, g.token_qpos].to(out.dtype)
     return out

@@ -89,3 +89,23 @@ def test_metadata_rejects_short_block_table_and_bad_padding():
         build_attention_metadata([5], [0], [[0]], BLOCK, NUM_BLOCKS)
     with pytest.raises(ValueError, match="smaller"):
         build_attention_metadata([5], [0], [[0, 1]], BLOCK, NUM_BLOCKS, num_padded_tokens=3)
+
+
+def test_bfloat16_cache_attends_in_float32_when_asked():
+    """``compute_dtype=float32`` (the ``fast`` option's bfloat16 decoders on CPU): the bfloat16 cache's context
+    attended in float32, the output rounded to bfloat16 once, the same rows as naive attention."""
+    heads, kv_heads, dim = 4, 2, 8
+    scale = 1 / math.sqrt(dim)
+    seqs = [tuple(t.bfloat16() for t in s) for s in make_seqs([9, 5], heads, kv_heads, dim)]
+    (cache,) = allocate_kv_cache(1, NUM_BLOCKS, BLOCK, kv_heads, dim, dtype=torch.bfloat16)
+    tables = [[3, 7, 1], [5, 2]]
+    meta = build_attention_metadata([9, 5], [0, 0], tables, BLOCK, NUM_BLOCKS)
+    q, k, v = (torch.cat([s[j] for s in seqs]) for j in range(3))
+    got = paged_attention(q, k, v, cache, meta, scale, compute_dtype=torch.float32)
+    plain = paged_attention(q, k, v, cache, meta, scale)
+    assert got.dtype == plain.dtype == torch.bfloat16
+    want = torch.cat([naive_causal(sq.float(), sk.float(), sv.float(), scale).bfloat16() for sq, sk, sv in seqs])
+    # Float32 arithmetic rounded once: the float32 reference's bfloat16 values, but for a rare rounding tie.
+    assert (got == want).float().mean().item() >= 0.97
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7
+    assert (plain.float() - want.float()).abs().max().item() <= 2 ** -5

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
-from omnistage.models.layers.decoder import DecoderConfig
+from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
 from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
 from omnistage.models.layers.mlp import GatedMLP
 from omnistage.models.layers.moe import DENSE_MAX_ROWS, SparseMoE
@@ -295,3 +295,13 @@ def test_float32_rms_norm_takes_torchs_op_with_the_reference_bits():
                 xf = view.float()
                 want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
                 assert torch.equal(rms_norm(view, w, 1e-6), want), (shape, scale)
+
+
+def test_fast_bfloat16_decoders_attend_in_float32_on_cpu():
+    """``fast`` makes a bfloat16 decoder on CPU attend in float32 (torch's bfloat16 CPU attention is slower and
+    less precise); a float32 one, and any decoder without ``fast``, attend in their own dtype."""
+    cfg = DecoderConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                        rms_norm_eps=1e-6, rope_theta=1e4)
+    for dtype, want in ((torch.bfloat16, torch.float32), (torch.float32, None)):
+        assert PagedDecoder(cfg).to(dtype).attention_dtype is None
+        assert fast_kernels(PagedDecoder(cfg).to(dtype), True).attention_dtype == want

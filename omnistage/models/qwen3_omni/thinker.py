@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
-from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder, paged_attend
+from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
 from omnistage.models.qwen3_omni.mrope import mrope_axis_of_frequency, mrope_cos_sin, mrope_sections
 
 
@@ -92,7 +92,7 @@ class Thinker(nn.Module):
         h = embeds
         accept = h if self.accept_hidden_layer == 0 else None
         for i, layer in enumerate(layers):
-            h = layer(h, cos, sin, paged_attend(kv_caches[i], attn_meta))
+            h = layer(h, cos, sin, self.model.attend(kv_caches[i], attn_meta))
             if i + 1 == self.accept_hidden_layer:
                 accept = h  # the layer's output before deepstack, as transformers records hidden states
             if i < num_deepstack:
