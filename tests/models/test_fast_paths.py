@@ -282,18 +282,20 @@ def test_lazy_compiled_falls_back_to_the_eager_function():
     assert torch.equal(off(x), x + 1) and off.compile_seconds is None
 
 
-def test_float32_rms_norm_takes_torchs_op_with_the_reference_bits():
-    """float32 RMSNorm goes through ``F.rms_norm`` (one call): its bits equal the reference expression's
-    (statistics in float32, then the weight), contiguous or not, at any scale."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_takes_torchs_op_with_the_reference_bits(dtype):
+    """RMSNorm's statistics go through ``F.rms_norm`` (one call): its bits equal the reference expression's
+    (statistics in float32, cast back to the input dtype, then the weight), contiguous or not, at any scale."""
     from omnistage.models.layers.norm import rms_norm
 
     g = torch.Generator().manual_seed(10)
     for shape in [(16, 512), (3, 7, 4, 16), (2049, 96)]:
         for scale in (1e-3, 1.0, 50.0):
-            x, w = torch.randn(shape, generator=g) * scale, torch.randn(shape[-1], generator=g)
+            x = (torch.randn(shape, generator=g) * scale).to(dtype)
+            w = torch.randn(shape[-1], generator=g).to(dtype)
             for view in (x, x[::2], x.transpose(0, 1) if x.dim() > 2 else x.t().contiguous().t()):
                 xf = view.float()
-                want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+                want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
                 assert torch.equal(rms_norm(view, w, 1e-6), want), (shape, scale)
 
 

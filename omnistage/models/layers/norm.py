@@ -18,10 +18,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # torch's own op computes the same expression in the same order (bitwise equal; tests/models/
         # test_fast_paths.py) in one call instead of six.
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    # Cast back before scaling so low-precision runs round where the reference rounds.
-    return weight * xf.to(x.dtype)
+    # Statistics in float32 through the same op (the reference expression's bits), cast back before scaling
+    # so low-precision runs round where the reference rounds.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
