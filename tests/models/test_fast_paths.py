@@ -192,6 +192,10 @@ def test_packed_weights_replace_the_unpacked_ones_and_compute_the_same_products(
     assert mlp.gate_up_proj.weight.numel() == 0 and mlp.gate_up_proj.weight.dtype == torch.float32
     assert (moe(x) - want_moe).abs().max().item() <= 1e-5
     assert (mlp(x) - want_mlp).abs().max().item() <= 1e-5
+    # The released weights cannot be saved by mistake as empty tensors.
+    for module in (moe, moe.experts, mlp):
+        with pytest.raises(RuntimeError, match="weights packed for serving"):
+            module.state_dict()
 
     tied = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 16), "head": torch.nn.Linear(16, 10, bias=False)})
     tied["head"].weight = tied["embed"].weight

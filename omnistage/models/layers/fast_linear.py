@@ -10,8 +10,8 @@ In bfloat16 the default CPU GEMM already is oneDNN and packing gives the same bi
 ``pack_linear_weights(module)`` switches every ``nn.Linear`` (and every module with a ``pack_weights``
 method: stacked experts, the code predictor's heads) under ``module`` in place, for serving: each packed
 weight's unpacked parameter is released (replaced by an empty one), so weight memory stays one copy; a
-weight shared with another parameter (tied embeddings) stays unpacked. A packed module no longer has a
-usable ``state_dict``.
+weight shared with another parameter (tied embeddings) stays unpacked. A packed module's ``state_dict()``
+raises: its released weights would read as empty tensors.
 """
 
 from __future__ import annotations
@@ -81,9 +81,20 @@ class PackedLinear(nn.Linear):
 
 def release_weight(owner: nn.Module, name: str) -> None:
     """Replace parameter ``name`` of ``owner`` by an empty one of the same dtype and device: its packed copy
-    serves every call, and the unpacked tensor's memory is freed."""
+    serves every call, and the unpacked tensor's memory is freed. ``owner.state_dict()`` then raises (it
+    would list empty tensors under the checkpoint's names)."""
     old = getattr(owner, name)
     setattr(owner, name, nn.Parameter(old.detach().new_empty(0), requires_grad=False))
+    if not getattr(owner, "_refuses_state_dict", False):
+        owner.register_state_dict_pre_hook(_refuse_state_dict)
+        owner._refuses_state_dict = True
+
+
+def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    raise RuntimeError(
+        f"{prefix.rstrip('.') or type(module).__name__}: weights packed for serving (the fast option) no longer "
+        "hold their unpacked values; load the checkpoint with fast=False to read or save its weights"
+    )
 
 
 def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
