@@ -4,10 +4,10 @@
    Rows are (token, slot) pairs sorted by expert, as SparseMoE runs them. Prints CPU time per call of both
    paths and checks they give the same bits (the measurement behind the grouped default in
    omnistage/models/layers/moe.py).
-2. MoE layers by token count (a stack of them, weights streamed from memory) with the ``fast`` packed weights: the sparse path (a packed GEMM per
-   expert with rows) vs the dense path (every expert over every row in two GEMMs), next to the default
-   kernels' grouped GEMM; the largest difference to the default kernels' output (the measurement behind
-   the dense path's row limits).
+2. MoE layers by token count (a stack of them, weights streamed from memory) with the ``fast`` packed
+   weights: the sparse path (a packed GEMM per expert with rows) vs the dense path (every expert over every
+   row in two GEMMs), next to the default kernels' grouped GEMM; which path serves by default; the largest
+   difference to the default kernels' output (the measurement behind the dense path's row limits).
 
     python -m benchmarks.moe_kernels --threads 2 --dtype bfloat16
 """
