@@ -460,7 +460,7 @@ class DecoderBlock(nn.Module):
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
         x = self.block[0].forward_channels_last(x)
         up = self.block[1]
-        x = up.forward_channels_last(x) if stream is None else stream.conv_transpose_channels_last(up, x)
+        x = up.forward_channels_last(x) if stream is None else stream.conv_transpose(up, x, channels_last=True)
         for unit in self.block[2:]:
             x = unit.forward_channels_last(x, stream)
         return x

@@ -166,11 +166,17 @@ class StreamStep:
         out, self.updated[conv] = conv.forward_stream(x, self.histories[conv], self.valid)
         return out
 
-    def conv_transpose(self, conv: CausalConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    def conv_transpose(self, conv: CausalConvTranspose1d, x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+        """``channels_last``: x and the result are [B, T, C] signals (the state keeps its [C, history] layout)."""
         if conv.history_size == 0:
-            out = conv(x)
+            out = conv.forward_channels_last(x) if channels_last else conv(x)
         else:
-            out, self.updated[conv] = conv.forward_stream(x, self.histories[conv], self.valid, self.starting)
+            history = self.histories[conv]
+            out, last = conv.forward_stream(
+                x, history.transpose(1, 2) if channels_last else history, self.valid, self.starting,
+                channels_last=channels_last,
+            )
+            self.updated[conv] = last.transpose(1, 2) if channels_last else last
         self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
         return out
 
@@ -186,17 +192,6 @@ class StreamStep:
         so the large ``extended`` is freed (and its memory reused) as soon as the convolution is done."""
         kept = slide_window(extended, self.valid, conv.history_size, dim=1)
         self.updated[conv] = (kept.clone() if isinstance(self.valid, int) else kept).transpose(1, 2)
-
-    def conv_transpose_channels_last(self, conv: CausalConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
-        if conv.history_size == 0:
-            out = conv.forward_channels_last(x)
-        else:
-            out, last = conv.forward_stream(
-                x, self.histories[conv].transpose(1, 2), self.valid, self.starting, channels_last=True
-            )
-            self.updated[conv] = last.transpose(1, 2)
-        self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
-        return out
 
 
 class Code2WavStreamer:
