@@ -4,10 +4,11 @@
    Rows are (token, slot) pairs sorted by expert, as SparseMoE runs them. Prints CPU time per call of both
    paths and checks they give the same bits (the measurement behind the grouped default in
    omnistage/models/layers/moe.py).
-2. MoE layers by token count (a stack of them, weights streamed from memory) with the ``fast`` packed
-   weights: the sparse path (a packed GEMM per expert with rows) vs the dense path (every expert over every
-   row in two GEMMs), next to the default kernels' grouped GEMM; which path serves by default; the largest
-   difference to the default kernels' output (the measurement behind the dense path's row limits).
+2. MoE layers by token count (a stack of them, weights streamed from memory) with the ``fast`` option: a
+   oneDNN-packed GEMM per expert with rows (the layout without the expert kernel) vs the expert kernel
+   (``omnistage/models/layers/expert_kernel.py``), next to the default kernels' grouped GEMM; which one serves
+   by default; the largest difference to the default kernels' output (the measurement behind the kernel's
+   bfloat16 row limit).
 
     python -m benchmarks.moe_kernels --threads 2 --dtype bfloat16
 """
@@ -15,7 +16,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -57,18 +60,43 @@ def stacked_gemms(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Gener
             print(f"{name:>14} {rows:>5} {loop * 1e3:>8.2f} {grouped * 1e3:>10.2f} {str(same):>9}", flush=True)
 
 
+@contextmanager
+def expert_kernel_off():
+    old = os.environ.get("OMNISTAGE_EXPERT_KERNEL")
+    os.environ["OMNISTAGE_EXPERT_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["OMNISTAGE_EXPERT_KERNEL"]
+        else:
+            os.environ["OMNISTAGE_EXPERT_KERNEL"] = old
+
+
+def fast_copies(reference: list[SparseMoE], hidden: int, inter: int, dtype: torch.dtype, kernel: bool) -> list:
+    """The ``fast`` option's layers with ``reference``'s weights; ``kernel=False``: without the expert kernel."""
+    layers = []
+    for ref in reference:
+        layer = SparseMoE(hidden, inter, 16, 4, True).to(dtype)
+        layer.load_state_dict(ref.state_dict())
+        if kernel:
+            layers.append(fast_kernels(layer, True))
+        else:
+            with expert_kernel_off():
+                layers.append(fast_kernels(layer, True))
+    return layers
+
+
 def moe_layers(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generator) -> None:
     # A stack of layers, each with its own weights, run one after another: their weights stream from memory as
     # in a decoder step (one layer's weights alone would stay in the cache between timed calls).
-    print(f"{'MoE layer':>14} {'tokens':>6} {'default ms':>10} {'fast sparse':>11} {'fast dense':>10} "
+    print(f"{'MoE layer':>14} {'tokens':>6} {'default ms':>10} {'oneDNN/expert':>13} {'kernel':>7} "
           f"{'served by':>9} {'max diff':>9}   (ms per layer, a stack of {args.layers})")
     for name, hidden, inter in SIZES:
         reference = [seeded(SparseMoE(hidden, inter, 16, 4, True), gen, dtype) for _ in range(args.layers)]
-        fast = []
-        for ref in reference:
-            layer = SparseMoE(hidden, inter, 16, 4, True).to(dtype)
-            layer.load_state_dict(ref.state_dict())
-            fast.append(fast_kernels(layer, True))
+
+        per_expert = fast_copies(reference, hidden, inter, dtype, kernel=False)
+        fast = fast_copies(reference, hidden, inter, dtype, kernel=True)
 
         def stack(layers: list[SparseMoE], x: torch.Tensor, **kwargs) -> torch.Tensor:
             for layer in layers:
@@ -79,13 +107,13 @@ def moe_layers(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Generato
             x = torch.randn(tokens, hidden, generator=gen).to(dtype)
             with torch.inference_mode():
                 default = cpu_time(args.repeats, stack, reference, x) / args.layers
-                sparse = cpu_time(args.repeats, stack, fast, x, dense=False) / args.layers
-                dense = "-"
-                if fast[0].experts.serves_dense(x):
-                    dense = f"{cpu_time(args.repeats, stack, fast, x, dense=True) / args.layers * 1e3:.2f}"
-                picked = "dense" if fast[0].uses_dense(x) else "sparse"
+                onednn = cpu_time(args.repeats, stack, per_expert, x) / args.layers
+                kernel = "-"
+                if fast[0].experts.panels is not None:
+                    kernel = f"{cpu_time(args.repeats, stack, fast, x, kernel=True) / args.layers * 1e3:.2f}"
+                picked = "kernel" if fast[0].uses_kernel(x) else "oneDNN"
                 diff = (fast[0](x) - reference[0](x)).abs().max().item()
-            print(f"{name:>14} {tokens:>6} {default * 1e3:>10.2f} {sparse * 1e3:>11.2f} {dense:>10} {picked:>9} "
+            print(f"{name:>14} {tokens:>6} {default * 1e3:>10.2f} {onednn * 1e3:>13.2f} {kernel:>7} {picked:>9} "
                   f"{diff:>9.1e}", flush=True)
 
 

@@ -5,16 +5,20 @@ sampling, and a sampled request's codes do not depend on its batch mates."""
 
 from __future__ import annotations
 
+import shutil
+import sysconfig
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from omnistage.models.layers import expert_kernel
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
 from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
 from omnistage.models.layers.mlp import GatedMLP
-from omnistage.models.layers.moe import DENSE_MAX_ROWS, SparseMoE
+from omnistage.models.layers.moe import KERNEL_MAX_ROWS_PER_EXPERT, SparseMoE
 from omnistage.models.qwen3_omni.code_predictor import (
     CodePredictor,
     CodePredictorConfig,
@@ -187,7 +191,9 @@ def test_packed_weights_replace_the_unpacked_ones_and_compute_the_same_products(
     want_moe, want_mlp = moe(x), mlp(x)
     assert fast_kernels(moe, False) is moe and not any(isinstance(m, PackedLinear) for m in moe.modules())
     fast_kernels(moe, True), fast_kernels(mlp, True)
-    assert moe.experts.packed is not None and isinstance(mlp.gate_up_proj, PackedLinear)
+    # float32 experts: the expert kernel's panels are their one copy (oneDNN per expert where it cannot build).
+    assert (moe.experts.panels is not None) == expert_kernel.available()
+    assert (moe.experts.packed is None) == expert_kernel.available() and isinstance(mlp.gate_up_proj, PackedLinear)
     assert moe.experts.gate_up_proj.numel() == moe.experts.down_proj.numel() == 0
     assert mlp.gate_up_proj.weight.numel() == 0 and mlp.gate_up_proj.weight.dtype == torch.float32
     assert (moe(x) - want_moe).abs().max().item() <= 1e-5
@@ -203,34 +209,49 @@ def test_packed_weights_replace_the_unpacked_ones_and_compute_the_same_products(
     assert type(tied["head"]) is torch.nn.Linear and tied["embed"].weight.shape == (10, 16)
 
 
-@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+def _has_compiler() -> bool:
+    return shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) is not None
+
+
+@pytest.mark.skipif(not _has_compiler(), reason="no C compiler to build the expert kernel")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @torch.inference_mode()
-def test_dense_expert_path_serves_decode_batches_and_equals_the_sparse_one(dtype, tol):
-    """The ``fast`` dense expert path (every expert over every row, unselected ones weighted 0): where it is
-    packed (experts at most 4x top-k) it serves batches whose rows cover the experts, up to the dtype's row
-    limit, and computes what the per-expert path computes, rows routed differently included."""
+def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(dtype, tol):
+    """The ``fast`` expert kernel: builds here; computes what the per-expert GEMMs compute (hidden and
+    intermediate sizes off its panel widths, padded); serves every batch in float32 and up to its rows-per-expert
+    limit in bfloat16 (the per-expert packed copy serves more); gives a row the same bits whatever its batch mates
+    and the thread count; takes empty batches."""
+    assert expert_kernel.available()
     moe = _seeded(SparseMoE(16, 24, num_experts=6, top_k=2, norm_topk_prob=True, shared_expert_intermediate_size=8))
     moe = moe.to(dtype)
-    many = _seeded(SparseMoE(16, 24, num_experts=12, top_k=2, norm_topk_prob=False)).to(dtype)
     g = torch.Generator().manual_seed(11)
-    xs = {n: torch.randn(n, 16, generator=g).to(dtype) for n in (1, 3, 9, DENSE_MAX_ROWS[dtype] + 1)}
+    xs = {n: torch.randn(n, 16, generator=g).to(dtype) for n in (1, 3, 9, 40, 200)}
     want = {n: moe(x) for n, x in xs.items()}
-    fast_kernels(moe, True), fast_kernels(many, True)
-    assert moe.experts.packed_dense is not None and many.experts.packed_dense is None  # 12 > 4 * 2
+    fast_kernels(moe, True)
+    assert moe.experts.panels is not None and (moe.experts.packed is not None) == (dtype == torch.bfloat16)
     calls = []
-    dense_call = moe.experts.weighted_dense
-    moe.experts.weighted_dense = lambda *a: calls.append(a[0].shape[0]) or dense_call(*a)
+    kernel_call = moe.experts.kernel
+    moe.experts.kernel = lambda x, *a: calls.append(x.shape[0]) or kernel_call(x, *a)
     for n, x in xs.items():
         got = moe(x)
         assert (got - want[n]).abs().max().item() <= tol * max(1.0, want[n].abs().max().item()), n
-        assert (moe(x, dense=True) - moe(x, dense=False)).abs().max().item() <= tol * max(1.0, got.abs().max().item())
-    assert moe.route(xs[9])[1].unique().numel() > 2  # rows really pick different experts
-    # Chosen by default for 3 rows (x top-2 cover the 6 experts) and 9, not for 1 row or the limit + 1;
-    # every size when forced.
-    assert calls == [1, 3, 3, 9, 9, DENSE_MAX_ROWS[dtype] + 1]
-    with pytest.raises(RuntimeError, match="dense"):
-        many(xs[9], dense=True)
+    assert moe.route(xs[40])[1].unique().numel() == 6  # rows really spread over the experts
+    limit = KERNEL_MAX_ROWS_PER_EXPERT.get(dtype)
+    assert calls == [n for n in xs if limit is None or n * 2 <= limit * 6]
+    if dtype == torch.bfloat16:  # above the limit: the per-expert GEMMs, close to the kernel
+        assert (moe(xs[200], kernel=True) - moe(xs[200])).abs().max().item() <= tol * 10
+    else:
+        with pytest.raises(RuntimeError, match="expert kernel only"):
+            moe(xs[9], kernel=False)
+    batch = moe(xs[40], kernel=True)
+    assert all(torch.equal(batch[i : i + 1], moe(xs[40][i : i + 1], kernel=True)) for i in (0, 17, 39))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(moe(xs[40], kernel=True), batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert moe(xs[1][:0], kernel=True).shape == (0, 16)
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")

@@ -4,21 +4,21 @@ Expert weights are stacked (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_
 layout transformers keeps in memory) but load and save under the checkpoint's per-expert names
 (``experts.N.gate_proj.weight`` ...; see ``fused.py``). Rows are sorted by expert once; each expert's rows
 go through its gate/up and down GEMMs, as one grouped GEMM for all experts (``torch._grouped_mm``: no host
-sync, one call) or as a loop of per-expert GEMMs (the packed-weight ``fast`` path). Both give the same bits;
+sync, one call) or as a loop of per-expert GEMMs (oneDNN-packed weights under ``fast`` without its kernel). Both give the same bits;
 on CPU their speed is within a few percent of each other from decode to prefill row counts
 (``benchmarks/moe_kernels.py``), so the grouped call is used wherever it exists. Slot outputs are weighted
 and summed per token in top-k order, as transformers' grouped-GEMM path does.
 
-The ``fast`` option adds a dense path for decode-sized batches when experts are few per routed slot
-(``num_experts <= 4 * top_k``): a few rows spread over most experts make many GEMMs of 1-4 rows, which
-stream their weights at a fraction of the machine's bandwidth. Instead every expert runs over every row as
-two GEMMs on all experts' weights packed side by side (gate/up ``[E * 2I, H]``, down ``[H, E * I]``), each
-row's unselected experts weighted 0 before the down projection, so the down GEMM also sums the selected
-experts (measured on 2 threads of an AMD EPYC, a stack of the small preset's Talker layers, 16 rows, 16
-experts, top-4: 1.5x faster in float32, 1.9x in bfloat16; ``benchmarks/moe_kernels.py``). It costs
-``num_experts / top_k`` times the FLOPs, which is why it serves only batches of at most ``DENSE_MAX_ROWS``
-rows that cover most experts, and a second packed copy of the experts' weights (the per-expert copy serves
-prefill). Its rounding differs from the sparse path's.
+The ``fast`` option (CPU, float32/bfloat16) serves the routed experts with one call per layer of its own
+kernel (``expert_kernel.py``): it reads each expert's weights once per call while all of the expert's rows take
+their dot products, where GEMM libraries stream a few rows' weights at a fraction of the read bandwidth and
+cost a call per expert (measured on 2 threads of an AMD EPYC, stacks of the small preset's layers, 16 rows,
+16 experts, top-4: 1.6x faster than the dense two-GEMM path it replaced and 2.1-2.6x faster than a packed
+oneDNN GEMM per expert in float32; ``benchmarks/moe_kernels.py``). In float32 it also beats the per-expert
+GEMMs at prefill row counts, so its panel layout is the only copy of the weights; in bfloat16 oneDNN's
+bfloat16 dot products win from about 16 rows per expert, so bfloat16 keeps the per-expert packed copy for those
+batches. Its rounding differs from the GEMMs' (other summation order). Without a C compiler the kernel is
+unavailable and the ``fast`` option packs a oneDNN GEMM per expert instead.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers import expert_kernel
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.mlp import GatedMLP, swiglu
@@ -36,23 +37,19 @@ def _grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-# Dense path limits (``fast``): the FLOP factor it may spend, and the largest batch it serves per dtype. Measured
-# on a stack of the small preset's layers (weights streamed from memory, not cache-hot), 2 threads: in float32
-# dense was faster up to 16 rows for both the Thinker's and the Talker's experts, slower for the Thinker's
-# at 24; in bfloat16 faster up to 32 rows for both, slower for the Thinker's at 48.
-DENSE_MAX_FLOP_FACTOR = 4
-DENSE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+# Largest average rows per expert the kernel serves in bfloat16 (beyond it, oneDNN's bfloat16 dot products on
+# the per-expert packed copy are faster: measured on stacks of the small preset's layers, 2 threads, even at 16
+# rows per expert, 1.2-1.6x slower for the kernel at 64). float32 has no limit: the kernel was faster at every
+# row count measured (up to 64 rows per expert).
+KERNEL_MAX_ROWS_PER_EXPERT = {torch.bfloat16: 16}
 
 
 class StackedExperts(nn.Module):
     """All experts' SwiGLU weights in two 3-D tensors; ``forward`` runs expert-sorted rows through them."""
 
-    def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dense_packing: bool = False
-    ) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.dense_packing = dense_packing
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -62,47 +59,43 @@ class StackedExperts(nn.Module):
             for part in ((f"{e}.gate_proj.weight", (e, slice(0, i))), (f"{e}.up_proj.weight", (e, slice(i, 2 * i))))
         ])
         fuse_parts(self, "down_proj", [(f"{e}.down_proj.weight", (e,)) for e in range(num_experts)])
-        # Per-expert oneDNN-packed weights (gate_up, down) once ``pack_weights`` ran (the ``fast`` option),
-        # and with ``dense_packing`` all experts' weights side by side (gate_up [E*2I, H], down [H, E*I]).
+        # The fast option's copies: the expert kernel's panels (``expert_kernel.pack``), and per-expert
+        # oneDNN-packed (gate_up, down) where the kernel is unavailable or (bfloat16) for many rows per expert.
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.packed_dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def pack_weights(self, batch_hint: int) -> int:
-        """Pack every expert's two weights for oneDNN (see fast_linear.py), and with ``dense_packing`` the
-        side-by-side copies too; returns how many were packed."""
-        if not can_pack(self.gate_up_proj):
+        """The ``fast`` option's layouts (see the module docstring); returns how many weight copies were made.
+        The unpacked weights are released."""
+        weight = self.gate_up_proj
+        use_kernel = expert_kernel.supports(weight) and expert_kernel.available()
+        per_expert = can_pack(weight) and (not use_kernel or weight.dtype in KERNEL_MAX_ROWS_PER_EXPERT)
+        if not (use_kernel or per_expert):
             return 0
-        self.packed = [
-            (pack_weight(self.gate_up_proj[e], batch_hint), pack_weight(self.down_proj[e], batch_hint))
-            for e in range(self.num_experts)
-        ]
-        if self.dense_packing:
-            hidden = self.gate_up_proj.shape[-1]
-            self.packed_dense = (
-                pack_weight(self.gate_up_proj.reshape(-1, hidden), batch_hint),
-                pack_weight(self.down_proj.permute(1, 0, 2).reshape(hidden, -1), batch_hint),
-            )
+        if use_kernel:
+            self.panels = expert_kernel.pack(self.gate_up_proj.detach(), self.down_proj.detach())
+        if per_expert:
+            self.packed = [
+                (pack_weight(self.gate_up_proj[e], batch_hint), pack_weight(self.down_proj[e], batch_hint))
+                for e in range(self.num_experts)
+            ]
         release_weight(self, "gate_up_proj")
         release_weight(self, "down_proj")
-        return 2 * len(self.packed) + (2 if self.packed_dense is not None else 0)
+        return (2 if self.panels is not None else 0) + (2 * len(self.packed) if self.packed is not None else 0)
 
-    def serves_dense(self, x: torch.Tensor) -> bool:
-        """Whether ``weighted_dense`` may serve these rows (packed side by side, batch within its limit)."""
-        return (
-            self.packed_dense is not None
-            and x.dtype == self.gate_up_proj.dtype
-            and x.shape[0] <= DENSE_MAX_ROWS.get(x.dtype, 0)
-        )
+    def serves_kernel(self, x: torch.Tensor, top_k: int) -> bool:
+        """Whether the expert kernel may serve rows ``x`` [N, H] selecting ``top_k`` experts each."""
+        if self.panels is None or x.dtype != self.panels[0].dtype or x.device.type != "cpu":
+            return False
+        limit = KERNEL_MAX_ROWS_PER_EXPERT.get(x.dtype)
+        return self.packed is None or limit is None or x.shape[0] * top_k <= limit * self.num_experts
 
-    def weighted_dense(self, x: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
-        """x: [N, H], expert_weights: [N, E] (0 for an expert a row did not select) -> [N, H]: every expert
-        over every row, weighted and summed over experts by the down GEMM itself."""
-        if self.packed_dense is None:
-            raise RuntimeError("the dense expert path needs the fast option's side-by-side packed weights")
-        gate_up, down = self.packed_dense
-        n = x.shape[0]
-        h = self._swiglu(packed_linear(x, gate_up).view(n, self.num_experts, -1)) * expert_weights[..., None]
-        return packed_linear(h.view(n, -1), down)
+    def kernel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids / weights [N, k] (routing) -> [N, H]: the selected experts' outputs, weighted and summed
+        per row in slot order, by the expert kernel."""
+        if self.panels is None:
+            raise RuntimeError("the expert kernel needs the fast option's panel layout (fast=True, on the CPU)")
+        return expert_kernel.moe_experts(x, ids, weights, self.panels)
 
     def _expert(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
         if self.packed is not None and x.dtype == self.gate_up_proj.dtype:
@@ -119,6 +112,9 @@ class StackedExperts(nn.Module):
         ``grouped``: one grouped GEMM (True) or a loop over experts with rows (False); default: grouped where
         the op exists (CPU; CUDA's needs bfloat16 on recent GPUs), unless the weights are packed (``fast``).
         """
+        if self.packed is None and self.panels is not None:
+            raise RuntimeError("these experts' weights are packed for the expert kernel only (the fast option): "
+                               "SparseMoE serves them with kernel=True")
         if grouped is None:
             grouped = _grouped_mm_available() and not x.is_cuda and self.packed is None
         if grouped:
@@ -157,18 +153,16 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        dense_packing = num_experts <= DENSE_MAX_FLOP_FACTOR * top_k
-        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size, dense_packing)
+        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size > 0:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def uses_dense(self, x: torch.Tensor) -> bool:
-        """Whether rows ``x`` [N, H] take the ``fast`` dense path by default: enough rows to select most experts
-        (each picks top_k) and few enough for the dense GEMMs to pay."""
-        return x.shape[0] * self.top_k >= self.num_experts and self.experts.serves_dense(x)
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        """Whether rows ``x`` [N, H] take the ``fast`` expert kernel by default."""
+        return self.experts.serves_kernel(x, self.top_k)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, H] -> (weights [N, k] in x.dtype, expert ids [N, k]). Softmax in float32, then top-k."""
@@ -179,24 +173,23 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(
-        self, x: torch.Tensor, static: bool | None = None, grouped: bool | None = None, dense: bool | None = None
+        self, x: torch.Tensor, static: bool | None = None, grouped: bool | None = None, kernel: bool | None = None
     ) -> torch.Tensor:
         """``static``: route without reading anything back to the host (every expert runs over every row,
         unselected rows weighted 0) — what CUDA graph capture needs. Default: only while capturing.
         ``grouped``: force the grouped-GEMM (True) or per-expert loop (False) sparse path (tests).
-        ``dense``: force (True) or forbid (False) the ``fast`` dense path; default: where it pays (see above)."""
+        ``kernel``: force (True) or forbid (False) the ``fast`` expert kernel; default: where it serves (above)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         if static is None:
             static = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if dense is None:
-            dense = grouped is None and self.uses_dense(x)
+        if kernel is None:
+            kernel = grouped is None and not static and self.uses_kernel(x)
         if static:
             out = self._static_experts(x, weights, ids)
-        elif dense:
-            expert_weights = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-            out = self.experts.weighted_dense(x, expert_weights.scatter_(1, ids, weights))
+        elif kernel:
+            out = self.experts.kernel(x, ids, weights)
         else:
             out = self._sparse_experts(x, weights, ids, grouped)
         if self.shared_expert is not None:

@@ -1,0 +1,223 @@
+/* Routed SwiGLU experts on the CPU for batches of any size, reading each expert's weights once per call.
+ *
+ * Built at first use for the host CPU (see expert_kernel.py). One call serves a whole MoE layer:
+ *   1. the (token, slot) selections are sorted by expert (a stable counting sort);
+ *   2. gate/up: for each panel of 16 intermediate columns (gate and up side by side, [H][32] per panel),
+ *      every expert's rows take their dot products in registers, R rows at a time, then SwiGLU;
+ *   3. down: for each panel of 32 hidden columns ([I][32]), every expert's rows, weighted by their routing
+ *      weight, then each token's slots summed in top-k order.
+ * Threads split the panels of each phase (one barrier between the phases), so every thread streams its own
+ * share of every expert's weights and no two threads write the same output.
+ *
+ * Why: a decode batch gives each expert a few rows; GEMM libraries then stream the weights at a fraction of
+ * the read bandwidth and pay a call per expert. Here the cost is the weights' bytes at a few rows, and the
+ * FMA units' peak (R rows x 32 columns of accumulators per weight load) at many.
+ *
+ * Weights: float32 or bfloat16 (raw 16-bit words, widened exactly); activations and sums in float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t h16u __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+
+#if defined(__AVX512F__)
+#define ROWS 8 /* 32 vector registers: 2 x 8 accumulators, 2 weight vectors, a broadcast */
+#else
+#define ROWS 3 /* 16 (AVX2) registers; each 16-float vector is two of them */
+#endif
+
+static inline v16 load_f32(const float *p) { return *(const v16u *)p; }
+
+static inline v16 load_bf16(const uint16_t *p) {
+    u16v wide = __builtin_convertvector(*(const h16u *)p, u16v) << 16;
+    return (v16)wide;
+}
+
+static inline void store_f32(float *p, v16 v) { *(v16u *)p = v; }
+
+static inline void store_bf16(uint16_t *p, v16 v) {
+    u16v bits = (u16v)v;
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16; /* round to nearest even (finite values) */
+    *(h16u *)p = __builtin_convertvector(bits, h16u);
+}
+
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* Stable counting sort of the T*K selections by expert: order[j] = flat (token * K + slot) index, expert e's
+ * selections at order[starts[e] .. starts[e + 1]). */
+static void sort_selections(int64_t n, int64_t E, const int64_t *ids, int64_t *order, int64_t *starts) {
+    memset(starts, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t s = 0; s < n; s++) starts[ids[s] + 1]++;
+    for (int64_t e = 0; e < E; e++) starts[e + 1] += starts[e];
+    int64_t *next = starts + E + 1; /* E more slots of scratch */
+    memcpy(next, starts, (size_t)E * sizeof(int64_t));
+    for (int64_t s = 0; s < n; s++) order[next[ids[s]]++] = s;
+}
+
+static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* One kernel per weight type: WT the stored element, LOAD widens 16 of them to float32. */
+#define DEFINE_KERNELS(SUFFIX, WT, LOAD)                                                                     \
+    /* gate/up of `rows` (<= ROWS) selections over one panel: w [H][32] (16 gate, 16 up columns). */         \
+    static inline __attribute__((always_inline)) void gate_up_tile_##SUFFIX(                                 \
+        const int rows, int64_t H, const float *const *x, const WT *w, float *const *h) {                    \
+        v16 g[ROWS], u[ROWS];                                                                               \
+        for (int r = 0; r < rows; r++) g[r] = u[r] = splat(0.0f);                                           \
+        for (int64_t k = 0; k < H; k++) {                                                                   \
+            const v16 wg = LOAD(w + k * 32), wu = LOAD(w + k * 32 + 16);                                    \
+            for (int r = 0; r < rows; r++) {                                                                \
+                const v16 xb = splat(x[r][k]);                                                              \
+                g[r] += xb * wg;                                                                            \
+                u[r] += xb * wu;                                                                            \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < rows; r++) {                                                                    \
+            float gs[16], us[16];                                                                           \
+            store_f32(gs, g[r]);                                                                            \
+            store_f32(us, u[r]);                                                                            \
+            for (int c = 0; c < 16; c++) h[r][c] = silu_times(gs[c], us[c]);                                 \
+        }                                                                                                   \
+    }                                                                                                       \
+    /* down of `rows` selections over one panel of 32 hidden columns: w [I][32]; y[r] = weight * sums. */    \
+    static inline __attribute__((always_inline)) void down_tile_##SUFFIX(                                    \
+        const int rows, int64_t I, const float *const *h, const WT *w, const float *weight, float *const *y) { \
+        v16 a[ROWS], b[ROWS];                                                                               \
+        for (int r = 0; r < rows; r++) a[r] = b[r] = splat(0.0f);                                           \
+        for (int64_t k = 0; k < I; k++) {                                                                   \
+            const v16 wa = LOAD(w + k * 32), wb = LOAD(w + k * 32 + 16);                                    \
+            for (int r = 0; r < rows; r++) {                                                                \
+                const v16 hb = splat(h[r][k]);                                                              \
+                a[r] += hb * wa;                                                                            \
+                b[r] += hb * wb;                                                                            \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < rows; r++) {                                                                    \
+            store_f32(y[r], a[r] * splat(weight[r]));                                                       \
+            store_f32(y[r] + 16, b[r] * splat(weight[r]));                                                  \
+        }                                                                                                   \
+    }                                                                                                       \
+    static void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const float *const *x, const WT *w,          \
+                                       float *const *h) {                                                   \
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                       \
+            const int64_t n = rows - r0 < ROWS ? rows - r0 : ROWS;                                          \
+            switch (n) { /* constant row counts: accumulators stay in registers */                          \
+            case 1: gate_up_tile_##SUFFIX(1, H, x + r0, w, h + r0); break;                                  \
+            case 2: gate_up_tile_##SUFFIX(2, H, x + r0, w, h + r0); break;                                  \
+            case 3: gate_up_tile_##SUFFIX(3, H, x + r0, w, h + r0); break;                                  \
+            ROW_CASES_4_TO_8(gate_up_tile_##SUFFIX, (H, x + r0, w, h + r0))                                 \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    static void down_panel_##SUFFIX(int64_t rows, int64_t I, const float *const *h, const WT *w,             \
+                                    const float *weight, float *const *y) {                                 \
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                       \
+            const int64_t n = rows - r0 < ROWS ? rows - r0 : ROWS;                                          \
+            switch (n) {                                                                                    \
+            case 1: down_tile_##SUFFIX(1, I, h + r0, w, weight + r0, y + r0); break;                        \
+            case 2: down_tile_##SUFFIX(2, I, h + r0, w, weight + r0, y + r0); break;                        \
+            case 3: down_tile_##SUFFIX(3, I, h + r0, w, weight + r0, y + r0); break;                        \
+            ROW_CASES_4_TO_8(down_tile_##SUFFIX, (I, h + r0, w, weight + r0, y + r0))                       \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+#if ROWS == 8
+#define ROW_CASES_4_TO_8(f, args)                                                                           \
+    case 4: f(4, UNPACK args); break;                                                                       \
+    case 5: f(5, UNPACK args); break;                                                                       \
+    case 6: f(6, UNPACK args); break;                                                                       \
+    case 7: f(7, UNPACK args); break;                                                                       \
+    case 8: f(8, UNPACK args); break;
+#else
+#define ROW_CASES_4_TO_8(f, args)
+#endif
+#define UNPACK(...) __VA_ARGS__
+
+DEFINE_KERNELS(f32, float, load_f32)
+DEFINE_KERNELS(bf16, uint16_t, load_bf16)
+
+/* The layer, for one weight type.
+ *   x        [T, H] float32 rows
+ *   ids      [T, K] int64 selected experts; weights [T, K] float32 routing weights
+ *   w13      [E, I/16, H, 32] gate/up panels; w2 [E, HP/32, I, 32] down panels (I, HP: multiples of 16, 32;
+ *            padded with zero weights, so padded outputs and intermediates are 0)
+ *   out      [T, HP] float32 or bfloat16 (out_bf16)
+ *   h        [T*K, I] float32 scratch; y [threads, T*K, 32] float32 scratch
+ *   sort     [2*T*K + 2*E + 2] int64 scratch; ptrs [threads, 2*T*K] pointer scratch
+ */
+#define DEFINE_LAYER(SUFFIX, WT)                                                                             \
+    void moe_experts_##SUFFIX(int64_t T, int64_t K, int64_t E, int64_t H, int64_t HP, int64_t I,            \
+                              const float *x,                                                             \
+                              const int64_t *ids, const float *weights, const WT *w13, const WT *w2,        \
+                              void *out, int out_bf16, float *h, float *y, int64_t *sort, void **ptrs,      \
+                              int threads) {                                                               \
+        const int64_t n = T * K;                                                                           \
+        int64_t *order = sort, *starts = sort + n;                                                         \
+        sort_selections(n, E, ids, order, starts);                                                         \
+        const int64_t up_panels = I / 16, down_panels = HP / 32;                                            \
+        _Pragma("omp parallel num_threads(threads)") {                                                     \
+            int tid = 0;                                                                                   \
+            IF_OPENMP(tid = omp_get_thread_num();)                                                          \
+            const float **rows_in = (const float **)ptrs + (int64_t)tid * 2 * n;                            \
+            float **rows_out = (float **)ptrs + (int64_t)tid * 2 * n + n;                                   \
+            float *ys = y + (int64_t)tid * n * 32;                                                          \
+            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < up_panels; p++) {                   \
+                for (int64_t e = 0; e < E; e++) {                                                           \
+                    const int64_t first = starts[e], count = starts[e + 1] - first;                         \
+                    if (!count) continue;                                                                  \
+                    for (int64_t j = 0; j < count; j++) {                                                   \
+                        rows_in[j] = x + (order[first + j] / K) * H;                                        \
+                        rows_out[j] = h + (first + j) * I + p * 16;                                         \
+                    }                                                                                      \
+                    gate_up_panel_##SUFFIX(count, H, rows_in, w13 + ((e * up_panels + p) * H) * 32, rows_out); \
+                }                                                                                          \
+            }                                                                                              \
+            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < down_panels; p++) {                 \
+                for (int64_t e = 0; e < E; e++) {                                                           \
+                    const int64_t first = starts[e], count = starts[e + 1] - first;                         \
+                    if (!count) continue;                                                                  \
+                    float wsel[ROWS];                                                                      \
+                    for (int64_t j0 = 0; j0 < count; j0 += ROWS) {                                          \
+                        const int64_t m = count - j0 < ROWS ? count - j0 : ROWS;                            \
+                        for (int64_t j = 0; j < m; j++) {                                                   \
+                            const int64_t s = order[first + j0 + j];                                        \
+                            rows_in[j] = h + (first + j0 + j) * I;                                          \
+                            rows_out[j] = ys + s * 32;                                                      \
+                            wsel[j] = weights[s];                                                          \
+                        }                                                                                  \
+                        down_panel_##SUFFIX(m, I, rows_in, w2 + ((e * down_panels + p) * I) * 32, wsel, rows_out); \
+                    }                                                                                      \
+                }                                                                                          \
+                for (int64_t t = 0; t < T; t++) { /* each token's slots in top-k order */                  \
+                    v16 a = load_f32(ys + t * K * 32), b = load_f32(ys + t * K * 32 + 16);                  \
+                    for (int64_t k = 1; k < K; k++) {                                                       \
+                        a += load_f32(ys + (t * K + k) * 32);                                               \
+                        b += load_f32(ys + (t * K + k) * 32 + 16);                                          \
+                    }                                                                                      \
+                    if (out_bf16) {                                                                        \
+                        uint16_t *o = (uint16_t *)out + t * HP + p * 32;                                     \
+                        store_bf16(o, a);                                                                  \
+                        store_bf16(o + 16, b);                                                             \
+                    } else {                                                                               \
+                        float *o = (float *)out + t * HP + p * 32;                                           \
+                        store_f32(o, a);                                                                   \
+                        store_f32(o + 16, b);                                                              \
+                    }                                                                                      \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+#ifdef _OPENMP
+#include <omp.h>
+#define IF_OPENMP(code) code
+#else
+#define IF_OPENMP(code)
+#endif
+
+DEFINE_LAYER(f32, float)
+DEFINE_LAYER(bf16, uint16_t)
