@@ -15,9 +15,10 @@ their dot products, where GEMM libraries stream a few rows' weights at a fractio
 cost a call per expert (measured on 2 threads of an AMD EPYC, stacks of the small preset's layers, 16 rows,
 16 experts, top-4: 1.6x faster than the dense two-GEMM path it replaced and 2.1-2.6x faster than a packed
 oneDNN GEMM per expert in float32; ``benchmarks/moe_kernels.py``). In float32 it also beats the per-expert
-GEMMs at prefill row counts, so its panel layout is the only copy of the weights; in bfloat16 oneDNN's
-bfloat16 dot products win from about 16 rows per expert, so bfloat16 keeps the per-expert packed copy for those
-batches. Its rounding differs from the GEMMs' (other summation order). Without a C compiler the kernel is
+GEMMs at prefill row counts, and so does bfloat16 on CPUs with AVX512-BF16 dot products, so its panel layout
+is the only copy of the weights. Without those dot products the kernel widens bfloat16 weights to float32 and
+oneDNN wins from about 16 rows per expert: there the per-expert packed copy serves the larger batches. Its
+rounding differs from the GEMMs' (other summation order). Without a C compiler the kernel is
 unavailable and the ``fast`` option packs a oneDNN GEMM per expert instead.
 """
 
@@ -37,11 +38,12 @@ def _grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-# Largest average rows per expert the kernel serves in bfloat16 (beyond it, oneDNN's bfloat16 dot products on
-# the per-expert packed copy are faster: measured on stacks of the small preset's layers, 2 threads, even at 16
-# rows per expert, 1.2-1.6x slower for the kernel at 64). float32 has no limit: the kernel was faster at every
-# row count measured (up to 64 rows per expert).
-KERNEL_MAX_ROWS_PER_EXPERT = {torch.bfloat16: 16}
+# Largest average rows per expert the kernel serves in bfloat16 on CPUs without AVX512-BF16 dot products (it
+# widens the weights to float32 there; measured with the widened variant on stacks of the small preset's layers,
+# 2 threads: even with oneDNN's per-expert GEMMs at 16 rows per expert, 1.2-1.6x slower at 64). Such CPUs keep
+# the per-expert packed copy for larger batches. float32 and the dot-product variant have no limit: faster or
+# equal at every row count measured (1-2048 tokens x top-4 over 16 experts).
+WIDENED_BF16_MAX_ROWS_PER_EXPERT = 16
 
 
 class StackedExperts(nn.Module):
@@ -60,7 +62,7 @@ class StackedExperts(nn.Module):
         ])
         fuse_parts(self, "down_proj", [(f"{e}.down_proj.weight", (e,)) for e in range(num_experts)])
         # The fast option's copies: the expert kernel's panels (``expert_kernel.pack``), and per-expert
-        # oneDNN-packed (gate_up, down) where the kernel is unavailable or (bfloat16) for many rows per expert.
+        # oneDNN-packed (gate_up, down) where the kernel is unavailable or (widened bfloat16) for large batches.
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -69,7 +71,8 @@ class StackedExperts(nn.Module):
         The unpacked weights are released."""
         weight = self.gate_up_proj
         use_kernel = expert_kernel.supports(weight) and expert_kernel.available()
-        per_expert = can_pack(weight) and (not use_kernel or weight.dtype in KERNEL_MAX_ROWS_PER_EXPERT)
+        per_expert = can_pack(weight) and not (
+            use_kernel and expert_kernel.serves_any_batch(weight.dtype, weight.shape[-1]))
         if not (use_kernel or per_expert):
             return 0
         if use_kernel:
@@ -87,8 +90,7 @@ class StackedExperts(nn.Module):
         """Whether the expert kernel may serve rows ``x`` [N, H] selecting ``top_k`` experts each."""
         if self.panels is None or x.dtype != self.panels[0].dtype or x.device.type != "cpu":
             return False
-        limit = KERNEL_MAX_ROWS_PER_EXPERT.get(x.dtype)
-        return self.packed is None or limit is None or x.shape[0] * top_k <= limit * self.num_experts
+        return self.packed is None or x.shape[0] * top_k <= WIDENED_BF16_MAX_ROWS_PER_EXPERT * self.num_experts
 
     def kernel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids / weights [N, k] (routing) -> [N, H]: the selected experts' outputs, weighted and summed

@@ -100,31 +100,9 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
             store_f32(y[r] + 16, b[r] * splat(weight[r]));                                                  \
         }                                                                                                   \
     }                                                                                                       \
-    static void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const float *const *x, const WT *w,          \
-                                       float *const *h) {                                                   \
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                       \
-            const int64_t n = rows - r0 < ROWS ? rows - r0 : ROWS;                                          \
-            switch (n) { /* constant row counts: accumulators stay in registers */                          \
-            case 1: gate_up_tile_##SUFFIX(1, H, x + r0, w, h + r0); break;                                  \
-            case 2: gate_up_tile_##SUFFIX(2, H, x + r0, w, h + r0); break;                                  \
-            case 3: gate_up_tile_##SUFFIX(3, H, x + r0, w, h + r0); break;                                  \
-            ROW_CASES_4_TO_8(gate_up_tile_##SUFFIX, (H, x + r0, w, h + r0))                                 \
-            }                                                                                               \
-        }                                                                                                   \
-    }                                                                                                       \
-    static void down_panel_##SUFFIX(int64_t rows, int64_t I, const float *const *h, const WT *w,             \
-                                    const float *weight, float *const *y) {                                 \
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                       \
-            const int64_t n = rows - r0 < ROWS ? rows - r0 : ROWS;                                          \
-            switch (n) {                                                                                    \
-            case 1: down_tile_##SUFFIX(1, I, h + r0, w, weight + r0, y + r0); break;                        \
-            case 2: down_tile_##SUFFIX(2, I, h + r0, w, weight + r0, y + r0); break;                        \
-            case 3: down_tile_##SUFFIX(3, I, h + r0, w, weight + r0, y + r0); break;                        \
-            ROW_CASES_4_TO_8(down_tile_##SUFFIX, (I, h + r0, w, weight + r0, y + r0))                       \
-            }                                                                                               \
-        }                                                                                                   \
-    }
+    DEFINE_PANELS(SUFFIX, WT, float, float)
 
+/* Rows in tiles of ROWS, each tile a call with a constant row count (its accumulators stay in registers). */
 #if ROWS == 8
 #define ROW_CASES_4_TO_8(f, args)                                                                           \
     case 4: f(4, UNPACK args); break;                                                                       \
@@ -136,9 +114,86 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
 #define ROW_CASES_4_TO_8(f, args)
 #endif
 #define UNPACK(...) __VA_ARGS__
+#define ROW_TILES(rows, f, args)                                                                            \
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {                                                           \
+        switch (rows - r0 < ROWS ? rows - r0 : ROWS) {                                                      \
+        case 1: f(1, UNPACK args); break;                                                                   \
+        case 2: f(2, UNPACK args); break;                                                                   \
+        case 3: f(3, UNPACK args); break;                                                                   \
+        ROW_CASES_4_TO_8(f, args)                                                                           \
+        }                                                                                                   \
+    }
+/* A panel's rows: x / h rows of type XT / HT, weights WT. */
+#define DEFINE_PANELS(SUFFIX, WT, XT, HT)                                                                    \
+    static void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const XT *const *x, const WT *w,             \
+                                       HT *const *h) {                                                      \
+        ROW_TILES(rows, gate_up_tile_##SUFFIX, (H, x + r0, w, h + r0))                                      \
+    }                                                                                                       \
+    static void down_panel_##SUFFIX(int64_t rows, int64_t I, const HT *const *h, const WT *w,                \
+                                    const float *weight, float *const *y) {                                 \
+        ROW_TILES(rows, down_tile_##SUFFIX, (I, h + r0, w, weight + r0, y + r0))                            \
+    }
 
 DEFINE_KERNELS(f32, float, load_f32)
 DEFINE_KERNELS(bf16, uint16_t, load_bf16)
+
+#if defined(__AVX512BF16__)
+/* bfloat16 with AVX512-BF16 dot products (two products per float32 lane and instruction, no widening): rows
+ * and the SwiGLU intermediate in bfloat16 (as the reference keeps them), weights in pairs of hidden
+ * (intermediate) indices: a panel is [H/2][32 columns][2]. */
+#include <immintrin.h>
+
+static inline __m512i pair(const uint16_t *p) {
+    int32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    return _mm512_set1_epi32(bits);
+}
+
+static inline __m512 dot(__m512 acc, __m512i x, const uint16_t *w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_loadu_si512(w));
+}
+
+static inline __attribute__((always_inline)) void gate_up_tile_bf16dp(
+    const int rows, int64_t H, const uint16_t *const *x, const uint16_t *w, uint16_t *const *h) {
+    __m512 g[ROWS], u[ROWS];
+    for (int r = 0; r < rows; r++) g[r] = u[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < H; k += 2) {
+        const uint16_t *wk = w + k * 32;
+        for (int r = 0; r < rows; r++) {
+            const __m512i xb = pair(x[r] + k);
+            g[r] = dot(g[r], xb, wk);
+            u[r] = dot(u[r], xb, wk + 32);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float gs[16], us[16];
+        _mm512_storeu_ps(gs, g[r]);
+        _mm512_storeu_ps(us, u[r]);
+        for (int c = 0; c < 16; c++) gs[c] = silu_times(gs[c], us[c]);
+        store_bf16(h[r], load_f32(gs));
+    }
+}
+
+static inline __attribute__((always_inline)) void down_tile_bf16dp(
+    const int rows, int64_t I, const uint16_t *const *h, const uint16_t *w, const float *weight, float *const *y) {
+    __m512 a[ROWS], b[ROWS];
+    for (int r = 0; r < rows; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < I; k += 2) {
+        const uint16_t *wk = w + k * 32;
+        for (int r = 0; r < rows; r++) {
+            const __m512i hb = pair(h[r] + k);
+            a[r] = dot(a[r], hb, wk);
+            b[r] = dot(b[r], hb, wk + 32);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(y[r], a[r] * splat(weight[r]));
+        _mm512_storeu_ps(y[r] + 16, b[r] * splat(weight[r]));
+    }
+}
+
+DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
+#endif
 
 /* The layer, for one weight type.
  *   x        [T, H] float32 rows
@@ -149,11 +204,11 @@ DEFINE_KERNELS(bf16, uint16_t, load_bf16)
  *   h        [T*K, I] float32 scratch; y [threads, T*K, 32] float32 scratch
  *   sort     [2*T*K + 2*E + 2] int64 scratch; ptrs [threads, 2*T*K] pointer scratch
  */
-#define DEFINE_LAYER(SUFFIX, WT)                                                                             \
+#define DEFINE_LAYER(SUFFIX, WT, XT, HT)                                                                     \
     void moe_experts_##SUFFIX(int64_t T, int64_t K, int64_t E, int64_t H, int64_t HP, int64_t I,            \
-                              const float *x,                                                             \
+                              const XT *x,                                                                \
                               const int64_t *ids, const float *weights, const WT *w13, const WT *w2,        \
-                              void *out, int out_bf16, float *h, float *y, int64_t *sort, void **ptrs,      \
+                              void *out, int out_bf16, HT *h, float *y, int64_t *sort, void **ptrs,         \
                               int threads) {                                                               \
         const int64_t n = T * K;                                                                           \
         int64_t *order = sort, *starts = sort + n;                                                         \
@@ -162,18 +217,18 @@ DEFINE_KERNELS(bf16, uint16_t, load_bf16)
         _Pragma("omp parallel num_threads(threads)") {                                                     \
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
-            const float **rows_in = (const float **)ptrs + (int64_t)tid * 2 * n;                            \
-            float **rows_out = (float **)ptrs + (int64_t)tid * 2 * n + n;                                   \
+            void **rows_in = ptrs + (int64_t)tid * 2 * n, **rows_out = rows_in + n;                         \
             float *ys = y + (int64_t)tid * n * 32;                                                          \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < up_panels; p++) {                   \
                 for (int64_t e = 0; e < E; e++) {                                                           \
                     const int64_t first = starts[e], count = starts[e + 1] - first;                         \
                     if (!count) continue;                                                                  \
                     for (int64_t j = 0; j < count; j++) {                                                   \
-                        rows_in[j] = x + (order[first + j] / K) * H;                                        \
+                        rows_in[j] = (void *)(x + (order[first + j] / K) * H);                              \
                         rows_out[j] = h + (first + j) * I + p * 16;                                         \
                     }                                                                                      \
-                    gate_up_panel_##SUFFIX(count, H, rows_in, w13 + ((e * up_panels + p) * H) * 32, rows_out); \
+                    gate_up_panel_##SUFFIX(count, H, (const XT *const *)rows_in,                           \
+                                           w13 + ((e * up_panels + p) * H) * 32, (HT *const *)rows_out);   \
                 }                                                                                          \
             }                                                                                              \
             _Pragma("omp for schedule(static)") for (int64_t p = 0; p < down_panels; p++) {                 \
@@ -189,7 +244,8 @@ DEFINE_KERNELS(bf16, uint16_t, load_bf16)
                             rows_out[j] = ys + s * 32;                                                      \
                             wsel[j] = weights[s];                                                          \
                         }                                                                                  \
-                        down_panel_##SUFFIX(m, I, rows_in, w2 + ((e * down_panels + p) * I) * 32, wsel, rows_out); \
+                        down_panel_##SUFFIX(m, I, (const HT *const *)rows_in,                              \
+                                            w2 + ((e * down_panels + p) * I) * 32, wsel, (float *const *)rows_out); \
                     }                                                                                      \
                 }                                                                                          \
                 for (int64_t t = 0; t < T; t++) { /* each token's slots in top-k order */                  \
@@ -219,5 +275,8 @@ DEFINE_KERNELS(bf16, uint16_t, load_bf16)
 #define IF_OPENMP(code)
 #endif
 
-DEFINE_LAYER(f32, float)
-DEFINE_LAYER(bf16, uint16_t)
+DEFINE_LAYER(f32, float, float, float)
+DEFINE_LAYER(bf16, uint16_t, float, float)
+#if defined(__AVX512BF16__)
+DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
+#endif
