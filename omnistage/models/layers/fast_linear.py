@@ -1,11 +1,13 @@
-"""The ``fast`` kernel option: linear layers through oneDNN with weights packed once at load.
+"""The ``fast`` kernel option: linear layers on weights packed once at load.
 
 At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs each weight matrix on every
-call; oneDNN reading a weight already in its blocked layout streams it up to ~2x faster (measured on
-this machine's AMD EPYC at 1-2 threads, issue 10). The price in float32 is a different summation order than the default
-GEMM's (and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a
-different greedy token than the reference (the parity tests hold with it on every test checkpoint).
-In bfloat16 the default CPU GEMM already is oneDNN and packing gives the same bits.
+call. A weight packed once streams faster: in omnistage's panel layout (``panel_kernels``: float32, and
+bfloat16 on CPUs with AVX512-BF16 dot products; 1.2-2x faster than oneDNN at 1-16 rows, within a few percent at
+prefill sizes, measured on this machine's AMD EPYC at 2 threads), else in oneDNN's blocked layout (up to ~2x
+faster than the default GEMM). The price in float32 is a different summation order than the default GEMM's
+(and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a different
+greedy token than the reference (the parity tests hold with it on every test checkpoint). In bfloat16 the
+default CPU GEMM already is oneDNN, and oneDNN-packed weights give the same bits.
 
 ``pack_linear_weights(module)`` switches every ``nn.Linear`` (and every module with a ``pack_weights``
 method: stacked experts, the code predictor's heads) under ``module`` in place, for serving: each packed
@@ -21,6 +23,9 @@ from typing import TypeVar
 
 import torch
 from torch import nn
+
+from omnistage.models.layers import panel_kernels
+from omnistage.models.layers.panel_kernels import pack_bias, pack_linear, panel_linear
 
 # Row count the packed layout is tuned for (decode batches); any row count runs correctly.
 PACK_BATCH_HINT = 16
@@ -69,13 +74,19 @@ def _(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward reads ``packed_weight`` (built by ``pack_linear_weights``)."""
+    """An ``nn.Linear`` whose forward reads its weight packed by ``pack_linear_weights``: ``panels`` (with
+    ``panel_bias``) for ``panel_kernels.panel_linear``, else ``packed_weight`` for oneDNN."""
 
-    packed_weight: torch.Tensor
+    panels: torch.Tensor | None
+    panel_bias: torch.Tensor | None
+    packed_weight: torch.Tensor | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed_weight.dtype:  # the unpacked weight is gone: compute in the weight's dtype
-            return packed_linear(x.to(self.packed_weight.dtype), self.packed_weight, self.bias).to(x.dtype)
+        packed = self.panels if self.panels is not None else self.packed_weight
+        if x.dtype != packed.dtype:  # the unpacked weight is gone: compute in the weight's dtype
+            return self.forward(x.to(packed.dtype)).to(x.dtype)
+        if self.panels is not None:
+            return panel_linear(x, self.panels, self.panel_bias, self.out_features)
         return packed_linear(x, self.packed_weight, self.bias)
 
 
@@ -98,22 +109,36 @@ def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
 
 
 def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
-    """Switch every packable linear layer under ``module`` to packed oneDNN weights; returns how many.
+    """Switch every packable linear layer under ``module`` to packed weights (panels where
+    ``panel_kernels.supports_linear``, else oneDNN's layout); returns how many.
 
-    Call after the weights are loaded (a later load would leave the packed copies stale). No-op when oneDNN
-    is unavailable or the weights are not on the CPU in float32/bfloat16.
+    Call after the weights are loaded (a later load would leave the packed copies stale). No-op when neither
+    kernel is available or the weights are not on the CPU in float32/bfloat16.
     """
     count = 0
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     for sub in module.modules():
-        if type(sub) is nn.Linear and can_pack(sub.weight) and uses[id(sub.weight)] == 1:
-            sub.register_buffer("packed_weight", pack_weight(sub.weight, batch_hint), persistent=False)
-            sub.__class__ = PackedLinear
-            release_weight(sub, "weight")
+        if type(sub) is nn.Linear and uses[id(sub.weight)] == 1 and _pack_linear(sub, batch_hint):
             count += 1
         elif hasattr(sub, "pack_weights") and callable(sub.pack_weights):
             count += sub.pack_weights(batch_hint)
     return count
+
+
+def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
+    """Turn ``linear`` into a PackedLinear (its weight released); False where no kernel takes the weight."""
+    weight = linear.weight.detach()
+    panels = pack_linear(weight) if panel_kernels.supports_linear(weight) else None
+    if panels is None and not can_pack(weight):
+        return False
+    linear.register_buffer("panels", panels, persistent=False)
+    linear.register_buffer("panel_bias", None if panels is None else pack_bias(linear.bias, linear.out_features),
+                           persistent=False)
+    linear.register_buffer("packed_weight", None if panels is not None else pack_weight(weight, batch_hint),
+                           persistent=False)
+    linear.__class__ = PackedLinear
+    release_weight(linear, "weight")
+    return True
 
 
 M = TypeVar("M", bound=nn.Module)

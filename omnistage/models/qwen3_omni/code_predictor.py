@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
+from omnistage.models.layers import panel_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
@@ -233,8 +234,9 @@ class CodePredictor(nn.Module):
         self.model = CodePredictorModel(self.cfg)
         self.lm_head = StackedTables(self.num_code_groups - 1, self.cfg.vocab_size, self.cfg.decoder.hidden_size)
         self.top_k = min(RESIDUAL_TOP_K, self.cfg.vocab_size)
-        # The output heads in oneDNN's packed layout once ``pack_weights`` ran (the ``fast`` option).
-        self.packed_heads: list[torch.Tensor] | None = None
+        # The output heads packed once ``pack_weights`` ran (the ``fast`` option): stacked panels
+        # (``panel_kernels``) or a list of oneDNN-packed weights.
+        self.packed_heads: torch.Tensor | list[torch.Tensor] | None = None
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True,
@@ -246,23 +248,28 @@ class CodePredictor(nn.Module):
         return F.embedding(codes, self.model.codec_embedding.weight[group - 1])
 
     def pack_weights(self, batch_hint: int) -> int:
-        """The ``fast`` option: the output heads packed for oneDNN (``fast_linear``; the decoder's linears are
-        packed as ``nn.Linear``s) and the compiled frame free to fuse norms and activations its own way."""
-        if not can_pack(self.lm_head.weight):
+        """The ``fast`` option: the output heads packed (``fast_linear``'s choice of kernel; the decoder's linears
+        are packed as ``nn.Linear``s) and the compiled frame free to fuse norms and activations its own way."""
+        weight = self.lm_head.weight.detach()
+        if panel_kernels.supports_linear(weight[0]):
+            self.packed_heads = torch.stack([panel_kernels.pack_linear(w) for w in weight])
+        elif can_pack(weight):
+            self.packed_heads = [pack_weight(w, batch_hint) for w in weight]
+        else:
             return 0
-        self.packed_heads = [pack_weight(w, batch_hint) for w in self.lm_head.weight]
         release_weight(self.lm_head, "weight")
         self.frame_compiler.exact = False
-        return len(self.packed_heads)
+        return len(weight)
 
     def logits(self, hidden: torch.Tensor, group: int) -> torch.Tensor:
         """Logits for code group ``group`` (1..Q-1) from the predictor's last hidden row."""
-        if self.packed_heads is not None:
-            return self._head_logits(hidden, torch.tensor(group - 1))
-        return F.linear(hidden, self.lm_head.weight[group - 1])
+        return self._head_logits(
+            hidden, self.lm_head.weight[group - 1] if self.packed_heads is None else torch.tensor(group - 1))
 
     def _head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """``head``: a head's weight [V, H], or with packed heads a 0-d index into them (a scan walks either)."""
+        if isinstance(self.packed_heads, torch.Tensor):
+            return panel_kernels.panel_linear_at(hidden, self.packed_heads, head, self.cfg.vocab_size)
         if self.packed_heads is not None:
             return packed_linear_at(hidden, self.packed_heads, head)
         return F.linear(hidden, head)

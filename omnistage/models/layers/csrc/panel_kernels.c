@@ -1,6 +1,7 @@
-/* Routed SwiGLU experts on the CPU for batches of any size, reading each expert's weights once per call.
+/* The fast option's CPU kernels on weights in panel layout (see panel_kernels.py): routed SwiGLU experts and
+ * linear layers, for batches of any size, reading each weight once per call.
  *
- * Built at first use for the host CPU (see expert_kernel.py). One call serves a whole MoE layer:
+ * Built at first use for the host CPU. One call serves a whole MoE layer:
  *   1. the (token, slot) selections are sorted by expert (a stable counting sort);
  *   2. gate/up: for each panel of 16 intermediate columns (gate and up side by side, [H][32] per panel),
  *      every expert's rows take their dot products in registers, R rows at a time, then SwiGLU;
@@ -9,11 +10,15 @@
  * Threads split the panels of each phase (one barrier between the phases), so every thread streams its own
  * share of every expert's weights and no two threads write the same output.
  *
+ * A linear layer is the down phase alone (one expert, weight 1) over all rows.
+ *
  * Why: a decode batch gives each expert a few rows; GEMM libraries then stream the weights at a fraction of
  * the read bandwidth and pay a call per expert. Here the cost is the weights' bytes at a few rows, and the
  * FMA units' peak (R rows x 32 columns of accumulators per weight load) at many.
  *
- * Weights: float32 or bfloat16 (raw 16-bit words, widened exactly); activations and sums in float32.
+ * Weights: float32 or bfloat16 (raw 16-bit words, widened exactly, or with AVX512-BF16 taken in pairs by its
+ * dot products); sums in float32. Each output row's sums run in one fixed order whatever the other rows and
+ * the thread count, so a row's result does not depend on its batch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,6 +51,17 @@ static inline void store_bf16(uint16_t *p, v16 v) {
 }
 
 static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* 32 output columns (a, b) at element `offset` of a float32 or bfloat16 output. */
+static inline void store_columns(void *out, int out_bf16, int64_t offset, v16 a, v16 b) {
+    if (out_bf16) {
+        store_bf16((uint16_t *)out + offset, a);
+        store_bf16((uint16_t *)out + offset + 16, b);
+    } else {
+        store_f32((float *)out + offset, a);
+        store_f32((float *)out + offset + 16, b);
+    }
+}
 
 /* Stable counting sort of the T*K selections by expert: order[j] = flat (token * K + slot) index, expert e's
  * selections at order[starts[e] .. starts[e + 1]). */
@@ -254,15 +270,7 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
                         a += load_f32(ys + (t * K + k) * 32);                                               \
                         b += load_f32(ys + (t * K + k) * 32 + 16);                                          \
                     }                                                                                      \
-                    if (out_bf16) {                                                                        \
-                        uint16_t *o = (uint16_t *)out + t * HP + p * 32;                                     \
-                        store_bf16(o, a);                                                                  \
-                        store_bf16(o + 16, b);                                                             \
-                    } else {                                                                               \
-                        float *o = (float *)out + t * HP + p * 32;                                           \
-                        store_f32(o, a);                                                                   \
-                        store_f32(o + 16, b);                                                              \
-                    }                                                                                      \
+                    store_columns(out, out_bf16, t * HP + p * 32, a, b);                                    \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
@@ -279,4 +287,37 @@ DEFINE_LAYER(f32, float, float, float)
 DEFINE_LAYER(bf16, uint16_t, float, float)
 #if defined(__AVX512BF16__)
 DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
+#endif
+
+/* A linear layer, y = x W^T + bias, on the down projection's tiles (routing weight 1, exact):
+ *   x [T, K] rows (XT), w [N/32, K, 32] panels, bias [N] float32 or NULL, out [T, N] float32 or bfloat16;
+ *   y [threads, T, 32] float32 scratch, ptrs [threads, 2*T] pointer scratch, ones [T] float32 ones. */
+#define DEFINE_LINEAR(SUFFIX, WT, XT)                                                                        \
+    void linear_##SUFFIX(int64_t T, int64_t K, int64_t N, const XT *x, const WT *w, const float *bias,        \
+                         void *out, int out_bf16, float *y, void **ptrs, const float *ones, int threads) {  \
+        _Pragma("omp parallel num_threads(threads)") {                                                     \
+            int tid = 0;                                                                                   \
+            IF_OPENMP(tid = omp_get_thread_num();)                                                          \
+            void **rows_in = ptrs + (int64_t)tid * 2 * T, **rows_out = rows_in + T;                         \
+            float *ys = y + (int64_t)tid * T * 32;                                                          \
+            for (int64_t t = 0; t < T; t++) {                                                              \
+                rows_in[t] = (void *)(x + t * K);                                                          \
+                rows_out[t] = ys + t * 32;                                                                 \
+            }                                                                                              \
+            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < N / 32; p++) {                      \
+                down_panel_##SUFFIX(T, K, (const XT *const *)rows_in, w + p * K * 32, ones,                \
+                                    (float *const *)rows_out);                                             \
+                const v16 ba = bias ? load_f32(bias + p * 32) : splat(0.0f);                               \
+                const v16 bb = bias ? load_f32(bias + p * 32 + 16) : splat(0.0f);                          \
+                for (int64_t t = 0; t < T; t++)                                                            \
+                    store_columns(out, out_bf16, t * N + p * 32, load_f32(ys + t * 32) + ba,               \
+                                  load_f32(ys + t * 32 + 16) + bb);                                        \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+DEFINE_LINEAR(f32, float, float)
+DEFINE_LINEAR(bf16, uint16_t, float)
+#if defined(__AVX512BF16__)
+DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
 #endif

@@ -1,0 +1,273 @@
+"""The ``fast`` option's CPU kernels on weights in panel layout (``csrc/panel_kernels.c``): routed experts (one
+call per MoE layer) and linear layers.
+
+A decode batch gives each expert a few rows. GEMM libraries then stream an expert's weights at a fraction of
+the machine's read bandwidth and cost a call per expert (oneDNN: 2 per expert per layer). The expert kernel
+sorts the selections by expert, then streams each expert's weights once while all of its rows take their dot
+products in registers (SwiGLU in between), and weights and sums each token's slots in top-k order. A linear
+layer runs the same tiles over all rows. Work is split over ``torch.get_num_threads()`` OpenMP threads
+(torch's own runtime: the library links the ``libgomp.so.1`` torch has loaded). With many rows the tiles run
+at the FMA units' pace, so one copy of the weights, in panel layout, serves decode and prefill (measured
+against oneDNN's packed GEMMs in ``benchmarks/moe_kernels.py``).
+
+bfloat16 takes AVX512-BF16 dot products where the CPU has them (``vdpbf16ps``: weights in pairs of input
+indices; rows and the SwiGLU intermediate in bfloat16). Without them the expert kernel widens bfloat16 weights
+to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 linear layers keep oneDNN.
+
+Built at first use for the host CPU (``cc -O3 -march=native -fopenmp``, about a second, cached under the
+omnistage cache directory). Without a C compiler the kernels are unavailable (logged once), and
+``OMNISTAGE_PANEL_KERNELS=0`` turns them off; layers then keep oneDNN's packed GEMMs. Float rounding differs
+from the GEMMs' (sums in another order); a row's result does not depend on its batch mates or the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "panel_kernels.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# Variants by weight type: float32, widened bfloat16, and "bf16dp" (AVX512-BF16 dot products), which is built
+# only where the CPU has them.
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_DOT = "bf16dp"
+# Panel widths the layout needs: gate/up panels of 16 intermediate columns, down (and linear) panels of 32
+# output columns.
+UP_PANEL, DOWN_PANEL = 16, 32
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage")) / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    source = _SOURCE.read_bytes()
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    # The build depends on the source, the flags and the host CPU (-march=native).
+    cpuinfo = Path("/proc/cpuinfo")
+    cpu = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
+    cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu_flags.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"panel_kernels-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(built, target)  # atomic: another process may build the same file at once
+    library = ctypes.CDLL(str(target))  # ctypes releases the GIL during calls
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for suffix in (*_SUFFIX.values(), _DOT):
+        if not hasattr(library, f"moe_experts_{suffix}"):
+            continue
+        experts = getattr(library, f"moe_experts_{suffix}")
+        experts.restype = None
+        experts.argtypes = [i64] * 6 + [pointer] * 6 + [i32] + [pointer] * 4 + [i32]
+        linear = getattr(library, f"linear_{suffix}")
+        linear.restype = None
+        linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
+    return library
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it on the first call); False, logged once, when it cannot be, and
+    while ``OMNISTAGE_PANEL_KERNELS=0`` (weights packed meanwhile keep oneDNN's layouts)."""
+    global _library, _failure
+    if os.environ.get("OMNISTAGE_PANEL_KERNELS", "1") == "0":
+        return False
+    if _library is not None or _failure is not None:
+        return _library is not None
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = _build()
+            except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the oneDNN kernels serve
+                stderr = getattr(exc, "stderr", b"") or b""
+                _failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
+                log.warning("panel kernels unavailable, layers keep oneDNN's packed GEMMs: %s", _failure)
+    return _library is not None
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"the panel kernels are unavailable: {_failure or 'OMNISTAGE_PANEL_KERNELS=0'}")
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether stacked expert weights of this dtype and device can take the kernel (CPU, float32/bfloat16)."""
+    return weight.device.type == "cpu" and weight.dtype in _SUFFIX
+
+
+def _dot_bf16(dtype: torch.dtype, inputs: int) -> bool:
+    """Whether bfloat16 weights take the dot-product variant (pairs of input indices: an even input size)."""
+    return dtype == torch.bfloat16 and inputs % 2 == 0 and hasattr(_library, f"moe_experts_{_DOT}")
+
+
+def _suffix(dtype: torch.dtype, inputs: int) -> str:
+    return _DOT if _dot_bf16(dtype, inputs) else _SUFFIX[dtype]
+
+
+def serves_any_batch(dtype: torch.dtype, hidden: int) -> bool:
+    """Whether the kernel is at least as fast as oneDNN's per-expert GEMMs at every row count (float32, and
+    bfloat16 with dot products); the widened bfloat16 variant loses from about 16 rows per expert."""
+    return available() and (dtype == torch.float32 or _dot_bf16(dtype, hidden))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked weights gate_up [E, 2I, H], down [E, H, I] -> the kernel's panels: gate/up [E, I'/16, H, 32]
+    (16 gate then 16 up columns per hidden index), down [E, H'/32, I', 32], with I and H padded to I', H'
+    (multiples of 16 and 32) by zero weights. For the bfloat16 dot-product variant, each panel's rows go in
+    pairs of consecutive indices, interleaved per column (``[K/2][32][2]``; same shapes)."""
+    _require()  # the layout depends on the variants built for this CPU
+    experts, hidden, inter = down.shape
+    inter_p, hidden_p = _round_up(inter, UP_PANEL), _round_up(hidden, DOWN_PANEL)
+    halves = gate_up.new_zeros(experts, 2, inter_p, hidden)
+    halves[:, :, :inter] = gate_up.reshape(experts, 2, inter, hidden)
+    padded = down.new_zeros(experts, hidden_p, inter_p)
+    padded[:, :hidden, :inter] = down
+    if _dot_bf16(gate_up.dtype, hidden):
+        halves = halves.view(experts, 2, inter_p // UP_PANEL, UP_PANEL, hidden // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        padded = padded.view(experts, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p // 2, 2).permute(0, 1, 3, 2, 4)
+    else:
+        halves = halves.view(experts, 2, inter_p // UP_PANEL, UP_PANEL, hidden).permute(0, 2, 4, 1, 3)
+        padded = padded.view(experts, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p).transpose(2, 3)
+    panels_up = halves.reshape(experts, inter_p // UP_PANEL, hidden, 2 * UP_PANEL).contiguous()
+    panels_down = padded.reshape(experts, hidden_p // DOWN_PANEL, inter_p, DOWN_PANEL).contiguous()
+    return panels_up, panels_down
+
+
+def moe_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, panels: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """x [T, H], ids [T, K] selected experts, weights [T, K] routing weights -> [T, H] in x's dtype: each
+    token's selected experts' SwiGLU outputs, weighted, summed in slot order. ``panels``: ``pack_experts``'s
+    result."""
+    _require()
+    panels_up, panels_down = panels
+    experts, inter, hidden = panels_up.shape[0], panels_up.shape[1] * UP_PANEL, panels_up.shape[2]
+    hidden_p = panels_down.shape[1] * DOWN_PANEL
+    tokens, top_k = ids.shape
+    if x.shape != (tokens, hidden) or x.device.type != "cpu" or x.dtype != panels_up.dtype:
+        raise ValueError(f"x must be [{tokens}, {hidden}] {panels_up.dtype} on the CPU, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    threads = torch.get_num_threads()
+    n = tokens * top_k
+    dot = _dot_bf16(x.dtype, hidden)  # rows and intermediates stay bfloat16; else float32
+    rows = x.contiguous() if dot else x.float().contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.float().contiguous()
+    out = x.new_empty(tokens, hidden_p)
+    h = rows.new_empty(n, inter)
+    y = torch.empty(threads, n, DOWN_PANEL)
+    sort = torch.empty(2 * n + 2 * experts + 2, dtype=torch.int64)
+    pointers = torch.empty(threads * 2 * n, dtype=torch.int64)
+    getattr(_library, f"moe_experts_{_suffix(x.dtype, hidden)}")(
+        tokens, top_k, experts, hidden, hidden_p, inter, rows.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+        panels_up.data_ptr(), panels_down.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
+        h.data_ptr(), y.data_ptr(), sort.data_ptr(), pointers.data_ptr(), threads,
+    )
+    return out if hidden_p == hidden else out[:, :hidden]
+
+
+# -- linear layers -----------------------------------------------------------------------------------------
+
+
+def supports_linear(weight: torch.Tensor) -> bool:
+    """Whether a linear weight [out, in] takes ``panel_linear``: on the CPU, float32, or bfloat16 with the
+    dot-product variant (the widened one is slower than oneDNN at prefill sizes)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and available()
+        and (weight.dtype == torch.float32 or _dot_bf16(weight.dtype, weight.shape[1]))
+    )
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """Linear weight [N, K] -> panels [N'/32, K, 32] (N padded to N' by zero rows; for bfloat16 dot products
+    the input indices in pairs per column, ``[K/2][32][2]``, same shape)."""
+    _require()
+    out_features, in_features = weight.shape
+    padded = weight.new_zeros(_round_up(out_features, DOWN_PANEL), in_features)
+    padded[:out_features] = weight
+    panels = padded.shape[0] // DOWN_PANEL
+    if _dot_bf16(weight.dtype, in_features):
+        layout = padded.view(panels, DOWN_PANEL, in_features // 2, 2).permute(0, 2, 1, 3)
+    else:
+        layout = padded.view(panels, DOWN_PANEL, in_features).transpose(1, 2)
+    return layout.reshape(panels, in_features, DOWN_PANEL).contiguous()
+
+
+def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """A linear bias as ``panel_linear`` takes it: float32, padded to the panels' width."""
+    if bias is None:
+        return None
+    padded = torch.zeros(_round_up(out_features, DOWN_PANEL), dtype=torch.float32, device=bias.device)
+    padded[:out_features] = bias.detach()
+    return padded
+
+
+def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    _require()
+    in_features = panels.shape[1]
+    if x.shape[-1] != in_features or x.dtype != panels.dtype or x.device.type != "cpu":
+        raise ValueError(f"x must be [..., {in_features}] {panels.dtype} on the CPU, got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+    rows = x.reshape(-1, in_features).contiguous()
+    tokens, padded = rows.shape[0], panels.shape[0] * DOWN_PANEL
+    threads = torch.get_num_threads()
+    out = rows.new_empty(tokens, padded)
+    y = torch.empty(threads, tokens, DOWN_PANEL)
+    pointers = torch.empty(threads * 2 * tokens, dtype=torch.int64)
+    ones = torch.ones(tokens)
+    getattr(_library, f"linear_{_suffix(x.dtype, in_features)}")(
+        tokens, in_features, padded, rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        out.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), threads,
+    )
+    if padded != out_features:
+        out = out[:, :out_features]
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("omnistage::panel_linear", mutates_args=())
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] times a ``pack_linear`` weight, plus a ``pack_bias`` bias -> [..., out_features]. An opaque op to
+    ``torch.compile`` (inductor calls it as is)."""
+    return _linear(x, panels, bias, out_features)
+
+
+@panel_linear.register_fake
+def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("omnistage::panel_linear_at", mutates_args=())
+def panel_linear_at(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``panel_linear(x, panels[index], None, out_features)`` for stacked panels [G, N'/32, K, 32] and a 0-d
+    ``index`` tensor (a loop compiled as ``torch.scan`` walks them by a scanned index, without copying one)."""
+    return _linear(x, panels[int(index)], None, out_features)
+
+
+@panel_linear_at.register_fake
+def _(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
