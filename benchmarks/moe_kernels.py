@@ -5,8 +5,8 @@
    paths and checks they give the same bits (the measurement behind the grouped default in
    omnistage/models/layers/moe.py).
 2. MoE layers by token count (a stack of them, weights streamed from memory) with the ``fast`` option: a
-   oneDNN-packed GEMM per expert with rows (the layout without the panel kernels) vs the expert kernel
-   (``omnistage/models/layers/panel_kernels.py``), next to the default kernels' grouped GEMM; which one serves
+   oneDNN-packed GEMM per expert with rows (the layout without the CPU kernels) vs the expert kernel
+   (``omnistage/models/layers/cpu_kernels.py``), next to the default kernels' grouped GEMM; which one serves
    by default; the largest difference to the default kernels' output (the measurement behind the kernel's
    bfloat16 row limit).
 
@@ -62,16 +62,16 @@ def stacked_gemms(args: argparse.Namespace, dtype: torch.dtype, gen: torch.Gener
 
 
 @contextmanager
-def panel_kernels_off():
-    old = os.environ.get("OMNISTAGE_PANEL_KERNELS")
-    os.environ["OMNISTAGE_PANEL_KERNELS"] = "0"
+def cpu_kernels_off():
+    old = os.environ.get("OMNISTAGE_CPU_KERNELS")
+    os.environ["OMNISTAGE_CPU_KERNELS"] = "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["OMNISTAGE_PANEL_KERNELS"]
+            del os.environ["OMNISTAGE_CPU_KERNELS"]
         else:
-            os.environ["OMNISTAGE_PANEL_KERNELS"] = old
+            os.environ["OMNISTAGE_CPU_KERNELS"] = old
 
 
 def fast_copies(reference: list[SparseMoE], hidden: int, inter: int, dtype: torch.dtype, kernel: bool) -> list:
@@ -83,7 +83,7 @@ def fast_copies(reference: list[SparseMoE], hidden: int, inter: int, dtype: torc
         if kernel:
             layers.append(fast_kernels(layer, True))
         else:
-            with panel_kernels_off():
+            with cpu_kernels_off():
                 layers.append(fast_kernels(layer, True))
     return layers
 

@@ -13,6 +13,7 @@ over requests in Python.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class AttentionGroup:
     token_req: torch.Tensor  # [n] request index within the group
     token_qpos: torch.Tensor  # [n] query index within its request
     kv_slots: torch.Tensor  # [g, max_kv] cache slot of each key position (scratch slot where invalid)
+    seq_lens: torch.Tensor  # [g] context + this step's tokens of each request
     mask: torch.Tensor  # [g, 1, max_q, max_kv] True where attention is allowed
     max_q: int
 
@@ -40,6 +42,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] context + this step's tokens
     slot_mapping: torch.Tensor  # [num_padded_tokens] where each row's K/V goes; padding -> scratch slot
     groups: list[AttentionGroup]
+
+
+# (q, kv_cache, rows, reqs, kv_slots, seq_lens, scale, out): single-query rows attended into ``out`` in place.
+DecodeKernel = Callable[..., None]
 
 
 def scratch_slot(num_blocks: int, block_size: int) -> int:
@@ -129,6 +135,7 @@ def build_attention_metadata(
                 token_req=remap[req_of_row[token_rows]].to(device),
                 token_qpos=qpos[token_rows].to(device),
                 kv_slots=kv_slots.to(device),
+                seq_lens=g_seq.to(device),
                 mask=mask[:, None].to(device),
                 max_q=max_q,
             )
@@ -152,13 +159,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     compute_dtype: torch.dtype | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query row to its request's context.
 
     q: [rows, heads, dim]; k, v: [rows, kv_heads, dim]; kv_cache: [2, slots, kv_heads, dim]. Rows past
     ``meta.num_tokens`` are padding: their K/V go to the scratch slot and their output is zero.
     ``compute_dtype``: attend in this dtype (the gathered context is converted as it is copied), output in
-    q's; default q's dtype.
+    q's; default q's dtype. ``decode_kernel``: attends the single-query group instead (reading the cache in
+    place; a model's faster kernel for decode rows).
     """
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -168,6 +177,9 @@ def paged_attention(
     out = q.new_zeros(rows, num_heads, head_dim)
     rep = num_heads // num_kv_heads
     for g in meta.groups:
+        if g.max_q == 1 and decode_kernel is not None and kv_cache.dtype == q.dtype:
+            decode_kernel(q, kv_cache, g.token_rows, g.token_req, g.kv_slots, g.seq_lens, scale, out)
+            continue
         n_req = g.kv_slots.shape[0]
         qb = q.new_zeros(n_req, g.max_q, num_heads, head_dim, dtype=dtype)
         qb[g.token_req, g.token_qpos] = q[g.token_rows].to(dtype)

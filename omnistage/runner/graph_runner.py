@@ -152,7 +152,8 @@ def decode_attention_metadata(
     slot_mapping = block_table.gather(1, (positions // block_size)[:, None])[:, 0] * block_size
     slot_mapping = slot_mapping + positions % block_size
     group = AttentionGroup(
-        token_rows=rows, token_req=rows, token_qpos=zeros, kv_slots=kv_slots, mask=mask[:, None, None, :], max_q=1
+        token_rows=rows, token_req=rows, token_qpos=zeros, kv_slots=kv_slots, seq_lens=seq_lens,
+        mask=mask[:, None, None, :], max_q=1,
     )
     return AttentionMetadata(
         num_reqs=b,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata, paged_attention
+from omnistage.models.layers import cpu_kernels
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -20,10 +21,10 @@ def naive_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0):
+def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0, decode_kernel=None, dtype=torch.float32):
     """Feed each sequence's rows in the given per-step chunk sizes; return outputs per sequence."""
     scale = 1 / math.sqrt(dim)
-    (cache,) = allocate_kv_cache(1, NUM_BLOCKS, BLOCK, kv_heads, dim)
+    (cache,) = allocate_kv_cache(1, NUM_BLOCKS, BLOCK, kv_heads, dim, dtype=dtype)
     # Blocks are handed out non-contiguously and interleaved across requests on purpose.
     free = list(range(NUM_BLOCKS))[::-1]
     tables = {i: [] for i in range(len(seqs))}
@@ -44,11 +45,11 @@ def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0):
             tabs.append(tables[i])
         num = sum(qlens)
         pad = num + padded_extra
-        q = torch.cat(qs + [torch.randn(padded_extra, heads, dim)])
-        k = torch.cat(ks + [torch.randn(padded_extra, kv_heads, dim)])
-        v = torch.cat(vs + [torch.randn(padded_extra, kv_heads, dim)])
+        q = torch.cat(qs + [torch.randn(padded_extra, heads, dim, dtype=dtype)])
+        k = torch.cat(ks + [torch.randn(padded_extra, kv_heads, dim, dtype=dtype)])
+        v = torch.cat(vs + [torch.randn(padded_extra, kv_heads, dim, dtype=dtype)])
         meta = build_attention_metadata(qlens, ctxs, tabs, BLOCK, NUM_BLOCKS, num_padded_tokens=pad)
-        o = paged_attention(q, k, v, cache, meta, scale)
+        o = paged_attention(q, k, v, cache, meta, scale, compute_dtype=torch.float32, decode_kernel=decode_kernel)
         assert torch.all(o[num:] == 0)
         start = 0
         for (i, n) in step:
@@ -65,6 +66,16 @@ def make_seqs(lengths, heads=4, kv_heads=2, dim=8):
          torch.randn(t, kv_heads, dim, generator=g))
         for t in lengths
     ]
+
+
+SCHEDULE = [
+    [(0, 5), (1, 6)],  # prefill chunk + full prefill
+    [(1, 1), (0, 4), (2, 7)],  # decode, last prefill chunk, new request
+    [(2, 1), (0, 1)],  # a one-row prefill remainder next to a decode; reordered batch
+    [(0, 1), (2, 5)],
+    [(2, 1)],
+    [(1, 1), (0, 1), (2, 1)],  # decode only
+]
 
 
 @pytest.mark.parametrize("padded_extra", [0, 3])
@@ -109,3 +120,27 @@ def test_bfloat16_cache_attends_in_float32_when_asked():
     assert (got == want).float().mean().item() >= 0.97
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7
     assert (plain.float() - want.float()).abs().max().item() <= 2 ** -5
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 6)])
+def test_decode_kernel_reads_the_paged_cache_in_place_and_matches(dtype, tol, heads, kv_heads):
+    """The ``fast`` option's decode attention (``cpu_kernels.decode_attention``): decode rows of mixed steps
+    (prefill chunks around them, padded rows, blocks scattered) attended from the cache in place give naive
+    attention's rows; float32 arithmetic, bfloat16 caches rounded once (as the prefill rows, attended in float32
+    as the ``fast`` option's bfloat16 decoders do)."""
+    dim = 32
+    seqs = [tuple(t.to(dtype) for t in s) for s in make_seqs([12, 8, 15], heads, kv_heads, dim)]
+    calls = []
+
+    def kernel(q, *args):
+        calls.append(args[1].numel())
+        cpu_kernels.decode_attention(q, *args)
+
+    outs, scale = run_steps(seqs, SCHEDULE, heads, kv_heads, dim, padded_extra=2, decode_kernel=kernel, dtype=dtype)
+    assert calls == [1, 2, 1, 1, 3]  # every step's single-row queries but the first step's
+    for i, (q, k, v) in enumerate(seqs):
+        expect = naive_causal(q.float(), k.float(), v.float(), scale)
+        assert outs[i].dtype == dtype
+        assert (outs[i].float() - expect).abs().max().item() <= tol, i

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.layers import panel_kernels
+from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
@@ -192,8 +192,8 @@ def test_packed_weights_replace_the_unpacked_ones_and_compute_the_same_products(
     assert fast_kernels(moe, False) is moe and not any(isinstance(m, PackedLinear) for m in moe.modules())
     fast_kernels(moe, True), fast_kernels(mlp, True)
     # float32 experts: the expert kernel's panels are their one copy (oneDNN per expert where it cannot build).
-    assert (moe.experts.panels is not None) == panel_kernels.available()
-    assert (moe.experts.packed is None) == panel_kernels.available() and isinstance(mlp.gate_up_proj, PackedLinear)
+    assert (moe.experts.panels is not None) == cpu_kernels.available()
+    assert (moe.experts.packed is None) == cpu_kernels.available() and isinstance(mlp.gate_up_proj, PackedLinear)
     assert moe.experts.gate_up_proj.numel() == moe.experts.down_proj.numel() == 0
     assert mlp.gate_up_proj.weight.numel() == 0 and mlp.gate_up_proj.weight.dtype == torch.float32
     assert (moe(x) - want_moe).abs().max().item() <= 1e-5
@@ -225,15 +225,15 @@ def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(
     intermediate sizes off its panel widths, padded); serves every batch where it is as fast as oneDNN at any
     size, else up to its rows-per-expert limit (the per-expert packed copy serves more); gives a row the same
     bits whatever its batch mates and the thread count; takes empty batches."""
-    assert panel_kernels.available()
+    assert cpu_kernels.available()
     moe = _seeded(SparseMoE(hidden, 24, num_experts=6, top_k=2, norm_topk_prob=True, shared_expert_intermediate_size=8))
     moe = moe.to(dtype)
     g = torch.Generator().manual_seed(11)
     xs = {n: torch.randn(n, hidden, generator=g).to(dtype) for n in (1, 3, 9, 40, 200)}
     want = {n: moe(x, grouped=False) for n, x in xs.items()}  # (torch's grouped GEMM needs 16-byte strides)
     fast_kernels(moe, True)
-    any_batch = panel_kernels.serves_any_batch(dtype, hidden)
-    assert any_batch == (dtype == torch.float32 or hidden == 16 and panel_kernels._dot_bf16(dtype, hidden))
+    any_batch = cpu_kernels.serves_any_batch(dtype, hidden)
+    assert any_batch == (dtype == torch.float32 or hidden == 16 and cpu_kernels._dot_bf16(dtype, hidden))
     assert moe.experts.panels is not None and (moe.experts.packed is None) == any_batch
     calls = []
     kernel_call = moe.experts.kernel
@@ -259,7 +259,7 @@ def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(
     assert moe(xs[1][:0], kernel=True).shape == (0, hidden)
 
 
-@pytest.mark.skipif(not _has_compiler(), reason="no C compiler to build the panel kernels")
+@pytest.mark.skipif(not _has_compiler(), reason="no C compiler to build the CPU kernels")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @torch.inference_mode()
 def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype, tol):
@@ -270,7 +270,7 @@ def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype,
     x = torch.randn(2, 20, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = linear(x).float()
     fast_kernels(linear, True)
-    if dtype == torch.bfloat16 and not panel_kernels.supports_linear(torch.empty(1, 48, dtype=dtype)):
+    if dtype == torch.bfloat16 and not cpu_kernels.supports_linear(torch.empty(1, 48, dtype=dtype)):
         assert linear.panels is None and linear.packed_weight is not None
         return
     assert linear.panels is not None and linear.packed_weight is None and linear.weight.numel() == 0

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnistage.attention.backend import AttentionMetadata, paged_attention
+from omnistage.attention.backend import AttentionMetadata, DecodeKernel, paged_attention
+from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn, SelfAttention
 from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
@@ -158,23 +159,29 @@ class PagedDecoder(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         # Attention's arithmetic dtype when not the model's: float32 for a bfloat16 model on CPU under ``fast``.
         self.attention_dtype: torch.dtype | None = None
+        # The ``fast`` option's decode attention (``cpu_kernels.decode_attention``), set by ``pack_weights``.
+        self.decode_kernel: DecodeKernel | None = None
 
     def pack_weights(self, batch_hint: int) -> int:
         """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it; it packs nothing):
         a bfloat16 decoder on CPU attends in float32. torch's CPU attention kernel is several times slower in
         bfloat16 than in float32 at decode shapes (measured 16 requests, 8 heads, 64-200 keys: 2-7x), and the
-        float32 result is the more precise one."""
+        float32 result is the more precise one. Decode rows on CPU take ``cpu_kernels.decode_attention``
+        (float32 arithmetic too), which reads the paged cache in place instead of gathering each request's
+        context into a padded batch first."""
         weight = self.norm.weight
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
             self.attention_dtype = torch.float32
+        if cpu_kernels.supports_decode_attention(weight.dtype, self.cfg.head_dim, weight.device):
+            self.decode_kernel = cpu_kernels.decode_attention
         return 0
 
     def attend(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> AttendFn:
         """Bind one layer's paged cache and the step's metadata into an ``attend`` callable."""
-        dtype = self.attention_dtype
+        dtype, decode_kernel = self.attention_dtype, self.decode_kernel
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            return paged_attention(q, k, v, kv_cache, meta, scale, dtype)
+            return paged_attention(q, k, v, kv_cache, meta, scale, dtype, decode_kernel)
 
         return attend
 

@@ -1,7 +1,7 @@
 """The ``fast`` kernel option: linear layers on weights packed once at load.
 
 At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs each weight matrix on every
-call. A weight packed once streams faster: in omnistage's panel layout (``panel_kernels``: float32, and
+call. A weight packed once streams faster: in omnistage's panel layout (``cpu_kernels``: float32, and
 bfloat16 on CPUs with AVX512-BF16 dot products; 1.2-2x faster than oneDNN at 1-16 rows, within a few percent at
 prefill sizes, measured on this machine's AMD EPYC at 2 threads), else in oneDNN's blocked layout (up to ~2x
 faster than the default GEMM). The price in float32 is a different summation order than the default GEMM's
@@ -24,8 +24,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from omnistage.models.layers import panel_kernels
-from omnistage.models.layers.panel_kernels import pack_bias, pack_linear, panel_linear
+from omnistage.models.layers import cpu_kernels
+from omnistage.models.layers.cpu_kernels import pack_bias, pack_linear, panel_linear
 
 # Row count the packed layout is tuned for (decode batches); any row count runs correctly.
 PACK_BATCH_HINT = 16
@@ -75,7 +75,7 @@ def _(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward reads its weight packed by ``pack_linear_weights``: ``panels`` (with
-    ``panel_bias``) for ``panel_kernels.panel_linear``, else ``packed_weight`` for oneDNN."""
+    ``panel_bias``) for ``cpu_kernels.panel_linear``, else ``packed_weight`` for oneDNN."""
 
     panels: torch.Tensor | None
     panel_bias: torch.Tensor | None
@@ -110,7 +110,7 @@ def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
 
 def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
     """Switch every packable linear layer under ``module`` to packed weights (panels where
-    ``panel_kernels.supports_linear``, else oneDNN's layout); returns how many.
+    ``cpu_kernels.supports_linear``, else oneDNN's layout); returns how many.
 
     Call after the weights are loaded (a later load would leave the packed copies stale). No-op when neither
     kernel is available or the weights are not on the CPU in float32/bfloat16.
@@ -128,7 +128,7 @@ def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) ->
 def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
     """Turn ``linear`` into a PackedLinear (its weight released); False where no kernel takes the weight."""
     weight = linear.weight.detach()
-    panels = pack_linear(weight) if panel_kernels.supports_linear(weight) else None
+    panels = pack_linear(weight) if cpu_kernels.supports_linear(weight) else None
     if panels is None and not can_pack(weight):
         return False
     linear.register_buffer("panels", panels, persistent=False)

@@ -10,7 +10,7 @@ on CPU their speed is within a few percent of each other from decode to prefill 
 and summed per token in top-k order, as transformers' grouped-GEMM path does.
 
 The ``fast`` option (CPU, float32/bfloat16) serves the routed experts with one call per layer of its own
-kernel (``panel_kernels.py``): it reads each expert's weights once per call while all of the expert's rows take
+kernel (``cpu_kernels.py``): it reads each expert's weights once per call while all of the expert's rows take
 their dot products, where GEMM libraries stream a few rows' weights at a fraction of the read bandwidth and
 cost a call per expert (measured on 2 threads of an AMD EPYC, stacks of the small preset's layers, 16 rows,
 16 experts, top-4: 1.6x faster than the dense two-GEMM path it replaced and 2.1-2.6x faster than a packed
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers import panel_kernels
+from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.mlp import GatedMLP, swiglu
@@ -61,7 +61,7 @@ class StackedExperts(nn.Module):
             for part in ((f"{e}.gate_proj.weight", (e, slice(0, i))), (f"{e}.up_proj.weight", (e, slice(i, 2 * i))))
         ])
         fuse_parts(self, "down_proj", [(f"{e}.down_proj.weight", (e,)) for e in range(num_experts)])
-        # The fast option's copies: the expert kernel's panels (``panel_kernels.pack``), and per-expert
+        # The fast option's copies: the expert kernel's panels (``cpu_kernels.pack``), and per-expert
         # oneDNN-packed (gate_up, down) where the kernel is unavailable or (widened bfloat16) for large batches.
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -70,13 +70,13 @@ class StackedExperts(nn.Module):
         """The ``fast`` option's layouts (see the module docstring); returns how many weight copies were made.
         The unpacked weights are released."""
         weight = self.gate_up_proj
-        use_kernel = panel_kernels.supports(weight) and panel_kernels.available()
+        use_kernel = cpu_kernels.supports(weight) and cpu_kernels.available()
         per_expert = can_pack(weight) and not (
-            use_kernel and panel_kernels.serves_any_batch(weight.dtype, weight.shape[-1]))
+            use_kernel and cpu_kernels.serves_any_batch(weight.dtype, weight.shape[-1]))
         if not (use_kernel or per_expert):
             return 0
         if use_kernel:
-            self.panels = panel_kernels.pack_experts(self.gate_up_proj.detach(), self.down_proj.detach())
+            self.panels = cpu_kernels.pack_experts(self.gate_up_proj.detach(), self.down_proj.detach())
         if per_expert:
             self.packed = [
                 (pack_weight(self.gate_up_proj[e], batch_hint), pack_weight(self.down_proj[e], batch_hint))
@@ -97,7 +97,7 @@ class StackedExperts(nn.Module):
         per row in slot order, by the expert kernel."""
         if self.panels is None:
             raise RuntimeError("the expert kernel needs the fast option's panel layout (fast=True, on the CPU)")
-        return panel_kernels.moe_experts(x, ids, weights, self.panels)
+        return cpu_kernels.moe_experts(x, ids, weights, self.panels)
 
     def _expert(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
         if self.packed is not None and x.dtype == self.gate_up_proj.dtype:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.scan import scan
 
-from omnistage.models.layers import panel_kernels
+from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
@@ -235,7 +235,7 @@ class CodePredictor(nn.Module):
         self.lm_head = StackedTables(self.num_code_groups - 1, self.cfg.vocab_size, self.cfg.decoder.hidden_size)
         self.top_k = min(RESIDUAL_TOP_K, self.cfg.vocab_size)
         # The output heads packed once ``pack_weights`` ran (the ``fast`` option): stacked panels
-        # (``panel_kernels``) or a list of oneDNN-packed weights.
+        # (``cpu_kernels``) or a list of oneDNN-packed weights.
         self.packed_heads: torch.Tensor | list[torch.Tensor] | None = None
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
@@ -251,8 +251,8 @@ class CodePredictor(nn.Module):
         """The ``fast`` option: the output heads packed (``fast_linear``'s choice of kernel; the decoder's linears
         are packed as ``nn.Linear``s) and the compiled frame free to fuse norms and activations its own way."""
         weight = self.lm_head.weight.detach()
-        if panel_kernels.supports_linear(weight[0]):
-            self.packed_heads = torch.stack([panel_kernels.pack_linear(w) for w in weight])
+        if cpu_kernels.supports_linear(weight[0]):
+            self.packed_heads = torch.stack([cpu_kernels.pack_linear(w) for w in weight])
         elif can_pack(weight):
             self.packed_heads = [pack_weight(w, batch_hint) for w in weight]
         else:
@@ -269,7 +269,7 @@ class CodePredictor(nn.Module):
     def _head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """``head``: a head's weight [V, H], or with packed heads a 0-d index into them (a scan walks either)."""
         if isinstance(self.packed_heads, torch.Tensor):
-            return panel_kernels.panel_linear_at(hidden, self.packed_heads, head, self.cfg.vocab_size)
+            return cpu_kernels.panel_linear_at(hidden, self.packed_heads, head, self.cfg.vocab_size)
         if self.packed_heads is not None:
             return packed_linear_at(hidden, self.packed_heads, head)
         return F.linear(hidden, head)

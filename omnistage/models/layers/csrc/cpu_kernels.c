@@ -1,4 +1,4 @@
-/* The fast option's CPU kernels on weights in panel layout (see panel_kernels.py): routed SwiGLU experts and
+/* The fast option's CPU kernels on weights in panel layout (see cpu_kernels.py): routed SwiGLU experts and
  * linear layers, for batches of any size, reading each weight once per call.
  *
  * Built at first use for the host CPU. One call serves a whole MoE layer:
@@ -321,3 +321,78 @@ DEFINE_LINEAR(bf16, uint16_t, float)
 #if defined(__AVX512BF16__)
 DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
 #endif
+
+/* Paged decode attention: one query row per request attends to its request's cached keys and values, read
+ * in place from the paged cache (no gathered copies). Query row rows[i] belongs to request r = reqs[i]; for
+ * key/value head g, its query heads h = g*rep .. g*rep+rep-1 take scores s_j = (scale * q).k_j over the keys
+ * j < lens[r] at cache slots slots[r, j], a softmax in float32 (max subtracted), and the weighted sum of the
+ * values. Threads split the (row, key/value head) pairs.
+ *   q [*, H, D], cache [2, cache_slots, KVH, D] (q's element type), out [*, H, D]; D a multiple of 16, at most
+ *   MAX_HEAD_DIM; slots [requests, max_kv] int64, lens [requests] int64; scores [threads, rep, max_kv] float32
+ *   scratch. */
+static inline v16 load_any_f32(const float *p) { return load_f32(p); }
+static inline v16 load_any_bf16(const uint16_t *p) { return load_bf16(p); }
+static inline void store_any_f32(float *p, v16 v) { store_f32(p, v); }
+static inline void store_any_bf16(uint16_t *p, v16 v) { store_bf16(p, v); }
+
+static inline float hsum(v16 v) {
+    float s[16], t = 0.0f;
+    store_f32(s, v);
+    for (int c = 0; c < 16; c++) t += s[c];
+    return t;
+}
+
+#define MAX_HEAD_DIM 256
+#define DEFINE_DECODE_ATTENTION(SUFFIX, T)                                                                   \
+    void decode_attention_##SUFFIX(int64_t n, int64_t H, int64_t KVH, int64_t D, const T *q,                \
+                                   const int64_t *rows, const int64_t *reqs, const T *cache,               \
+                                   int64_t cache_slots,                                                    \
+                                   const int64_t *slots, const int64_t *lens, int64_t max_kv, float scale, \
+                                   T *out, float *scores, int threads) {                                   \
+        const int64_t rep = H / KVH, vecs = D / 16;                                                        \
+        const T *keys = cache, *values = cache + cache_slots * KVH * D;                                     \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                  \
+        for (int64_t task = 0; task < n * KVH; task++) {                                                    \
+            const int64_t i = task / KVH, g = task % KVH, r = reqs[i], len = lens[r];                     \
+            int tid = 0;                                                                                   \
+            IF_OPENMP(tid = omp_get_thread_num();)                                                          \
+            float *s = scores + (int64_t)tid * rep * max_kv;                                               \
+            if (len <= 0) { /* no key (a padded row): zeros */                                             \
+                for (int64_t h = 0; h < rep; h++)                                                          \
+                    for (int64_t c = 0; c < vecs; c++)                                                     \
+                        store_any_##SUFFIX(out + (rows[i] * H + g * rep + h) * D + c * 16, splat(0.0f));    \
+                continue;                                                                                  \
+            }                                                                                              \
+            v16 qv[MAX_HEAD_DIM / 16];                                                                     \
+            for (int64_t h = 0; h < rep; h++) { /* scores, one head at a time (its q in registers) */       \
+                const T *qh = q + (rows[i] * H + g * rep + h) * D;                                          \
+                for (int64_t c = 0; c < vecs; c++) qv[c] = load_any_##SUFFIX(qh + c * 16) * splat(scale);    \
+                float *sh = s + h * max_kv;                                                                \
+                for (int64_t j = 0; j < len; j++) {                                                         \
+                    const T *k = keys + (slots[r * max_kv + j] * KVH + g) * D;                              \
+                    v16 acc = qv[0] * load_any_##SUFFIX(k);                                                 \
+                    for (int64_t c = 1; c < vecs; c++) acc += qv[c] * load_any_##SUFFIX(k + c * 16);         \
+                    sh[j] = hsum(acc);                                                                     \
+                }                                                                                          \
+                float top = -INFINITY, total = 0.0f;                                                       \
+                for (int64_t j = 0; j < len; j++) top = sh[j] > top ? sh[j] : top;                          \
+                for (int64_t j = 0; j < len; j++) total += (sh[j] = expf(sh[j] - top));                     \
+                for (int64_t j = 0; j < len; j++) sh[j] /= total;                                           \
+            }                                                                                              \
+            for (int64_t h = 0; h < rep; h++) { /* values: sum_j p_j v_j */                                 \
+                v16 acc[MAX_HEAD_DIM / 16];                                                                \
+                for (int64_t c = 0; c < vecs; c++) acc[c] = splat(0.0f);                                   \
+                const float *ph = s + h * max_kv;                                                          \
+                for (int64_t j = 0; j < len; j++) {                                                         \
+                    const T *v = values + (slots[r * max_kv + j] * KVH + g) * D;                            \
+                    const v16 p = splat(ph[j]);                                                            \
+                    for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_any_##SUFFIX(v + c * 16);          \
+                }                                                                                          \
+                T *o = out + (rows[i] * H + g * rep + h) * D;                                               \
+                for (int64_t c = 0; c < vecs; c++) store_any_##SUFFIX(o + c * 16, acc[c]);                 \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+DEFINE_DECODE_ATTENTION(f32, float)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t)

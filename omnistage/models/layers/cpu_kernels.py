@@ -1,4 +1,4 @@
-"""The ``fast`` option's CPU kernels on weights in panel layout (``csrc/panel_kernels.c``): routed experts (one
+"""The ``fast`` option's CPU kernels on weights in panel layout (``csrc/cpu_kernels.c``): routed experts (one
 call per MoE layer) and linear layers.
 
 A decode batch gives each expert a few rows. GEMM libraries then stream an expert's weights at a fraction of
@@ -16,7 +16,7 @@ to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 line
 
 Built at first use for the host CPU (``cc -O3 -march=native -fopenmp``, about a second, cached under the
 omnistage cache directory). Without a C compiler the kernels are unavailable (logged once), and
-``OMNISTAGE_PANEL_KERNELS=0`` turns them off; layers then keep oneDNN's packed GEMMs. Float rounding differs
+``OMNISTAGE_CPU_KERNELS=0`` turns them off; layers then keep oneDNN's packed GEMMs. Float rounding differs
 from the GEMMs' (sums in another order); a row's result does not depend on its batch mates or the thread count.
 """
 
@@ -36,7 +36,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "panel_kernels.c"
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 # Variants by weight type: float32, widened bfloat16, and "bf16dp" (AVX512-BF16 dot products), which is built
 # only where the CPU has them.
@@ -63,7 +63,7 @@ def _build() -> ctypes.CDLL:
     cpu = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
     cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu_flags.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"panel_kernels-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -82,14 +82,19 @@ def _build() -> ctypes.CDLL:
         linear = getattr(library, f"linear_{suffix}")
         linear.restype = None
         linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
+    for suffix in _SUFFIX.values():
+        attention = getattr(library, f"decode_attention_{suffix}")
+        attention.restype = None
+        attention.argtypes = [i64] * 4 + [pointer] * 4 + [i64, pointer, pointer, i64, ctypes.c_float, pointer,
+                                                          pointer, i32]
     return library
 
 
 def available() -> bool:
     """Whether the kernel is built (building it on the first call); False, logged once, when it cannot be, and
-    while ``OMNISTAGE_PANEL_KERNELS=0`` (weights packed meanwhile keep oneDNN's layouts)."""
+    while ``OMNISTAGE_CPU_KERNELS=0`` (weights packed meanwhile keep oneDNN's layouts)."""
     global _library, _failure
-    if os.environ.get("OMNISTAGE_PANEL_KERNELS", "1") == "0":
+    if os.environ.get("OMNISTAGE_CPU_KERNELS", "1") == "0":
         return False
     if _library is not None or _failure is not None:
         return _library is not None
@@ -100,13 +105,13 @@ def available() -> bool:
             except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the oneDNN kernels serve
                 stderr = getattr(exc, "stderr", b"") or b""
                 _failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
-                log.warning("panel kernels unavailable, layers keep oneDNN's packed GEMMs: %s", _failure)
+                log.warning("CPU kernels unavailable, layers keep oneDNN's packed GEMMs: %s", _failure)
     return _library is not None
 
 
 def _require() -> None:
     if not available():
-        raise RuntimeError(f"the panel kernels are unavailable: {_failure or 'OMNISTAGE_PANEL_KERNELS=0'}")
+        raise RuntimeError(f"the CPU kernels are unavailable: {_failure or 'OMNISTAGE_CPU_KERNELS=0'}")
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -271,3 +276,49 @@ def panel_linear_at(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, 
 @panel_linear_at.register_fake
 def _(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# -- paged decode attention ---------------------------------------------------------------------------------
+
+MAX_HEAD_DIM = 256  # the C kernel's bound (its per-head vectors live in registers / on the stack)
+
+
+def supports_decode_attention(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether ``decode_attention`` serves a cache of this dtype, head size and device."""
+    return (
+        device.type == "cpu" and dtype in _SUFFIX and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+        and available()
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: torch.Tensor,
+    reqs: torch.Tensor,
+    slots: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Single-query attention read in place from a paged cache, into ``out``.
+
+    q, out [tokens, heads, dim] (out contiguous); kv_cache [2, cache_slots, kv_heads, dim] (q's dtype,
+    contiguous); query row ``rows[i]`` belongs to request ``reqs[i]``, which attends to its first ``lens[r]``
+    keys at cache slots ``slots[r]``. Scores and the softmax in float32.
+    """
+    _require()
+    tokens, heads, dim = q.shape
+    kv_heads = kv_cache.shape[2]
+    if not (kv_cache.is_contiguous() and out.is_contiguous() and out.shape == q.shape and kv_cache.dtype == q.dtype
+            == out.dtype and heads % kv_heads == 0):
+        raise ValueError("decode_attention needs a contiguous cache and output of q's dtype and shape")
+    q = q.contiguous()
+    slots = slots.contiguous()
+    max_kv = slots.shape[1]
+    scores = torch.empty(torch.get_num_threads(), heads // kv_heads, max_kv)
+    getattr(_library, f"decode_attention_{_SUFFIX[q.dtype]}")(
+        rows.numel(), heads, kv_heads, dim, q.data_ptr(), rows.data_ptr(), reqs.data_ptr(), kv_cache.data_ptr(),
+        kv_cache.shape[1], slots.data_ptr(), lens.data_ptr(), max_kv, scale, out.data_ptr(), scores.data_ptr(),
+        torch.get_num_threads(),
+    )
