@@ -50,7 +50,8 @@ static inline void store_bf16(uint16_t *p, v16 v) {
     *(h16u *)p = __builtin_convertvector(bits, h16u);
 }
 
-static inline v16 splat(float x) { return (v16){0} + x; }
+/* A broadcast (not `(v16){0} + x`: adding zero is not an identity for -0.0, so that costs an add per use). */
+static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 /* 32 output columns (a, b) at element `offset` of a float32 or bfloat16 output. */
 static inline void store_columns(void *out, int out_bf16, int64_t offset, v16 a, v16 b) {
