@@ -11,11 +11,13 @@ import torch
 from test_code2wav import random_codes, randomize_
 from test_code2wav_stream import stream_interleaved
 
+from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
 from omnistage.models.qwen3_omni.code2wav import (
     Code2Wav,
     Code2WavConfig,
+    ResidualUnit,
     SnakeBeta,
     _snake_after,
     _snake_after_eager,
@@ -68,6 +70,26 @@ def test_channels_last_layers_equal_torch(make):
             residual = _cl(x.to(dtype))
             summed = layer.forward_channels_last(_cl(x.to(dtype)), residual=residual.clone())
             assert (summed.float() - (got.float() + residual.float())).abs().max().item() <= tol * 4
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("channels, length", [(32, 37), (64, 5)])
+def test_fused_residual_tail_equals_the_separate_passes(channels, length, monkeypatch):
+    """A residual unit's second SnakeBeta, kernel-1 convolution and residual as one pass
+    (``cpu_kernels.snake_pointwise``, float32 channels-last) equal the separate passes; rows past the kernel's
+    row tiles included."""
+    unit = _seeded(ResidualUnit(channels, dilation=3), seed=4)
+    with torch.no_grad():  # SnakeBeta's log-scale parameters: keep them in a realistic range
+        for snake in (unit.act1, unit.act2):
+            snake.alpha.mul_(0.3), snake.beta.mul_(0.3)
+    x = torch.randn(2, length, channels, generator=torch.Generator().manual_seed(5))
+    fused = unit.forward_channels_last(x.clone())
+    monkeypatch.setattr(cpu_kernels, "supports_snake_pointwise", lambda x: False)
+    separate = unit.forward_channels_last(x.clone())
+    assert (fused - separate).abs().max().item() <= F32_TOL * separate.abs().max().item()
+    kept = x.clone()
+    monkeypatch.undo()
+    assert unit.forward_channels_last(kept) is kept  # x is overwritten with the result, as by the separate passes
 
 
 def test_derived_weights_follow_the_weight():

@@ -53,7 +53,7 @@ def slide_window(extended: torch.Tensor, starts: int | torch.Tensor, size: int, 
     return extended.gather(dim, index.expand(shape))
 
 
-def _derived(module: nn.Module, name: str, weight: torch.Tensor, make) -> torch.Tensor:
+def derived(module: nn.Module, name: str, weight: torch.Tensor, make) -> torch.Tensor:
     """``make(weight)`` cached on ``module`` until ``weight`` changes (new tensor, in-place update, dtype).
 
     Inference tensors (weights made under ``torch.inference_mode``) keep no version counter: an in-place
@@ -143,7 +143,7 @@ class CausalConv1d(nn.Module):
         kernel, dilation = conv.kernel_size[0], conv.dilation[0]
         batch, length, channels = padded.shape
         out_length = length - (kernel - 1) * dilation
-        weight = _derived(  # [C_in, kernel * C_out], columns ordered (tap, channel)
+        weight = derived(  # [C_in, kernel * C_out], columns ordered (tap, channel)
             self, "_cl_taps_weight", conv.weight, lambda w: w.permute(1, 2, 0).reshape(w.shape[1], -1).contiguous()
         )
         taps = (padded.reshape(-1, channels) @ weight).view(batch, length, kernel, conv.out_channels)
@@ -160,7 +160,7 @@ class CausalConv1d(nn.Module):
         batch = padded.shape[0]
         if conv.kernel_size[0] == 1 and self.stride == 1 and conv.groups == 1:
             # A pointwise convolution is one GEMM; the residual is its accumulator (no extra pass).
-            weight = _derived(self, "_cl_gemm_weight", conv.weight, lambda w: w[:, :, 0].t().contiguous())
+            weight = derived(self, "_cl_gemm_weight", conv.weight, lambda w: w[:, :, 0].t().contiguous())
             rows = padded.reshape(-1, conv.in_channels)
             if residual is None:
                 out = rows @ weight if conv.bias is None else torch.addmm(conv.bias, rows, weight)
@@ -171,7 +171,7 @@ class CausalConv1d(nn.Module):
             return out.view(batch, -1, conv.out_channels)
         if conv.out_channels * conv.groups <= self.FEW_OUTPUTS and conv.groups == 1 and self.stride == 1:
             return self._few_outputs_channels_last(padded, residual)
-        weight = _derived(
+        weight = derived(
             self, "_cl_conv_weight", conv.weight,
             lambda w: w.unsqueeze(2).contiguous(memory_format=torch.channels_last),
         )
@@ -293,7 +293,7 @@ class CausalConvTranspose1d(nn.Module):
         if self.trim not in (0, self.stride):
             return self.forward(hidden.transpose(1, 2)).transpose(1, 2)
         batch, length, channels = hidden.shape
-        weight = _derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
+        weight = derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
         if self.trim:
             length = max(length - 1, 0)
             hidden = torch.cat((hidden[:, :-1], hidden[:, 1:]), dim=2) if length else hidden[:, :0]

@@ -1,5 +1,6 @@
-"""The ``fast`` option's CPU kernels on weights in panel layout (``csrc/cpu_kernels.c``): routed experts (one
-call per MoE layer) and linear layers.
+"""omnistage's own CPU kernels (``csrc/cpu_kernels.c``): linear layers and routed experts (one call per MoE
+layer) on weights in panel layout, paged decode attention read in place from the cache (both for the ``fast``
+option), and a vocoder residual unit's tail (SnakeBeta, kernel-1 convolution, residual) in one pass.
 
 A decode batch gives each expert a few rows. GEMM libraries then stream an expert's weights at a fraction of
 the machine's read bandwidth and cost a call per expert (oneDNN: 2 per expert per layer). The expert kernel
@@ -15,9 +16,10 @@ indices; rows and the SwiGLU intermediate in bfloat16). Without them the expert 
 to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 linear layers keep oneDNN.
 
 Built at first use for the host CPU (``cc -O3 -march=native -fopenmp``, about a second, cached under the
-omnistage cache directory). Without a C compiler the kernels are unavailable (logged once), and
-``OMNISTAGE_CPU_KERNELS=0`` turns them off; layers then keep oneDNN's packed GEMMs. Float rounding differs
-from the GEMMs' (sums in another order); a row's result does not depend on its batch mates or the thread count.
+omnistage cache directory; linked with glibc's vector math, libmvec). Without a C compiler the kernels are
+unavailable (logged once), and ``OMNISTAGE_CPU_KERNELS=0`` turns them off; layers then keep oneDNN's packed
+GEMMs and torch's attention and vocoder passes. Float rounding differs from the GEMMs' (sums in another
+order); a row's result does not depend on its batch mates or the thread count.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_LIBS = ["-lmvec", "-lm"]  # glibc's vector math (the vocoder's sin)
 # Variants by weight type: float32, widened bfloat16, and "bf16dp" (AVX512-BF16 dot products), which is built
 # only where the CPU has them.
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DOT = "bf16dp"
+_ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 3 otherwise)
 # Panel widths the layout needs: gate/up panels of 16 intermediate columns, down (and linear) panels of 32
 # output columns.
 UP_PANEL, DOWN_PANEL = 16, 32
@@ -62,13 +66,13 @@ def _build() -> ctypes.CDLL:
     cpuinfo = Path("/proc/cpuinfo")
     cpu = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
     cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu_flags.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(_FLAGS + _LIBS).encode() + cpu_flags.encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+            subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), *_LIBS], check=True,
                            capture_output=True, timeout=120)
             os.replace(built, target)  # atomic: another process may build the same file at once
     library = ctypes.CDLL(str(target))  # ctypes releases the GIL during calls
@@ -82,6 +86,8 @@ def _build() -> ctypes.CDLL:
         linear = getattr(library, f"linear_{suffix}")
         linear.restype = None
         linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
+    library.snake_pointwise_f32.restype = None
+    library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
     for suffix in _SUFFIX.values():
         attention = getattr(library, f"decode_attention_{suffix}")
         attention.restype = None
@@ -322,3 +328,34 @@ def decode_attention(
         kv_cache.shape[1], slots.data_ptr(), lens.data_ptr(), max_kv, scale, out.data_ptr(), scores.data_ptr(),
         torch.get_num_threads(),
     )
+
+
+# -- vocoder residual units ---------------------------------------------------------------------------------
+
+
+def supports_snake_pointwise(x: torch.Tensor) -> bool:
+    """Whether ``snake_pointwise`` serves these [B, T, C] signals (CPU, float32, C a multiple of 32)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] % DOWN_PANEL == 0 and available()
+
+
+def snake_pointwise(
+    h: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor,
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """``x += bias + snake(h) W^T`` in place, ``snake(h) = h + (sin(alpha h) scale)^2`` per channel: SnakeBeta then
+    a kernel-1 convolution (``pack_linear`` panels of its [C, C] weight) and the residual, in one pass over the
+    [B, T, C] float32 signals. Returns ``x``."""
+    _require()
+    channels = x.shape[-1]
+    if not (h.shape == x.shape and x.is_contiguous() and h.dtype == x.dtype == torch.float32
+            and panels.shape == (channels // DOWN_PANEL, channels, DOWN_PANEL)):
+        raise ValueError("snake_pointwise needs float32 h and contiguous x of one [..., C] shape, C x C panels")
+    h = h.contiguous()
+    threads = torch.get_num_threads()
+    buf = torch.empty(threads, _ROWS_MAX * channels)
+    args = [t.float().contiguous() for t in (alpha, scale, bias)]
+    _library.snake_pointwise_f32(
+        h.numel() // channels, channels, h.data_ptr(), args[0].data_ptr(), args[1].data_ptr(), panels.data_ptr(),
+        args[2].data_ptr(), x.data_ptr(), buf.data_ptr(), threads,
+    )
+    return x

@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.compiled import LazyCompiled
-from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT
+from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.code2wav_stream import StreamStep
@@ -438,8 +439,15 @@ class ResidualUnit(nn.Module):
         return x + _conv(self.conv2, self.act2(_conv(self.conv1, self.act1(x), stream)), stream)
 
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
-        """[B, T, C] -> [B, T, C]; ``x`` is overwritten (it becomes the result)."""
+        """[B, T, C] -> [B, T, C]; ``x`` is overwritten (it becomes the result). On CPU in float32 the second
+        SnakeBeta, the kernel-1 convolution and the residual run as one pass (``cpu_kernels.snake_pointwise``)."""
         h = _conv_channels_last(self.conv1, x, stream, self.act1)
+        conv = self.conv2.conv
+        if conv.bias is not None and x.is_contiguous() and cpu_kernels.supports_snake_pointwise(x):
+            panels = derived(self.conv2, "_cl_panels", conv.weight, lambda w: cpu_kernels.pack_linear(w[:, :, 0]))
+            alpha = self.act2.alpha.exp()
+            scale = (self.act2.beta.exp() + 1e-9).rsqrt()
+            return cpu_kernels.snake_pointwise(h, alpha, scale, panels, conv.bias, x)
         h = self.act2.forward_channels_last(h)
         return _conv_channels_last(self.conv2, h, stream, residual=x)
 

@@ -397,3 +397,48 @@ static inline float hsum(v16 v) {
 
 DEFINE_DECODE_ATTENTION(f32, float)
 DEFINE_DECODE_ATTENTION(bf16, uint16_t)
+
+/* A vocoder residual unit's tail, in place: x += bias + W snake(h) per row, snake(h) = h + (sin(alpha h) scale)^2
+ * per channel (SnakeBeta), W a kernel-1 convolution as panels [C/32, C, 32]. One pass reads h and x and
+ * writes x, where separate calls make three more passes over these [samples, channels] signals. Threads split
+ * the row tiles; a tile's activations stay in a [ROWS, C] float32 buffer per thread (buf [threads, ROWS * C]).
+ *   h, x [T, C] float32; alpha, scale, bias [C] float32. */
+#pragma omp declare simd simdlen(16) notinbranch
+extern float sinf(float);
+
+void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alpha, const float *scale,
+                         const float *w, const float *bias, float *x, float *buf, int threads) {
+    const int64_t tiles = (T + ROWS - 1) / ROWS;
+    _Pragma("omp parallel num_threads(threads)") {
+        int tid = 0;
+        IF_OPENMP(tid = omp_get_thread_num();)
+        float *act = buf + (int64_t)tid * ROWS * C;
+        const float *rows_in[ROWS];
+        float *rows_out[ROWS];
+        float ys[ROWS * 32], ones[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            rows_in[r] = act + r * C;
+            rows_out[r] = ys + r * 32;
+            ones[r] = 1.0f;
+        }
+        _Pragma("omp for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t t0 = tile * ROWS, m = T - t0 < ROWS ? T - t0 : ROWS;
+            for (int64_t r = 0; r < m; r++) {
+                const float *hr = h + (t0 + r) * C;
+                float *ar = act + r * C;
+                _Pragma("omp simd") for (int64_t c = 0; c < C; c++) {
+                    const float y = sinf(hr[c] * alpha[c]) * scale[c];
+                    ar[c] = hr[c] + y * y;
+                }
+            }
+            for (int64_t p = 0; p < C / 32; p++) {
+                down_panel_f32(m, C, rows_in, w + p * C * 32, ones, rows_out);
+                for (int64_t r = 0; r < m; r++) {
+                    float *xr = x + (t0 + r) * C + p * 32;
+                    store_f32(xr, load_f32(xr) + load_f32(bias + p * 32) + load_f32(ys + r * 32));
+                    store_f32(xr + 16, load_f32(xr + 16) + load_f32(bias + p * 32 + 16) + load_f32(ys + r * 32 + 16));
+                }
+            }
+        }
+    }
+}
