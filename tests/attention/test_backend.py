@@ -76,19 +76,13 @@ SCHEDULE = [
     [(2, 1)],
     [(1, 1), (0, 1), (2, 1)],  # decode only
 ]
+SEQ_LENGTHS = [12, 8, 15]  # what SCHEDULE feeds
 
 
 @pytest.mark.parametrize("padded_extra", [0, 3])
 def test_chunked_prefill_and_decode_match_full_causal_attention(padded_extra):
-    seqs = make_seqs([11, 7, 14])
-    schedule = [
-        [(0, 5), (1, 6)],  # prefill chunk + full prefill
-        [(1, 1), (0, 4), (2, 7)],  # decode, last prefill chunk, new request
-        [(2, 1), (0, 1)],  # a one-row prefill remainder next to a decode; reordered batch
-        [(0, 1), (2, 5)],
-        [(2, 1)],
-    ]
-    outs, scale = run_steps(seqs, schedule, padded_extra=padded_extra)
+    seqs = make_seqs(SEQ_LENGTHS)
+    outs, scale = run_steps(seqs, SCHEDULE, padded_extra=padded_extra)
     for i, (q, k, v) in enumerate(seqs):
         expect = naive_causal(q, k, v, scale)
         assert outs[i].shape == expect.shape
@@ -131,7 +125,7 @@ def test_decode_kernel_reads_the_paged_cache_in_place_and_matches(dtype, tol, he
     attention's rows; float32 arithmetic, bfloat16 caches rounded once (as the prefill rows, attended in float32
     as the ``fast`` option's bfloat16 decoders do)."""
     dim = 32
-    seqs = [tuple(t.to(dtype) for t in s) for s in make_seqs([12, 8, 15], heads, kv_heads, dim)]
+    seqs = [tuple(t.to(dtype) for t in s) for s in make_seqs(SEQ_LENGTHS, heads, kv_heads, dim)]
     calls = []
 
     def kernel(q, *args):

@@ -79,19 +79,24 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
 
 /* One kernel per weight type: WT the stored element, LOAD widens 16 of them to float32. */
 #define DEFINE_KERNELS(SUFFIX, WT, LOAD)                                                                     \
-    /* gate/up of `rows` (<= ROWS) selections over one panel: w [H][32] (16 gate, 16 up columns). */         \
+    /* a[r], b[r]: `rows` (<= ROWS) rows' dot products with a panel's columns 0-15 and 16-31, w [K][32]. */  \
+    static inline __attribute__((always_inline)) void panel_dots_##SUFFIX(                                   \
+        const int rows, int64_t K, const float *const *x, const WT *w, v16 *a, v16 *b) {                     \
+        for (int r = 0; r < rows; r++) a[r] = b[r] = splat(0.0f);                                           \
+        for (int64_t k = 0; k < K; k++) {                                                                   \
+            const v16 wa = LOAD(w + k * 32), wb = LOAD(w + k * 32 + 16);                                    \
+            for (int r = 0; r < rows; r++) {                                                                \
+                const v16 xb = splat(x[r][k]);                                                              \
+                a[r] += xb * wa;                                                                            \
+                b[r] += xb * wb;                                                                            \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
     static inline __attribute__((always_inline)) void gate_up_tile_##SUFFIX(                                 \
         const int rows, int64_t H, const float *const *x, const WT *w, float *const *h) {                    \
         v16 g[ROWS], u[ROWS];                                                                               \
-        for (int r = 0; r < rows; r++) g[r] = u[r] = splat(0.0f);                                           \
-        for (int64_t k = 0; k < H; k++) {                                                                   \
-            const v16 wg = LOAD(w + k * 32), wu = LOAD(w + k * 32 + 16);                                    \
-            for (int r = 0; r < rows; r++) {                                                                \
-                const v16 xb = splat(x[r][k]);                                                              \
-                g[r] += xb * wg;                                                                            \
-                u[r] += xb * wu;                                                                            \
-            }                                                                                               \
-        }                                                                                                   \
+        panel_dots_##SUFFIX(rows, H, x, w, g, u);                                                           \
         for (int r = 0; r < rows; r++) {                                                                    \
             float gs[16], us[16];                                                                           \
             store_f32(gs, g[r]);                                                                            \
@@ -99,19 +104,11 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
             for (int c = 0; c < 16; c++) h[r][c] = silu_times(gs[c], us[c]);                                 \
         }                                                                                                   \
     }                                                                                                       \
-    /* down of `rows` selections over one panel of 32 hidden columns: w [I][32]; y[r] = weight * sums. */    \
+    /* down over one panel of 32 hidden columns: y[r] = weight[r] * sums. */                                 \
     static inline __attribute__((always_inline)) void down_tile_##SUFFIX(                                    \
         const int rows, int64_t I, const float *const *h, const WT *w, const float *weight, float *const *y) { \
         v16 a[ROWS], b[ROWS];                                                                               \
-        for (int r = 0; r < rows; r++) a[r] = b[r] = splat(0.0f);                                           \
-        for (int64_t k = 0; k < I; k++) {                                                                   \
-            const v16 wa = LOAD(w + k * 32), wb = LOAD(w + k * 32 + 16);                                    \
-            for (int r = 0; r < rows; r++) {                                                                \
-                const v16 hb = splat(h[r][k]);                                                              \
-                a[r] += hb * wa;                                                                            \
-                b[r] += hb * wb;                                                                            \
-            }                                                                                               \
-        }                                                                                                   \
+        panel_dots_##SUFFIX(rows, I, h, w, a, b);                                                           \
         for (int r = 0; r < rows; r++) {                                                                    \
             store_f32(y[r], a[r] * splat(weight[r]));                                                       \
             store_f32(y[r] + 16, b[r] * splat(weight[r]));                                                  \
@@ -170,18 +167,24 @@ static inline __m512 dot(__m512 acc, __m512i x, const uint16_t *w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_loadu_si512(w));
 }
 
-static inline __attribute__((always_inline)) void gate_up_tile_bf16dp(
-    const int rows, int64_t H, const uint16_t *const *x, const uint16_t *w, uint16_t *const *h) {
-    __m512 g[ROWS], u[ROWS];
-    for (int r = 0; r < rows; r++) g[r] = u[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < H; k += 2) {
+/* a[r], b[r]: `rows` rows' dot products with a panel's columns 0-15 and 16-31, w [K/2][32][2]. */
+static inline __attribute__((always_inline)) void panel_dots_bf16dp(
+    const int rows, int64_t K, const uint16_t *const *x, const uint16_t *w, __m512 *a, __m512 *b) {
+    for (int r = 0; r < rows; r++) a[r] = b[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
         const uint16_t *wk = w + k * 32;
         for (int r = 0; r < rows; r++) {
             const __m512i xb = pair(x[r] + k);
-            g[r] = dot(g[r], xb, wk);
-            u[r] = dot(u[r], xb, wk + 32);
+            a[r] = dot(a[r], xb, wk);
+            b[r] = dot(b[r], xb, wk + 32);
         }
     }
+}
+
+static inline __attribute__((always_inline)) void gate_up_tile_bf16dp(
+    const int rows, int64_t H, const uint16_t *const *x, const uint16_t *w, uint16_t *const *h) {
+    __m512 g[ROWS], u[ROWS];
+    panel_dots_bf16dp(rows, H, x, w, g, u);
     for (int r = 0; r < rows; r++) {
         float gs[16], us[16];
         _mm512_storeu_ps(gs, g[r]);
@@ -194,15 +197,7 @@ static inline __attribute__((always_inline)) void gate_up_tile_bf16dp(
 static inline __attribute__((always_inline)) void down_tile_bf16dp(
     const int rows, int64_t I, const uint16_t *const *h, const uint16_t *w, const float *weight, float *const *y) {
     __m512 a[ROWS], b[ROWS];
-    for (int r = 0; r < rows; r++) a[r] = b[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < I; k += 2) {
-        const uint16_t *wk = w + k * 32;
-        for (int r = 0; r < rows; r++) {
-            const __m512i hb = pair(h[r] + k);
-            a[r] = dot(a[r], hb, wk);
-            b[r] = dot(b[r], hb, wk + 32);
-        }
-    }
+    panel_dots_bf16dp(rows, I, h, w, a, b);
     for (int r = 0; r < rows; r++) {
         _mm512_storeu_ps(y[r], a[r] * splat(weight[r]));
         _mm512_storeu_ps(y[r] + 16, b[r] * splat(weight[r]));
