@@ -320,7 +320,7 @@ def decode_attention(
             == out.dtype and heads % kv_heads == 0):
         raise ValueError("decode_attention needs a contiguous cache and output of q's dtype and shape")
     q = q.contiguous()
-    slots = slots.contiguous()
+    rows, reqs, slots, lens = (t.to(torch.int64).contiguous() for t in (rows, reqs, slots, lens))
     max_kv = slots.shape[1]
     scores = torch.empty(torch.get_num_threads(), heads // kv_heads, max_kv)
     getattr(_library, f"decode_attention_{_SUFFIX[q.dtype]}")(

@@ -4,17 +4,17 @@ Expert weights are stacked (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_
 layout transformers keeps in memory) but load and save under the checkpoint's per-expert names
 (``experts.N.gate_proj.weight`` ...; see ``fused.py``). Rows are sorted by expert once; each expert's rows
 go through its gate/up and down GEMMs, as one grouped GEMM for all experts (``torch._grouped_mm``: no host
-sync, one call) or as a loop of per-expert GEMMs (oneDNN-packed weights under ``fast`` without its kernel). Both give the same bits;
-on CPU their speed is within a few percent of each other from decode to prefill row counts
-(``benchmarks/moe_kernels.py``), so the grouped call is used wherever it exists. Slot outputs are weighted
+sync, one call) or as a loop of per-expert GEMMs (also oneDNN-packed ones, under ``fast`` without its
+kernel). Both give the same bits; on CPU their speed is within a few percent of each other from decode to
+prefill row counts (``benchmarks/moe_kernels.py``), so the grouped call is used wherever it exists. Slot outputs are weighted
 and summed per token in top-k order, as transformers' grouped-GEMM path does.
 
 The ``fast`` option (CPU, float32/bfloat16) serves the routed experts with one call per layer of its own
 kernel (``cpu_kernels.py``): it reads each expert's weights once per call while all of the expert's rows take
 their dot products, where GEMM libraries stream a few rows' weights at a fraction of the read bandwidth and
-cost a call per expert (measured on 2 threads of an AMD EPYC, stacks of the small preset's layers, 16 rows,
-16 experts, top-4: 1.6x faster than the dense two-GEMM path it replaced and 2.1-2.6x faster than a packed
-oneDNN GEMM per expert in float32; ``benchmarks/moe_kernels.py``). In float32 it also beats the per-expert
+cost a call per expert (measured on 2 threads of an AMD EPYC, stacks of the small preset's layers, 16 tokens,
+16 experts, top-4, float32: 1.8-2.7x faster than a packed oneDNN GEMM per expert, and at least 1.6x faster
+than the dense two-GEMM path it replaced; ``benchmarks/moe_kernels.py``). In float32 it also beats the per-expert
 GEMMs at prefill row counts, and so does bfloat16 on CPUs with AVX512-BF16 dot products, so its panel layout
 is the only copy of the weights. Without those dot products the kernel widens bfloat16 weights to float32 and
 oneDNN wins from about 16 rows per expert: there the per-expert packed copy serves the larger batches. Its
@@ -61,7 +61,7 @@ class StackedExperts(nn.Module):
             for part in ((f"{e}.gate_proj.weight", (e, slice(0, i))), (f"{e}.up_proj.weight", (e, slice(i, 2 * i))))
         ])
         fuse_parts(self, "down_proj", [(f"{e}.down_proj.weight", (e,)) for e in range(num_experts)])
-        # The fast option's copies: the expert kernel's panels (``cpu_kernels.pack``), and per-expert
+        # The fast option's copies: the expert kernel's panels (``cpu_kernels.pack_experts``), and per-expert
         # oneDNN-packed (gate_up, down) where the kernel is unavailable or (widened bfloat16) for large batches.
         self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
