@@ -53,6 +53,9 @@ UP_PANEL, DOWN_PANEL = 16, 32
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
+# Per Python thread: the C functions by name, and scratch buffers reused across calls (a decode step makes
+# hundreds of small calls; allocating their scratch each time cost as much as a small call's arithmetic).
+_local = threading.local()
 
 
 def _cache_dir() -> Path:
@@ -118,6 +121,27 @@ def available() -> bool:
 def _require() -> None:
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {_failure or 'OMNISTAGE_CPU_KERNELS=0'}")
+
+
+def _function(name: str):
+    functions = _local.__dict__.setdefault("functions", {})
+    fn = functions.get(name)
+    if fn is None:
+        fn = functions[name] = getattr(_library, name)
+    return fn
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype, fill: float | None = None) -> torch.Tensor:
+    """A flat CPU buffer of at least ``numel`` elements, this thread's own, reused by later calls (so only valid
+    until this thread's next call with the same name); ``fill``: its value everywhere."""
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)), dtype=dtype)
+        if fill is not None:
+            buf.fill_(fill)
+        buffers[name] = buf
+    return buf
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -188,11 +212,11 @@ def moe_experts(
     ids = ids.to(torch.int64).contiguous()
     weights = weights.float().contiguous()
     out = x.new_empty(tokens, hidden_p)
-    h = rows.new_empty(n, inter)
-    y = torch.empty(threads, n, DOWN_PANEL)
-    sort = torch.empty(2 * n + 2 * experts + 2, dtype=torch.int64)
-    pointers = torch.empty(threads * 2 * n, dtype=torch.int64)
-    getattr(_library, f"moe_experts_{_suffix(x.dtype, hidden)}")(
+    h = _scratch(f"h-{rows.dtype}", n * inter, rows.dtype)
+    y = _scratch("y", threads * n * DOWN_PANEL, torch.float32)
+    sort = _scratch("sort", 2 * n + 2 * experts + 2, torch.int64)
+    pointers = _scratch("pointers", threads * 2 * n, torch.int64)
+    _function(f"moe_experts_{_suffix(x.dtype, hidden)}")(
         tokens, top_k, experts, hidden, hidden_p, inter, rows.data_ptr(), ids.data_ptr(), weights.data_ptr(),
         panels_up.data_ptr(), panels_down.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
         h.data_ptr(), y.data_ptr(), sort.data_ptr(), pointers.data_ptr(), threads,
@@ -248,10 +272,10 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, ou
     tokens, padded = rows.shape[0], panels.shape[0] * DOWN_PANEL
     threads = torch.get_num_threads()
     out = rows.new_empty(tokens, padded)
-    y = torch.empty(threads, tokens, DOWN_PANEL)
-    pointers = torch.empty(threads * 2 * tokens, dtype=torch.int64)
-    ones = torch.ones(tokens)
-    getattr(_library, f"linear_{_suffix(x.dtype, in_features)}")(
+    y = _scratch("y", threads * tokens * DOWN_PANEL, torch.float32)
+    pointers = _scratch("pointers", threads * 2 * tokens, torch.int64)
+    ones = _scratch("ones", tokens, torch.float32, fill=1.0)
+    _function(f"linear_{_suffix(x.dtype, in_features)}")(
         tokens, in_features, padded, rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
         out.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), threads,
     )
