@@ -345,12 +345,12 @@ def decode_attention(
         raise ValueError("decode_attention needs a contiguous cache and output of q's dtype and shape")
     q = q.contiguous()
     rows, reqs, slots, lens = (t.to(torch.int64).contiguous() for t in (rows, reqs, slots, lens))
-    max_kv = slots.shape[1]
-    scores = torch.empty(torch.get_num_threads(), heads // kv_heads, max_kv)
-    getattr(_library, f"decode_attention_{_SUFFIX[q.dtype]}")(
+    max_kv, threads = slots.shape[1], torch.get_num_threads()
+    scores = _scratch("scores", threads * (heads // kv_heads) * max_kv, torch.float32)
+    _function(f"decode_attention_{_SUFFIX[q.dtype]}")(
         rows.numel(), heads, kv_heads, dim, q.data_ptr(), rows.data_ptr(), reqs.data_ptr(), kv_cache.data_ptr(),
         kv_cache.shape[1], slots.data_ptr(), lens.data_ptr(), max_kv, scale, out.data_ptr(), scores.data_ptr(),
-        torch.get_num_threads(),
+        threads,
     )
 
 
@@ -376,9 +376,9 @@ def snake_pointwise(
         raise ValueError("snake_pointwise needs float32 h and contiguous x of one [..., C] shape, C x C panels")
     h = h.contiguous()
     threads = torch.get_num_threads()
-    buf = torch.empty(threads, _ROWS_MAX * channels)
+    buf = _scratch("snake", threads * _ROWS_MAX * channels, torch.float32)
     args = [t.float().contiguous() for t in (alpha, scale, bias)]
-    _library.snake_pointwise_f32(
+    _function("snake_pointwise_f32")(
         h.numel() // channels, channels, h.data_ptr(), args[0].data_ptr(), args[1].data_ptr(), panels.data_ptr(),
         args[2].data_ptr(), x.data_ptr(), buf.data_ptr(), threads,
     )

@@ -326,11 +326,6 @@ DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
  *   q [*, H, D], cache [2, cache_slots, KVH, D] (q's element type), out [*, H, D]; D a multiple of 16, at most
  *   MAX_HEAD_DIM; slots [requests, max_kv] int64, lens [requests] int64; scores [threads, rep, max_kv] float32
  *   scratch. */
-static inline v16 load_any_f32(const float *p) { return load_f32(p); }
-static inline v16 load_any_bf16(const uint16_t *p) { return load_bf16(p); }
-static inline void store_any_f32(float *p, v16 v) { store_f32(p, v); }
-static inline void store_any_bf16(uint16_t *p, v16 v) { store_bf16(p, v); }
-
 static inline float hsum(v16 v) {
     float s[16], t = 0.0f;
     store_f32(s, v);
@@ -356,18 +351,18 @@ static inline float hsum(v16 v) {
             if (len <= 0) { /* no key (a padded row): zeros */                                             \
                 for (int64_t h = 0; h < rep; h++)                                                          \
                     for (int64_t c = 0; c < vecs; c++)                                                     \
-                        store_any_##SUFFIX(out + (rows[i] * H + g * rep + h) * D + c * 16, splat(0.0f));    \
+                        store_##SUFFIX(out + (rows[i] * H + g * rep + h) * D + c * 16, splat(0.0f));    \
                 continue;                                                                                  \
             }                                                                                              \
             v16 qv[MAX_HEAD_DIM / 16];                                                                     \
             for (int64_t h = 0; h < rep; h++) { /* scores, one head at a time (its q in registers) */       \
                 const T *qh = q + (rows[i] * H + g * rep + h) * D;                                          \
-                for (int64_t c = 0; c < vecs; c++) qv[c] = load_any_##SUFFIX(qh + c * 16) * splat(scale);    \
+                for (int64_t c = 0; c < vecs; c++) qv[c] = load_##SUFFIX(qh + c * 16) * splat(scale);    \
                 float *sh = s + h * max_kv;                                                                \
                 for (int64_t j = 0; j < len; j++) {                                                         \
                     const T *k = keys + (slots[r * max_kv + j] * KVH + g) * D;                              \
-                    v16 acc = qv[0] * load_any_##SUFFIX(k);                                                 \
-                    for (int64_t c = 1; c < vecs; c++) acc += qv[c] * load_any_##SUFFIX(k + c * 16);         \
+                    v16 acc = qv[0] * load_##SUFFIX(k);                                                 \
+                    for (int64_t c = 1; c < vecs; c++) acc += qv[c] * load_##SUFFIX(k + c * 16);         \
                     sh[j] = hsum(acc);                                                                     \
                 }                                                                                          \
                 float top = -INFINITY, total = 0.0f;                                                       \
@@ -382,10 +377,10 @@ static inline float hsum(v16 v) {
                 for (int64_t j = 0; j < len; j++) {                                                         \
                     const T *v = values + (slots[r * max_kv + j] * KVH + g) * D;                            \
                     const v16 p = splat(ph[j]);                                                            \
-                    for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_any_##SUFFIX(v + c * 16);          \
+                    for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_##SUFFIX(v + c * 16);          \
                 }                                                                                          \
                 T *o = out + (rows[i] * H + g * rep + h) * D;                                               \
-                for (int64_t c = 0; c < vecs; c++) store_any_##SUFFIX(o + c * 16, acc[c]);                 \
+                for (int64_t c = 0; c < vecs; c++) store_##SUFFIX(o + c * 16, acc[c]);                 \
             }                                                                                              \
         }                                                                                                  \
     }
