@@ -314,8 +314,9 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes():
 
 
 def test_math_attention_equals_sdpa_with_grouped_heads_and_the_frame_mask():
-    """The ``fast`` bfloat16 frame's attention (plain matmuls, query heads of a key/value head stacked as rows)
-    computes what ``scaled_dot_product_attention`` does: same heads paired, same positions masked."""
+    """The ``fast`` bfloat16 frame's attention (broadcast products and sums in float32, the query heads of a
+    key/value head sharing it) computes what ``scaled_dot_product_attention`` does: same heads paired, same
+    positions masked; bfloat16 inputs give bfloat16 out, rounded from the float32 result."""
     g = torch.Generator().manual_seed(9)
     q, k, v = torch.randn(3, 2, 8, 16, generator=g), torch.randn(3, 6, 2, 16, generator=g), torch.randn(3, 6, 2, 16, generator=g)
     positions = torch.tensor([3, 4])
@@ -325,6 +326,12 @@ def test_math_attention_equals_sdpa_with_grouped_heads_and_the_frame_mask():
     got = _math_attention(q, k, v, mask, 0.25)
     assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-6
     assert (got[:, 0] - _math_attention(q, k.roll(1, dims=1), v, mask, 0.25)[:, 0]).abs().max() > 1e-3  # keys matter
+    half = [t.bfloat16() for t in (q, k, v)]
+    got_half = _math_attention(*half, mask, 0.25)
+    want_half = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in half), attn_mask=mask, scale=0.25,
+                                               enable_gqa=True).transpose(1, 2)
+    assert got_half.dtype == torch.bfloat16
+    assert (got_half.float() - want_half).abs().max().item() <= 2 ** -8 * want_half.abs().max().item()  # one rounding
 
 
 def test_lazy_compiled_falls_back_to_the_eager_function():

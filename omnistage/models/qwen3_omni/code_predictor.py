@@ -71,8 +71,9 @@ class _FrameCache:
     A pass writes its rows' K/V at their positions and attends to every cached position up to its own
     through a mask over all Q slots, so every pass has the same shapes: one loop body (and one compiled
     graph) serves all of them. Unwritten slots are masked out (and zero, so they add exact zeros).
-    ``math``: attention as plain matmuls and a softmax, which a compiled graph fuses (the ``fast`` option in
-    bfloat16, where the CPU flash kernel is ~3x slower at these few keys; in float32 it is as fast), else
+    ``math``: attention as broadcast products, sums and a softmax in float32, which a compiled graph fuses into
+    a few loops (the ``fast`` option in bfloat16, where the CPU flash kernel is ~3x slower at these few keys and
+    batched matmuls cost a call per product; in float32 the flash kernel is as fast), else
     ``scaled_dot_product_attention``.
     """
 
@@ -106,16 +107,18 @@ class _FrameCache:
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, T, H, D] over k, v [B, Q, KVH, D] with mask [T, Q] -> [B, T, H, D]; the H // KVH query heads of a
-    key/value head are stacked as rows of one product (no key/value copies)."""
+    """q [B, T, H, D] over k, v [B, Q, KVH, D] with mask [T, Q] -> [B, T, H, D], as broadcast products and sums
+    (a compiled graph turns each into one loop, where batched matmuls of these few keys cost a call per
+    product); the H // KVH query heads of a key/value head share it without copies. Sums in float32."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
-    group = h // kvh
-    rows = q.reshape(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
-    scores = (rows @ k.permute(0, 2, 3, 1)) * scale  # [B, KVH, group * T, Q]
-    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
-    out = scores.softmax(-1) @ v.transpose(1, 2)  # [B, KVH, group * T, D]
-    return out.reshape(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    rows = q.reshape(b, t, kvh, h // kvh, 1, d).float()
+    keys = k.permute(0, 2, 1, 3)[:, None, :, None].float()  # [B, 1, KVH, 1, Q, D]
+    scores = (rows * keys).sum(-1) * scale  # [B, T, KVH, group, Q]
+    scores = scores.masked_fill(~mask[None, :, None, None, :], float("-inf"))
+    values = v.permute(0, 2, 1, 3)[:, None, :, None].float()
+    out = (scores.softmax(-1)[..., None] * values).sum(-2)  # [B, T, KVH, group, D]
+    return out.reshape(b, t, h, d).to(q.dtype)
 
 
 class StackedTables(nn.Module):
