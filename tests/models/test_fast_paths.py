@@ -5,7 +5,10 @@ sampling, and a sampled request's codes do not depend on its batch mates."""
 
 from __future__ import annotations
 
+import gc
+import mmap
 import shutil
+import sys
 import sysconfig
 
 import pytest
@@ -311,6 +314,35 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes():
         for got, got_sum in ((codes, embed_sum), eager_fast[i]):
             assert torch.equal(got, exact[i][0]), i
             assert (got_sum - exact[i][1]).abs().max().item() <= 1e-5, i
+
+
+def _resident_mb() -> int:
+    status = open("/proc/self/status").read()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) // 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                    reason="2 MB page advice is Linux's")
+def test_packed_weights_go_to_large_page_memory_which_is_freed_with_them():
+    """Weights the kernels stream (2 MB or more) are copied into 2 MB-aligned memory advised for huge pages;
+    smaller ones stay as they are; the copy equals the original and its memory is returned when it dies."""
+    small = torch.randn(16, 16)
+    assert cpu_kernels.in_large_pages(small) is small
+    weight = torch.randn(1024, 1024)
+    copy = cpu_kernels.in_large_pages(weight)
+    assert torch.equal(copy, weight) and copy.data_ptr() % (2 << 20) == 0
+    copy.add_(1)  # writable, its own memory
+    assert torch.equal(copy, weight + 1)
+    if cpu_kernels.available():
+        assert cpu_kernels.pack_linear(weight).data_ptr() % (2 << 20) == 0
+    source = torch.ones(64 << 18)  # 64 MB, resident before the count starts
+    gc.collect()
+    before = _resident_mb()
+    held = cpu_kernels.in_large_pages(source)
+    assert _resident_mb() - before >= 60
+    del held
+    gc.collect()
+    assert _resident_mb() - before <= 8
 
 
 def test_math_attention_equals_sdpa_with_grouped_heads_and_the_frame_mask():

@@ -20,6 +20,8 @@ omnistage cache directory; linked with glibc's vector math, libmvec). Without a 
 unavailable (logged once), and ``OMNISTAGE_CPU_KERNELS=0`` turns them off; layers then keep oneDNN's packed
 GEMMs and torch's attention and vocoder passes. Float rounding differs from the GEMMs' (sums in another
 order); a row's result does not depend on its batch mates or the thread count.
+
+Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import mmap
 import os
 import subprocess
 import sysconfig
@@ -144,6 +147,30 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, fill: float | None = Non
     return buf
 
 
+_LARGE_PAGE = 2 << 20
+
+
+def in_large_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (CPU) in memory that Linux is asked to back with 2 MB pages (``madvise``: transparent
+    huge pages in their ``madvise`` or ``always`` mode), for weights the kernels stream on every call: with 4 KB
+    pages, every 4 KB of a panel costs a TLB miss. Measured in one process against the same weights in 4 KB
+    pages, 16 rows: the float32 linear layers of one code-predictor pass (~36 MB) 3-18% faster, twelve bfloat16
+    Thinker expert layers 0-15%. ``t`` itself when smaller than a page or where such memory is unavailable.
+    The copy is freed with the tensor."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < _LARGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return t
+    try:
+        region = mmap.mmap(-1, nbytes + _LARGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it
+        offset = -whole.data_ptr() % _LARGE_PAGE
+        region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    except (OSError, ValueError) as exc:  # no such mapping or advice here: 4 KB pages serve
+        log.debug("no large pages for a %d-byte weight: %s", nbytes, exc)
+        return t
+    return whole[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
 def supports(weight: torch.Tensor) -> bool:
     """Whether stacked expert weights of this dtype and device can take the kernel (CPU, float32/bfloat16)."""
     return weight.device.type == "cpu" and weight.dtype in _SUFFIX
@@ -186,9 +213,9 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tenso
     else:
         halves = halves.view(experts, 2, inter_p // UP_PANEL, UP_PANEL, hidden).permute(0, 2, 4, 1, 3)
         padded = padded.view(experts, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p).transpose(2, 3)
-    panels_up = halves.reshape(experts, inter_p // UP_PANEL, hidden, 2 * UP_PANEL).contiguous()
-    panels_down = padded.reshape(experts, hidden_p // DOWN_PANEL, inter_p, DOWN_PANEL).contiguous()
-    return panels_up, panels_down
+    panels_up = halves.reshape(experts, inter_p // UP_PANEL, hidden, 2 * UP_PANEL)
+    panels_down = padded.reshape(experts, hidden_p // DOWN_PANEL, inter_p, DOWN_PANEL)
+    return in_large_pages(panels_up.contiguous()), in_large_pages(panels_down.contiguous())
 
 
 def moe_experts(
@@ -250,7 +277,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
         layout = padded.view(panels, DOWN_PANEL, in_features // 2, 2).permute(0, 2, 1, 3)
     else:
         layout = padded.view(panels, DOWN_PANEL, in_features).transpose(1, 2)
-    return layout.reshape(panels, in_features, DOWN_PANEL).contiguous()
+    return in_large_pages(layout.reshape(panels, in_features, DOWN_PANEL).contiguous())
 
 
 def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
