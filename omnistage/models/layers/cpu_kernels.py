@@ -289,8 +289,29 @@ def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | No
     return padded
 
 
+_DECODE_ROWS = 64  # linear calls up to this many rows reuse a workspace kept per row count
+
+
+def _linear_workspace(tokens: int, threads: int) -> tuple[int, int, int]:
+    """Addresses of this thread's scratch for a linear call: y [threads, tokens, 32] float32, pointers
+    [threads, 2 * tokens], ones [tokens] float32. Decode-sized calls (hundreds per step, a few row counts) keep
+    theirs per row count, addresses included; larger ones share the growing buffers."""
+    if tokens > _DECODE_ROWS:
+        return (_scratch("y", threads * tokens * DOWN_PANEL, torch.float32).data_ptr(),
+                _scratch("pointers", threads * 2 * tokens, torch.int64).data_ptr(),
+                _scratch("ones", tokens, torch.float32, fill=1.0).data_ptr())
+    kept = _local.__dict__.setdefault("linear_workspaces", {})
+    found = kept.get((tokens, threads))
+    if found is None:
+        buffers = (torch.empty(threads * tokens * DOWN_PANEL), torch.empty(threads * 2 * tokens, dtype=torch.int64),
+                   torch.ones(tokens))
+        found = kept[(tokens, threads)] = (buffers, tuple(b.data_ptr() for b in buffers))
+    return found[1]
+
+
 def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    _require()
+    if _library is None:
+        _require()
     in_features = panels.shape[1]
     if x.shape[-1] != in_features or x.dtype != panels.dtype or x.device.type != "cpu":
         raise ValueError(f"x must be [..., {in_features}] {panels.dtype} on the CPU, got {tuple(x.shape)} "
@@ -299,12 +320,10 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, ou
     tokens, padded = rows.shape[0], panels.shape[0] * DOWN_PANEL
     threads = torch.get_num_threads()
     out = rows.new_empty(tokens, padded)
-    y = _scratch("y", threads * tokens * DOWN_PANEL, torch.float32)
-    pointers = _scratch("pointers", threads * 2 * tokens, torch.int64)
-    ones = _scratch("ones", tokens, torch.float32, fill=1.0)
+    y, pointers, ones = _linear_workspace(tokens, threads)
     _function(f"linear_{_suffix(x.dtype, in_features)}")(
         tokens, in_features, padded, rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-        out.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), threads,
+        out.data_ptr(), int(x.dtype == torch.bfloat16), y, pointers, ones, threads,
     )
     if padded != out_features:
         out = out[:, :out_features]
