@@ -264,13 +264,17 @@ def attach_hf_timers(hf, family: str) -> StageTimers:
 
 
 def compile_note(engine) -> str:
-    """How the code predictor's frame ran: compiled (and how long the compiling first call took) or eager."""
+    """How the code predictor's frame ran: its passes in the CPU decoder-pass kernel, compiled (and how long the
+    compiling first call took) or eager."""
     talker = engine.orchestrator.stages.get("talker")
     runner = getattr(talker, "runner", None)  # none in this process with stage workers
     if runner is None:
         return "in a stage worker"
     part = getattr(runner.model, "talker", None)
-    compiler = getattr(getattr(part, "code_predictor", None), "frame_compiler", None)
+    predictor = getattr(part, "code_predictor", None)
+    if predictor is not None and predictor.pass_layers():
+        return "each pass's decoder layers in one CPU kernel call (cpu_kernels.decoder_pass), nothing compiled"
+    compiler = getattr(predictor, "frame_compiler", None)
     if compiler is None:
         return "eager (no compiled path)"
     if not compiler.active:

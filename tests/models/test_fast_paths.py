@@ -291,10 +291,17 @@ def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype,
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+@pytest.mark.parametrize("decoder_pass", [True, False])
 @torch.inference_mode()
-def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes():
-    """The ``fast`` code predictor: output heads packed (walked by a scanned index) and a graph free to fuse
-    norms and activations. Its rounding differs from the exact frame's, its picks do not (greedy and seeded)."""
+def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pass, monkeypatch):
+    """The ``fast`` code predictor: output heads packed (walked by a scanned index) and either every pass's
+    decoder layers in one ``cpu_kernels.decoder_pass`` call (where the kernels build) or a compiled frame free
+    to fuse norms and activations. Its rounding differs from the exact frame's, its picks do not (greedy and
+    seeded)."""
+    if decoder_pass and not cpu_kernels.available():
+        pytest.skip("no C compiler to build omnistage's CPU kernels")
+    if not decoder_pass:
+        monkeypatch.setattr(cpu_kernels, "supports_decoder_pass", lambda *args: False)
     cp = _predictor(groups=5, seed=3)
     g = torch.Generator().manual_seed(8)
     cases = [(4, [None, 31, None, 32]), (1, [None]), (3, [33, None, 34])]
@@ -304,16 +311,53 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes():
     exact = [cp.complete_frames(h, c0, e0, _generators(seeds)) for h, c0, e0, seeds in inputs]
     fast_kernels(cp, True)
     assert cp.packed_heads is not None and len(cp.packed_heads) == 4 and not cp.frame_compiler.exact
+    assert bool(cp.pass_layers()) == decoder_pass
     eager_fast = [cp.complete_frames(h, c0, e0, _generators(seeds)) for h, c0, e0, seeds in inputs]
     cp.frame_compiler.enabled = True
     cp.warm_up()
     assert cp.frame_compiler.failure is None, cp.frame_compiler.failure
+    assert (cp.frame_compiler.compile_seconds is None) == decoder_pass  # kernel frames need no graph
     for i, (h, c0, e0, seeds) in enumerate(inputs):
         with torch._dynamo.config.patch(error_on_recompile=True):
             codes, embed_sum = cp.complete_frames(h, c0, e0, _generators(seeds))
         for got, got_sum in ((codes, embed_sum), eager_fast[i]):
             assert torch.equal(got, exact[i][0]), i
             assert (got_sum - exact[i][1]).abs().max().item() <= 1e-5, i
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 16])  # the scalar and the 16-lane attention
+@torch.inference_mode()
+def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim):
+    """``cpu_kernels.decoder_pass``: every layer of a pass in one call equals the decoder layers attending over
+    the frame cache (a 2-row first pass, then a 1-row pass), float32 to rounding, bfloat16 to about one
+    rounding; the keys and values land in the caches at the rows' positions."""
+    if not cpu_kernels.supports_decoder_pass(dtype, 64, head_dim):
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    dec = DecoderConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                        intermediate_size=80, rms_norm_eps=1e-6, rope_theta=10000.0)
+    cp = _seeded(CodePredictor(CodePredictorConfig(dec, vocab_size=64, num_code_groups=5)), seed=11, std=0.2)
+    cp = cp.to(dtype)
+    fast_kernels(cp, True)
+    layers = cp.pass_layers()
+    assert len(layers) == 2
+    g = torch.Generator().manual_seed(12)
+    first, second = torch.randn(3, 2, 64, generator=g).to(dtype), torch.randn(3, 1, 64, generator=g).to(dtype)
+    cache = cp.new_cache(3, first)
+    caches = [first.new_zeros(3, 5, 2, head_dim) for _ in range(4)]
+    table = cpu_kernels.decoder_pass_table([(*w, caches[2 * i], caches[2 * i + 1]) for i, w in enumerate(layers)])
+    rope = (cp.model.rope_cos.to(dtype), cp.model.rope_sin.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    for x, position in ((first, 0), (second, 2)):
+        want = cp.model(x, torch.arange(position, position + x.shape[1]), cache)  # normed
+        got = cpu_kernels.decoder_pass(x.clone(), table, position, (4, 2, head_dim, 80, 5), rope, 1e-6)
+        got = cp.model.norm(got)
+        assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+    for i in range(2):
+        for mine, theirs in ((caches[2 * i], cache.k[i]), (caches[2 * i + 1], cache.v[i])):
+            assert (mine.float() - theirs.float()).abs().max().item() <= tol * theirs.float().abs().max().item()
+            assert mine[:, 3:].abs().max() == 0  # positions no pass reached stay empty
 
 
 def _resident_mb() -> int:

@@ -22,6 +22,9 @@ GEMMs and torch's attention and vocoder passes. Float rounding differs from the 
 order); a row's result does not depend on its batch mates or the thread count.
 
 Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
+
+``decoder_pass`` runs all layers of a small dense Qwen3 decoder for one pass in one call (the code
+predictor's passes under ``fast``: 15 per frame, on a few rows each).
 """
 
 from __future__ import annotations
@@ -94,6 +97,11 @@ def _build() -> ctypes.CDLL:
         linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
+    for suffix in ("f32", _DOT):
+        if hasattr(library, f"cp_pass_{suffix}"):
+            decoder_pass = getattr(library, f"cp_pass_{suffix}")
+            decoder_pass.restype = None
+            decoder_pass.argtypes = [pointer, pointer, i64, pointer, ctypes.c_float, ctypes.c_float, i32]
     for suffix in _SUFFIX.values():
         attention = getattr(library, f"decode_attention_{suffix}")
         attention.restype = None
@@ -427,5 +435,67 @@ def snake_pointwise(
     _function("snake_pointwise_f32")(
         h.numel() // channels, channels, h.data_ptr(), args[0].data_ptr(), args[1].data_ptr(), panels.data_ptr(),
         args[2].data_ptr(), x.data_ptr(), buf.data_ptr(), threads,
+    )
+    return x
+
+
+# -- the code predictor's decoder layers, one pass ---------------------------------------------------------
+
+
+def supports_decoder_pass(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
+    """Whether ``decoder_pass`` serves a Qwen3 decoder of this dtype and shape on the CPU (float32, or bfloat16
+    with AVX512-BF16 dot products; hidden size a multiple of 32)."""
+    return (
+        hidden % DOWN_PANEL == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and available()
+        and (dtype == torch.float32 or _dot_bf16(dtype, hidden))
+    )
+
+
+def decoder_pass_table(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The kernel's per-layer address table from (input norm weight, q/k/v panels, q norm weight, k norm weight,
+    o panels, post-attention norm weight, gate/up panels, down panels, K cache, V cache) per layer: norm weights
+    float32, panels from ``pack_linear`` (gate rows before up rows), caches [B, Q, kv_heads, head_dim] in the
+    model's dtype, all contiguous. The tensors must outlive the table's use."""
+    for layer in layers:
+        if len(layer) != 10 or not all(t.is_contiguous() and t.device.type == "cpu" for t in layer):
+            raise ValueError("each layer needs 10 contiguous CPU tensors")
+    return torch.tensor([[t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64)
+
+
+def decoder_pass(
+    x: torch.Tensor, table: torch.Tensor, first_position: int, shape: tuple[int, int, int, int, int],
+    rope: tuple[torch.Tensor, torch.Tensor], eps: float,
+) -> torch.Tensor:
+    """Every layer of a small Qwen3 decoder (RMSNorm, q/k/v, q/k norms, rotary, causal attention over a
+    per-request cache of the frame's positions, o, RMSNorm, SwiGLU, residuals) for one pass, in one call, in
+    place on x [B, S, H] (request b's rows at positions first_position .. first_position + S - 1; their keys
+    and values are written to the caches). The code predictor makes 15 passes per frame; as separate ops,
+    each layer of a pass is ~15 calls on 16 rows, each with its own dispatch and thread fork/join.
+
+    ``table``: ``decoder_pass_table``'s; ``shape``: (query heads, key/value heads, head size, intermediate
+    size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any float dtype);
+    ``eps``: the norms' epsilon. Returns x."""
+    _require()
+    batch, rows_per_request, hidden = x.shape
+    heads, kv_heads, head_dim, inter, positions = shape[:5]
+    if not (x.is_contiguous() and x.device.type == "cpu" and first_position + rows_per_request <= positions
+            and heads % kv_heads == 0):
+        raise ValueError("decoder_pass needs contiguous CPU rows within the cache's positions")
+    rows, threads = batch * rows_per_request, torch.get_num_threads()
+    qkv_width = _round_up((heads + 2 * kv_heads) * head_dim, DOWN_PANEL)
+    gate_up_width = _round_up(2 * inter, DOWN_PANEL)
+    widths = {"normed": hidden, "qkv": qkv_width, "attn": heads * head_dim, "gate_up": gate_up_width, "act": inter}
+    scratch = [_scratch(f"pass-{name}-{x.dtype}", rows * width, x.dtype) for name, width in widths.items()]
+    y = _scratch("pass-y", threads * rows * DOWN_PANEL, torch.float32)
+    pointers = _scratch("pass-pointers", threads * 2 * rows, torch.int64)
+    ones = _scratch("ones", rows, torch.float32, fill=1.0)
+    scores = _scratch("pass-scores", threads * positions, torch.float32)
+    cos, sin = (t.float().contiguous() for t in rope)
+    dims = torch.tensor([batch, rows_per_request, first_position, hidden, heads, kv_heads, head_dim, inter,
+                         positions, qkv_width, gate_up_width], dtype=torch.int64)
+    bufs = torch.tensor([x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(t.data_ptr() for t in scratch),
+                         y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), scores.data_ptr()], dtype=torch.int64)
+    _function(f"cp_pass_{'f32' if x.dtype == torch.float32 else _DOT}")(
+        dims.data_ptr(), table.data_ptr(), table.shape[0], bufs.data_ptr(), eps, head_dim**-0.5, threads,
     )
     return x

@@ -15,6 +15,8 @@ Two entry points share that loop:
   depends on its batch mates. With the noise fixed, the whole frame (all Q-1 passes and picks) is one pure
   function of tensors, which ``frame_compiler`` compiles into one graph for every batch size (the batch
   dimension is symbolic); norms, activations and sums keep their eager bits in it (``eager_in_graphs``).
+  Under ``fast`` on a CPU where omnistage's kernels build, each pass's decoder layers run as one
+  ``cpu_kernels.decoder_pass`` call instead (same passes, picks and random streams; no graph to compile).
 """
 
 from __future__ import annotations
@@ -240,6 +242,9 @@ class CodePredictor(nn.Module):
         # The output heads packed once ``pack_weights`` ran (the ``fast`` option): stacked panels
         # (``cpu_kernels``) or a list of oneDNN-packed weights.
         self.packed_heads: torch.Tensor | list[torch.Tensor] | None = None
+        # The decoder layers' weights as ``cpu_kernels.decoder_pass`` reads them, per layer, once the ``fast``
+        # option packed them ([] when the kernel cannot serve this predictor; None: not looked at yet).
+        self._pass_layers: list[tuple[torch.Tensor, ...]] | None = None
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True,
@@ -276,6 +281,61 @@ class CodePredictor(nn.Module):
         if self.packed_heads is not None:
             return packed_linear_at(hidden, self.packed_heads, head)
         return F.linear(hidden, head)
+
+    def pass_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        """The decoder layers' weights for ``cpu_kernels.decoder_pass`` ([] where it cannot serve: weights not
+        packed into panels, another dtype or device, biases, no q/k norms)."""
+        if not isinstance(self.packed_heads, torch.Tensor):  # not packed (yet), or packed for oneDNN
+            return []
+        if self._pass_layers is None:
+            self._pass_layers = self._collect_pass_layers()
+        return self._pass_layers
+
+    def _collect_pass_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        d = self.cfg.decoder
+        if d.qkv_bias or d.o_bias or not d.qk_norm:
+            return []
+        if not cpu_kernels.supports_decoder_pass(self.packed_heads.dtype, d.hidden_size, d.head_dim):
+            return []
+        layers = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(getattr(linear, "panels", None) is None for linear in linears):
+                return []
+            norms = [n.weight.detach().float().contiguous() for n in
+                     (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)]
+            layers.append((norms[0], attn.qkv_proj.panels, norms[1], norms[2], attn.o_proj.panels, norms[3],
+                           mlp.gate_up_proj.panels, mlp.down_proj.panels))
+        return layers
+
+    def _kernel_frame(
+        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_frame``'s passes with every pass's decoder layers in one ``cpu_kernels.decoder_pass`` call (the
+        ``fast`` option on CPU): the same rows, positions, heads, picks and embedding sum."""
+        d = self.cfg.decoder
+        batch, groups = talker_hidden.shape[0], self.num_code_groups
+        caches = [talker_hidden.new_zeros(batch, groups, d.num_kv_heads, d.head_dim) for _ in range(2 * d.num_layers)]
+        table = cpu_kernels.decoder_pass_table(
+            [(*weights, caches[2 * i], caches[2 * i + 1]) for i, weights in enumerate(self.pass_layers())])
+        shape = (d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size, groups)
+        rope = (self.model.rope_cos.to(talker_hidden.dtype), self.model.rope_sin.to(talker_hidden.dtype))
+
+        any_sampled = bool(sampled.any())  # decided once (torch.cond outside a graph costs ~1 ms a call)
+
+        def run(x: torch.Tensor, position: int, group: int) -> torch.Tensor:
+            cpu_kernels.decoder_pass(x, table, position, shape, rope, d.rms_norm_eps)
+            logits = self.logits(self.model.norm(x[:, -1]), group).float()
+            best = logits.argmax(-1)
+            return _draw_residual_codes(logits, sampled, noise[:, group - 1], best) if any_sampled else best
+
+        codes = [run(torch.stack((talker_hidden, code0_embed), dim=1), 0, 1)]
+        embeds = [code0_embed, self.embed_group(codes[0], 1)]
+        for group in range(2, groups):
+            codes.append(run(embeds[-1][:, None].clone(), group, group))  # the pass overwrites its rows
+            embeds.append(self.embed_group(codes[-1], group))
+        return torch.stack(codes, dim=1), embedding_sum(torch.stack(embeds, dim=1))
 
     def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
         d = self.cfg.decoder
@@ -384,6 +444,10 @@ class CodePredictor(nn.Module):
             raise ValueError(f"{len(generators)} generators for {batch} rows")
         sampled, noise = draw_residual_noise(generators, self.num_code_groups - 1, self.top_k, talker_hidden.device)
         args = [talker_hidden, code0_embed.to(talker_hidden.dtype), sampled, noise]
+        if self.pass_layers() and talker_hidden.dtype == self.packed_heads.dtype and talker_hidden.device.type == "cpu":
+            with torch.inference_mode():
+                residual, embed_sum = self._kernel_frame(*args)
+            return torch.cat((code0[:, None], residual), dim=1), embed_sum
         with torch.inference_mode():
             if batch == 1:
                 args = [torch.cat((a, a.new_ones(1, *a.shape[1:]) if a is noise else a.new_zeros(1, *a.shape[1:])))
@@ -397,8 +461,8 @@ class CodePredictor(nn.Module):
     def warm_up(self) -> None:
         """Compile the frame now (at load) rather than inside the first audio request's step, where every
         request of the stage would wait for it. No-op when compiling is off or has failed."""
-        if not self.frame_compiler.active or self.frame_compiler.compile_seconds is not None:
-            return
+        if not self.frame_compiler.active or self.frame_compiler.compile_seconds is not None or self.pass_layers():
+            return  # (frames whose passes take the decoder-pass kernel need no graph)
         # Two separate tensors, as real calls pass: dynamo guards on aliasing and storage offsets, and a shared
         # or sliced one would compile a graph that real calls never reuse.
         hidden, code0_embed = (self.lm_head.weight.new_zeros(2, self.cfg.decoder.hidden_size) for _ in range(2))

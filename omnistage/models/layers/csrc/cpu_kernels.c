@@ -303,30 +303,64 @@ DEFINE_LAYER(bf16, uint16_t, float, float)
 DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
 #endif
 
+/* A value as a tensor of the output's type holds it: rounded through bfloat16 when the output is bfloat16. */
+static inline v16 as_stored(v16 v, int bf16) {
+    if (!bf16) return v;
+    uint16_t tmp[16];
+    store_bf16(tmp, v);
+    return load_bf16(tmp);
+}
+
+static inline v16 load_columns(const void *out, int out_bf16, int64_t offset) {
+    return out_bf16 ? load_bf16((const uint16_t *)out + offset) : load_f32((const float *)out + offset);
+}
+
+/* A linear layer's panels shared among the threads of the enclosing parallel region (an orphaned `omp for`,
+ * ending in its barrier): out[t] = x[t] W^T + bias, or with `add` out[t] += (x[t] W^T + bias) rounded to
+ * out's type first (a residual, as separate ops would round). rows_in / rows_out / ys: this thread's. */
+#define DEFINE_LINEAR_PANELS(SUFFIX, WT, XT)                                                                 \
+    static void linear_panels_##SUFFIX(int64_t T, int64_t K, int64_t N, const XT *const *rows_in,           \
+                                       const WT *w, const float *bias, void *out, int out_bf16, int add,    \
+                                       const float *ys, float *const *rows_out, const float *ones) {        \
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < N / 32; p++) {                          \
+            down_panel_##SUFFIX(T, K, rows_in, w + p * K * 32, ones, rows_out,                             \
+                                T > ROWS ? w + (p + 1) * K * 32 : (const WT *)0);                           \
+            const v16 ba = bias ? load_f32(bias + p * 32) : splat(0.0f);                                   \
+            const v16 bb = bias ? load_f32(bias + p * 32 + 16) : splat(0.0f);                              \
+            for (int64_t t = 0; t < T; t++) {                                                              \
+                v16 a = load_f32(ys + t * 32) + ba, b = load_f32(ys + t * 32 + 16) + bb;                   \
+                const int64_t at = t * N + p * 32;                                                         \
+                if (add) {                                                                                 \
+                    a = as_stored(a, out_bf16) + load_columns(out, out_bf16, at);                          \
+                    b = as_stored(b, out_bf16) + load_columns(out, out_bf16, at + 16);                     \
+                }                                                                                          \
+                store_columns(out, out_bf16, at, a, b);                                                    \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+/* Row pointers for a linear call: rows_in[t] = x + t*K, rows_out[t] = this thread's ys + t*32. */
+#define LINEAR_ROWS(XT, T, K, x, ptrs, y, tid, rows_in, rows_out, ys)                                       \
+    void **rows_in = (ptrs) + (int64_t)(tid) * 2 * (T), **rows_out = rows_in + (T);                         \
+    float *ys = (y) + (int64_t)(tid) * (T) * 32;                                                            \
+    for (int64_t t = 0; t < (T); t++) {                                                                     \
+        rows_in[t] = (void *)((x) + t * (K));                                                               \
+        rows_out[t] = ys + t * 32;                                                                          \
+    }
+
 /* A linear layer, y = x W^T + bias, on the down projection's tiles (routing weight 1, exact):
  *   x [T, K] rows (XT), w [N/32, K, 32] panels, bias [N] float32 or NULL, out [T, N] float32 or bfloat16;
  *   y [threads, T, 32] float32 scratch, ptrs [threads, 2*T] pointer scratch, ones [T] float32 ones. */
 #define DEFINE_LINEAR(SUFFIX, WT, XT)                                                                        \
+    DEFINE_LINEAR_PANELS(SUFFIX, WT, XT)                                                                     \
     void linear_##SUFFIX(int64_t T, int64_t K, int64_t N, const XT *x, const WT *w, const float *bias,        \
                          void *out, int out_bf16, float *y, void **ptrs, const float *ones, int threads) {  \
         _Pragma("omp parallel num_threads(threads)") {                                                     \
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
-            void **rows_in = ptrs + (int64_t)tid * 2 * T, **rows_out = rows_in + T;                         \
-            float *ys = y + (int64_t)tid * T * 32;                                                          \
-            for (int64_t t = 0; t < T; t++) {                                                              \
-                rows_in[t] = (void *)(x + t * K);                                                          \
-                rows_out[t] = ys + t * 32;                                                                 \
-            }                                                                                              \
-            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < N / 32; p++) {                      \
-                down_panel_##SUFFIX(T, K, (const XT *const *)rows_in, w + p * K * 32, ones,                \
-                                    (float *const *)rows_out, w + (p + 1) * K * 32);                       \
-                const v16 ba = bias ? load_f32(bias + p * 32) : splat(0.0f);                               \
-                const v16 bb = bias ? load_f32(bias + p * 32 + 16) : splat(0.0f);                          \
-                for (int64_t t = 0; t < T; t++)                                                            \
-                    store_columns(out, out_bf16, t * N + p * 32, load_f32(ys + t * 32) + ba,               \
-                                  load_f32(ys + t * 32 + 16) + bb);                                        \
-            }                                                                                              \
+            LINEAR_ROWS(XT, T, K, x, ptrs, y, tid, rows_in, rows_out, ys)                                   \
+            linear_panels_##SUFFIX(T, K, N, (const XT *const *)rows_in, w, bias, out, out_bf16, 0, ys,     \
+                                   (float *const *)rows_out, ones);                                        \
         }                                                                                                  \
     }
 
@@ -450,3 +484,180 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
         }
     }
 }
+
+/* The code predictor's decoder layers for one pass of a frame (Qwen3: RMSNorm, q/k/v, per-head q/k RMSNorm,
+ * rotary, attention over the frame's cached positions, o, RMSNorm, SwiGLU; residuals), all layers in one
+ * parallel region: rows split between the threads for the row-wise steps, panels for the linear layers,
+ * (row, key/value head) pairs for attention. Each of these would otherwise be a call of its own, with its own
+ * fork and join of the threads, on a few rows. Values are rounded to the model's type where its separate ops
+ * store a tensor (bfloat16: after each norm, linear layer, rotary, attention and residual; SwiGLU once).
+ *   dims: B requests, S rows per request (request-major, at positions pos0 .. pos0+S-1), pos0, H, NQ query
+ *     heads, NKV key/value heads, D head size, I intermediate size, Q frame positions (the caches' length),
+ *     and the linear layers' padded output widths NQKV (>= (NQ + 2 NKV) D) and NGU (>= 2I); H % 32 == 0.
+ *   layers: L blocks of 10 addresses: input norm weight (float32 [H]), q/k/v panels, q norm, k norm weights
+ *     (float32 [D]), o panels, post-attention norm weight (float32 [H]), gate/up panels (the gate's rows
+ *     first), down panels, K cache, V cache ([B, Q, NKV, D] of the model's type).
+ *   bufs: x [B S, H] (updated in place), cos, sin (float32 [Q, D], the values the model uses), then scratch:
+ *     normed [R, H], qkv [R, NQKV], attn [R, NQ D], gate/up [R, NGU], act [R, I] (model's type), y [threads,
+ *     R, 32] float32, ptrs [threads, 2 R], ones [R] float32 ones, scores [threads, Q] float32.
+ *   eps: the norms' epsilon; scale: the attention's. */
+static inline float widen(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even (finite values) */
+}
+
+#pragma omp declare simd simdlen(16) notinbranch
+extern float expf(float);
+#pragma omp declare simd simdlen(16) notinbranch
+static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+static inline float get_f32(const float *p) { return *p; }
+static inline void put_f32(float *p, float v) { *p = v; }
+static inline float round_f32(float v) { return v; }
+static inline float get_bf16(const uint16_t *p) { return widen(*p); }
+static inline void put_bf16(uint16_t *p, float v) { *p = narrow(v); }
+static inline float round_bf16(float v) { return widen(narrow(v)); }
+
+/* weight * (x / rms(x)), the normalised row rounded to the model's type before the weight (Qwen3), into
+ * float32 `out` (rounded as stored) or the model's type `stored`. */
+#define DEFINE_ROW_NORM(TS, T)                                                                               \
+    static inline void row_norm_##TS(int64_t n, const T *x, const float *weight, float eps, float *out,     \
+                                     T *stored) {                                                          \
+        float squares = 0.0f;                                                                               \
+        for (int64_t c = 0; c < n; c++) squares += get_##TS(x + c) * get_##TS(x + c);                       \
+        const float inv = 1.0f / sqrtf(squares / (float)n + eps);                                           \
+        for (int64_t c = 0; c < n; c++) {                                                                   \
+            const float v = weight[c] * round_##TS(get_##TS(x + c) * inv);                                 \
+            if (out) out[c] = round_##TS(v);                                                                \
+            else put_##TS(stored + c, v);                                                                   \
+        }                                                                                                   \
+    }
+DEFINE_ROW_NORM(f32, float)
+DEFINE_ROW_NORM(bf16, uint16_t)
+
+#define DEFINE_PASS(SUFFIX, TS, WT, T)                                                                       \
+    void cp_pass_##SUFFIX(const int64_t *dims, const int64_t *layers, int64_t L, const int64_t *bufs,       \
+                          float eps, float scale, int threads) {                                           \
+        const int64_t B = dims[0], S = dims[1], pos0 = dims[2], H = dims[3], NQ = dims[4], NKV = dims[5];  \
+        const int64_t D = dims[6], I = dims[7], Q = dims[8], NQKV = dims[9], NGU = dims[10];               \
+        const int64_t R = B * S, rep = NQ / NKV, half = D / 2, bf16 = sizeof(T) == 2;                      \
+        T *x = (T *)bufs[0];                                                                               \
+        const float *cos_t = (const float *)bufs[1], *sin_t = (const float *)bufs[2];                      \
+        T *normed = (T *)bufs[3], *qkv = (T *)bufs[4], *attn = (T *)bufs[5], *gu = (T *)bufs[6];           \
+        T *act = (T *)bufs[7];                                                                             \
+        float *y = (float *)bufs[8], *scores = (float *)bufs[11];                                          \
+        void **ptrs = (void **)bufs[9];                                                                    \
+        const float *ones = (const float *)bufs[10];                                                       \
+        _Pragma("omp parallel num_threads(threads)") {                                                     \
+            int tid = 0;                                                                                   \
+            IF_OPENMP(tid = omp_get_thread_num();)                                                          \
+            void **rows_in = ptrs + (int64_t)tid * 2 * R, **rows_out = rows_in + R;                         \
+            float *ys = y + (int64_t)tid * R * 32, *s = scores + (int64_t)tid * Q;                          \
+            for (int64_t r = 0; r < R; r++) rows_out[r] = ys + r * 32;                                     \
+            float row[MAX_HEAD_DIM];                                                                       \
+            for (int64_t l = 0; l < L; l++) {                                                              \
+                const int64_t *a = layers + l * 10;                                                        \
+                const float *norm1 = (const float *)a[0], *qnorm = (const float *)a[2];                    \
+                const float *knorm = (const float *)a[3], *norm2 = (const float *)a[5];                    \
+                const WT *w_qkv = (const WT *)a[1], *w_o = (const WT *)a[4], *w_gu = (const WT *)a[6];     \
+                const WT *w_down = (const WT *)a[7];                                                       \
+                T *kc = (T *)a[8], *vc = (T *)a[9];                                                        \
+                /* input norm */                                                                           \
+                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
+                    row_norm_##TS(H, x + r * H, norm1, eps, 0, normed + r * H);                            \
+                for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                               \
+                linear_panels_##SUFFIX(R, H, NQKV, (const T *const *)rows_in, w_qkv, 0, qkv, bf16, 0, ys,   \
+                                       (float *const *)rows_out, ones);                                    \
+                /* q/k norms, rotary; k and v into the caches */                                           \
+                _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * (NQ + NKV); task++) { \
+                    const int64_t r = task / (NQ + NKV), head = task % (NQ + NKV);                         \
+                    const int64_t b = r / S, pos = pos0 + r % S;                                           \
+                    T *src = qkv + r * NQKV + head * D;                                                    \
+                    row_norm_##TS(D, src, head < NQ ? qnorm : knorm, eps, row, 0);                         \
+                    T *dst = head < NQ ? src : kc + ((b * Q + pos) * NKV + (head - NQ)) * D;               \
+                    const float *cs = cos_t + pos * D, *sn = sin_t + pos * D;                              \
+                    for (int64_t d = 0; d < D; d++) {                                                      \
+                        const float turned = d < half ? -row[d + half] : row[d - half];                    \
+                        put_##TS(dst + d, round_##TS(row[d] * cs[d]) + round_##TS(turned * sn[d]));        \
+                    }                                                                                      \
+                    if (head >= NQ) { /* its value head too */                                             \
+                        const T *v = qkv + r * NQKV + (NQ + NKV) * D + (head - NQ) * D;                    \
+                        memcpy(vc + ((b * Q + pos) * NKV + (head - NQ)) * D, v, (size_t)D * sizeof(T));    \
+                    }                                                                                      \
+                }                                                                                          \
+                /* attention over positions 0 .. pos of the request's frame */                             \
+                _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * NQ; task++) {         \
+                    const int64_t r = task / NQ, h = task % NQ, g = h / rep, b = r / S, len = pos0 + r % S + 1; \
+                    const T *q = qkv + r * NQKV + h * D;                                                   \
+                    T *o = attn + r * NQ * D + h * D;                                                      \
+                    float top = -INFINITY, total = 0.0f;                                                   \
+                    if (D % 16 == 0) { /* 16 lanes at a time (head sizes 64, 128) */                       \
+                        v16 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];                                 \
+                        for (int64_t c = 0; c < D / 16; c++) qv[c] = load_##TS(q + c * 16);                \
+                        for (int64_t j = 0; j < len; j++) {                                                \
+                            const T *k = kc + ((b * Q + j) * NKV + g) * D;                                 \
+                            v16 dot = qv[0] * load_##TS(k);                                                \
+                            for (int64_t c = 1; c < D / 16; c++) dot += qv[c] * load_##TS(k + c * 16);     \
+                            s[j] = hsum(dot) * scale;                                                      \
+                            top = s[j] > top ? s[j] : top;                                                 \
+                        }                                                                                  \
+                        for (int64_t j = 0; j < len; j++) total += (s[j] = expf(s[j] - top));              \
+                        for (int64_t c = 0; c < D / 16; c++) acc[c] = splat(0.0f);                         \
+                        for (int64_t j = 0; j < len; j++) {                                                \
+                            const T *v = vc + ((b * Q + j) * NKV + g) * D;                                 \
+                            const v16 p = splat(s[j] / total);                                             \
+                            for (int64_t c = 0; c < D / 16; c++) acc[c] += p * load_##TS(v + c * 16);      \
+                        }                                                                                  \
+                        for (int64_t c = 0; c < D / 16; c++) store_##TS(o + c * 16, acc[c]);               \
+                        continue;                                                                          \
+                    }                                                                                      \
+                    for (int64_t j = 0; j < len; j++) {                                                    \
+                        const T *k = kc + ((b * Q + j) * NKV + g) * D;                                     \
+                        float dot = 0.0f;                                                                  \
+                        for (int64_t d = 0; d < D; d++) dot += get_##TS(q + d) * get_##TS(k + d);          \
+                        s[j] = dot * scale;                                                                \
+                        top = s[j] > top ? s[j] : top;                                                     \
+                    }                                                                                      \
+                    for (int64_t j = 0; j < len; j++) total += (s[j] = expf(s[j] - top));                  \
+                    for (int64_t d = 0; d < D; d++) row[d] = 0.0f;                                         \
+                    for (int64_t j = 0; j < len; j++) {                                                    \
+                        const T *v = vc + ((b * Q + j) * NKV + g) * D;                                     \
+                        const float p = s[j] / total;                                                      \
+                        for (int64_t d = 0; d < D; d++) row[d] += p * get_##TS(v + d);                     \
+                    }                                                                                      \
+                    for (int64_t d = 0; d < D; d++) put_##TS(o + d, row[d]);                               \
+                }                                                                                          \
+                for (int64_t r = 0; r < R; r++) rows_in[r] = attn + r * NQ * D;                            \
+                linear_panels_##SUFFIX(R, NQ * D, H, (const T *const *)rows_in, w_o, 0, x, bf16, 1, ys,    \
+                                       (float *const *)rows_out, ones);                                    \
+                /* post-attention norm, SwiGLU MLP */                                                      \
+                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
+                    row_norm_##TS(H, x + r * H, norm2, eps, 0, normed + r * H);                           \
+                for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                               \
+                linear_panels_##SUFFIX(R, H, NGU, (const T *const *)rows_in, w_gu, 0, gu, bf16, 0, ys,     \
+                                       (float *const *)rows_out, ones);                                    \
+                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                       \
+                    const T *gate = gu + r * NGU, *up = gate + I;                                          \
+                    T *out = act + r * I;                                                                  \
+                    _Pragma("omp simd") for (int64_t i = 0; i < I; i++)                                    \
+                        put_##TS(out + i, swiglu_lane(get_##TS(gate + i), get_##TS(up + i)));             \
+                }                                                                                          \
+                for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                  \
+                linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, w_down, 0, x, bf16, 1, ys,      \
+                                       (float *const *)rows_out, ones);                                    \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+DEFINE_PASS(f32, f32, float, float)
+#if defined(__AVX512BF16__)
+DEFINE_PASS(bf16dp, bf16, uint16_t, uint16_t)
+#endif
