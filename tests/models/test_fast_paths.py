@@ -349,11 +349,22 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim):
     table = cpu_kernels.decoder_pass_table([(*w, caches[2 * i], caches[2 * i + 1]) for i, w in enumerate(layers)])
     rope = (cp.model.rope_cos.to(dtype), cp.model.rope_sin.to(dtype))
     tol = 1e-5 if dtype == torch.float32 else 2**-6
+    norm = cp.model.norm.weight.float()
     for x, position in ((first, 0), (second, 2)):
         want = cp.model(x, torch.arange(position, position + x.shape[1]), cache)  # normed
         got = cpu_kernels.decoder_pass(x.clone(), table, position, (4, 2, head_dim, 80, 5), rope, 1e-6)
         got = cp.model.norm(got)
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+    # With the head: the last row's final norm, the group's logits and their argmax in the same call.
+    for caches_i in caches:
+        caches_i.zero_()
+    cpu_kernels.decoder_pass(first.clone(), table, 0, (4, 2, head_dim, 80, 5), rope, 1e-6)
+    logits, picks = cpu_kernels.decoder_pass(second.clone(), table, 2, (4, 2, head_dim, 80, 5), rope, 1e-6,
+                                             (norm, cp.packed_heads[1], 64))
+    want_logits = cp.logits(want[:, -1], 2).float()
+    assert logits.shape == (3, 64) and logits.dtype == dtype
+    assert (logits.float() - want_logits).abs().max().item() <= 4 * tol * want_logits.abs().max().item()
+    assert torch.equal(picks, logits.float().argmax(-1))
     for i in range(2):
         for mine, theirs in ((caches[2 * i], cache.k[i]), (caches[2 * i + 1], cache.v[i])):
             assert (mine.float() - theirs.float()).abs().max().item() <= tol * theirs.float().abs().max().item()

@@ -465,7 +465,8 @@ def decoder_pass_table(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
 def decoder_pass(
     x: torch.Tensor, table: torch.Tensor, first_position: int, shape: tuple[int, int, int, int, int],
     rope: tuple[torch.Tensor, torch.Tensor], eps: float,
-) -> torch.Tensor:
+    head: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a small Qwen3 decoder (RMSNorm, q/k/v, q/k norms, rotary, causal attention over a
     per-request cache of the frame's positions, o, RMSNorm, SwiGLU, residuals) for one pass, in one call, in
     place on x [B, S, H] (request b's rows at positions first_position .. first_position + S - 1; their keys
@@ -474,7 +475,10 @@ def decoder_pass(
 
     ``table``: ``decoder_pass_table``'s; ``shape``: (query heads, key/value heads, head size, intermediate
     size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any float dtype);
-    ``eps``: the norms' epsilon. Returns x."""
+    ``eps``: the norms' epsilon. Returns x; with ``head`` = (final norm weight float32 [H], ``pack_linear``
+    panels of the output head, vocabulary size), each request's last row also takes the final norm and the head
+    in the same call, and it returns (logits [B, vocabulary] in x's dtype, argmax picks [B] int64: the first of
+    equal maxima, as ``torch.argmax``)."""
     _require()
     batch, rows_per_request, hidden = x.shape
     heads, kv_heads, head_dim, inter, positions = shape[:5]
@@ -491,11 +495,21 @@ def decoder_pass(
     ones = _scratch("ones", rows, torch.float32, fill=1.0)
     scores = _scratch("pass-scores", threads * positions, torch.float32)
     cos, sin = (t.float().contiguous() for t in rope)
+    vocab, head_ptrs = 0, [0] * 5
+    if head is not None:
+        norm, panels, vocab = head
+        if norm.dtype != torch.float32 or panels.dtype != x.dtype or panels.shape[1] != hidden:
+            raise ValueError("the head needs a float32 norm weight and panels of x's dtype over the hidden size")
+        logits = x.new_empty(batch, panels.shape[0] * DOWN_PANEL)
+        picks = torch.empty(batch, dtype=torch.int64)
+        last = _scratch(f"pass-last-{x.dtype}", batch * hidden, x.dtype)
+        head_ptrs = [norm.data_ptr(), panels.data_ptr(), logits.data_ptr(), picks.data_ptr(), last.data_ptr()]
     dims = torch.tensor([batch, rows_per_request, first_position, hidden, heads, kv_heads, head_dim, inter,
-                         positions, qkv_width, gate_up_width], dtype=torch.int64)
+                         positions, qkv_width, gate_up_width, vocab, _round_up(vocab, DOWN_PANEL)], dtype=torch.int64)
     bufs = torch.tensor([x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(t.data_ptr() for t in scratch),
-                         y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), scores.data_ptr()], dtype=torch.int64)
+                         y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), scores.data_ptr(), *head_ptrs],
+                        dtype=torch.int64)
     _function(f"cp_pass_{'f32' if x.dtype == torch.float32 else _DOT}")(
         dims.data_ptr(), table.data_ptr(), table.shape[0], bufs.data_ptr(), eps, head_dim**-0.5, threads,
     )
-    return x
+    return x if head is None else (logits[:, :vocab], picks)

@@ -320,15 +320,16 @@ class CodePredictor(nn.Module):
         table = cpu_kernels.decoder_pass_table(
             [(*weights, caches[2 * i], caches[2 * i + 1]) for i, weights in enumerate(self.pass_layers())])
         shape = (d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size, groups)
-        rope = (self.model.rope_cos.to(talker_hidden.dtype), self.model.rope_sin.to(talker_hidden.dtype))
-
+        # The values the model uses (rounded to its dtype), in float32 once per frame.
+        rope = tuple(t.to(talker_hidden.dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
+        norm = self.model.norm.weight.detach().float()
         any_sampled = bool(sampled.any())  # decided once (torch.cond outside a graph costs ~1 ms a call)
 
         def run(x: torch.Tensor, position: int, group: int) -> torch.Tensor:
-            cpu_kernels.decoder_pass(x, table, position, shape, rope, d.rms_norm_eps)
-            logits = self.logits(self.model.norm(x[:, -1]), group).float()
-            best = logits.argmax(-1)
-            return _draw_residual_codes(logits, sampled, noise[:, group - 1], best) if any_sampled else best
+            # The pass ends with the final norm, this group's head and the argmax, in the same call.
+            head = (norm, self.packed_heads[group - 1], self.cfg.vocab_size)
+            logits, best = cpu_kernels.decoder_pass(x, table, position, shape, rope, d.rms_norm_eps, head)
+            return _draw_residual_codes(logits.float(), sampled, noise[:, group - 1], best) if any_sampled else best
 
         codes = [run(torch.stack((talker_hidden, code0_embed), dim=1), 0, 1)]
         embeds = [code0_embed, self.embed_group(codes[0], 1)]

@@ -499,7 +499,10 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
  *     first), down panels, K cache, V cache ([B, Q, NKV, D] of the model's type).
  *   bufs: x [B S, H] (updated in place), cos, sin (float32 [Q, D], the values the model uses), then scratch:
  *     normed [R, H], qkv [R, NQKV], attn [R, NQ D], gate/up [R, NGU], act [R, I] (model's type), y [threads,
- *     R, 32] float32, ptrs [threads, 2 R], ones [R] float32 ones, scores [threads, Q] float32.
+ *     R, 32] float32, ptrs [threads, 2 R], ones [R] float32 ones, scores [threads, Q] float32; and for the
+ *     output head (bufs[12] NULL: none): the final norm's weight (float32 [H]), the head's panels, logits
+ *     [B, VP] of the model's type, the picks [B] int64 (each request's argmax, the first of equal maxima),
+ *     normed last rows [B, H] scratch; dims[11], dims[12]: the vocabulary V and its padded width VP.
  *   eps: the norms' epsilon; scale: the attention's. */
 static inline float widen(uint16_t b) {
     const uint32_t bits = (uint32_t)b << 16;
@@ -653,6 +656,22 @@ DEFINE_ROW_NORM(bf16, uint16_t)
                 for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                  \
                 linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, w_down, 0, x, bf16, 1, ys,      \
                                        (float *const *)rows_out, ones);                                    \
+            }                                                                                              \
+            if (bufs[12]) { /* each request's last row: final norm, output head, argmax */                \
+                const int64_t V = dims[11], VP = dims[12];                                                 \
+                T *last = (T *)bufs[16], *logits = (T *)bufs[14];                                          \
+                int64_t *picks = (int64_t *)bufs[15];                                                      \
+                _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++)                         \
+                    row_norm_##TS(H, x + (b * S + S - 1) * H, (const float *)bufs[12], eps, 0, last + b * H); \
+                for (int64_t b = 0; b < B; b++) rows_in[b] = last + b * H;                                 \
+                linear_panels_##SUFFIX(B, H, VP, (const T *const *)rows_in, (const WT *)bufs[13], 0, logits, \
+                                       bf16, 0, ys, (float *const *)rows_out, ones);                       \
+                _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++) {                       \
+                    int64_t best = 0;                                                                      \
+                    for (int64_t v = 1; v < V; v++)                                                        \
+                        if (get_##TS(logits + b * VP + v) > get_##TS(logits + b * VP + best)) best = v;     \
+                    picks[b] = best;                                                                       \
+                }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
     }
