@@ -10,6 +10,8 @@ Prints generated tokens/s for each and the ratios. Greedy, fixed output length (
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -49,12 +51,15 @@ def run_omnistage(omni, texts, lens) -> tuple[float, int]:
 
 
 def resolve_model(model: str | None, preset: str, family: str = "qwen3_omni") -> str:
-    """The given checkpoint dir, or the family's preset built into a temp dir (seed 0)."""
+    """The given checkpoint dir, or the family's preset built into a temp dir (seed 0), removed when the process
+    exits (the small preset is ~0.7 GB: runs must not leave one behind each)."""
     if model is not None:
         return model
     from omnistage.testing.checkpoint import build_checkpoint
 
-    return str(build_checkpoint(Path(tempfile.mkdtemp()) / preset, preset=preset, seed=0, family=family))
+    root = Path(tempfile.mkdtemp(prefix="omnistage-bench-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return str(build_checkpoint(root / preset, preset=preset, seed=0, family=family))
 
 
 def hf_inputs(tok, texts):
