@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from omnistage.core.cache_dir import cache_root
+
 DEFAULT_PRESET = "tiny"
 DEFAULT_SEED = 0
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage"))
 
 
 def builder_fingerprint() -> str:

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from omnistage.core.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -65,7 +67,7 @@ _local = threading.local()
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("OMNISTAGE_CACHE", Path.home() / ".cache" / "omnistage")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _build() -> ctypes.CDLL:
