@@ -323,8 +323,7 @@ static inline v16 load_columns(const void *out, int out_bf16, int64_t offset) {
                                        const WT *w, const float *bias, void *out, int out_bf16, int add,    \
                                        const float *ys, float *const *rows_out, const float *ones) {        \
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < N / 32; p++) {                          \
-            down_panel_##SUFFIX(T, K, rows_in, w + p * K * 32, ones, rows_out,                             \
-                                T > ROWS ? w + (p + 1) * K * 32 : (const WT *)0);                           \
+            down_panel_##SUFFIX(T, K, rows_in, w + p * K * 32, ones, rows_out, w + (p + 1) * K * 32);      \
             const v16 ba = bias ? load_f32(bias + p * 32) : splat(0.0f);                                   \
             const v16 bb = bias ? load_f32(bias + p * 32 + 16) : splat(0.0f);                              \
             for (int64_t t = 0; t < T; t++) {                                                              \
