@@ -276,18 +276,19 @@ def supports_linear(weight: torch.Tensor) -> bool:
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """Linear weight [N, K] -> panels [N'/32, K, 32] (N padded to N' by zero rows; for bfloat16 dot products
-    the input indices in pairs per column, ``[K/2][32][2]``, same shape)."""
+    """Linear weight [..., N, K] -> panels [..., N'/32, K, 32] (N padded to N' by zero rows; for bfloat16 dot
+    products the input indices in pairs per column, ``[K/2][32][2]``, same shape); leading dims stack weights
+    (one copy for all of them)."""
     _require()
-    out_features, in_features = weight.shape
-    padded = weight.new_zeros(_round_up(out_features, DOWN_PANEL), in_features)
-    padded[:out_features] = weight
-    panels = padded.shape[0] // DOWN_PANEL
+    *lead, out_features, in_features = weight.shape
+    padded = weight.new_zeros(*lead, _round_up(out_features, DOWN_PANEL), in_features)
+    padded[..., :out_features, :] = weight
+    panels = padded.shape[-2] // DOWN_PANEL
     if _dot_bf16(weight.dtype, in_features):
-        layout = padded.view(panels, DOWN_PANEL, in_features // 2, 2).permute(0, 2, 1, 3)
+        layout = padded.view(*lead, panels, DOWN_PANEL, in_features // 2, 2).transpose(-3, -2)
     else:
-        layout = padded.view(panels, DOWN_PANEL, in_features).transpose(1, 2)
-    return in_large_pages(layout.reshape(panels, in_features, DOWN_PANEL).contiguous())
+        layout = padded.view(*lead, panels, DOWN_PANEL, in_features).transpose(-2, -1)
+    return in_large_pages(layout.reshape(*lead, panels, in_features, DOWN_PANEL).contiguous())
 
 
 def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
@@ -402,7 +403,7 @@ def decode_attention(
     q = q.contiguous()
     rows, reqs, slots, lens = (t.to(torch.int64).contiguous() for t in (rows, reqs, slots, lens))
     max_kv, threads = slots.shape[1], torch.get_num_threads()
-    scores = _scratch("scores", threads * (heads // kv_heads) * max_kv, torch.float32)
+    scores = _scratch("scores", threads * max_kv, torch.float32)
     _function(f"decode_attention_{_SUFFIX[q.dtype]}")(
         rows.numel(), heads, kv_heads, dim, q.data_ptr(), rows.data_ptr(), reqs.data_ptr(), kv_cache.data_ptr(),
         kv_cache.shape[1], slots.data_ptr(), lens.data_ptr(), max_kv, scale, out.data_ptr(), scores.data_ptr(),

@@ -260,7 +260,7 @@ class CodePredictor(nn.Module):
         are packed as ``nn.Linear``s) and the compiled frame free to fuse norms and activations its own way."""
         weight = self.lm_head.weight.detach()
         if cpu_kernels.supports_linear(weight[0]):
-            self.packed_heads = cpu_kernels.in_large_pages(torch.stack([cpu_kernels.pack_linear(w) for w in weight]))
+            self.packed_heads = cpu_kernels.pack_linear(weight)
         elif can_pack(weight):
             self.packed_heads = [pack_weight(w, batch_hint) for w in weight]
         else:

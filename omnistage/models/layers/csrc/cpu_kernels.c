@@ -338,15 +338,6 @@ static inline v16 load_columns(const void *out, int out_bf16, int64_t offset) {
         }                                                                                                  \
     }
 
-/* Row pointers for a linear call: rows_in[t] = x + t*K, rows_out[t] = this thread's ys + t*32. */
-#define LINEAR_ROWS(XT, T, K, x, ptrs, y, tid, rows_in, rows_out, ys)                                       \
-    void **rows_in = (ptrs) + (int64_t)(tid) * 2 * (T), **rows_out = rows_in + (T);                         \
-    float *ys = (y) + (int64_t)(tid) * (T) * 32;                                                            \
-    for (int64_t t = 0; t < (T); t++) {                                                                     \
-        rows_in[t] = (void *)((x) + t * (K));                                                               \
-        rows_out[t] = ys + t * 32;                                                                          \
-    }
-
 /* A linear layer, y = x W^T + bias, on the down projection's tiles (routing weight 1, exact):
  *   x [T, K] rows (XT), w [N/32, K, 32] panels, bias [N] float32 or NULL, out [T, N] float32 or bfloat16;
  *   y [threads, T, 32] float32 scratch, ptrs [threads, 2*T] pointer scratch, ones [T] float32 ones. */
@@ -357,7 +348,12 @@ static inline v16 load_columns(const void *out, int out_bf16, int64_t offset) {
         _Pragma("omp parallel num_threads(threads)") {                                                     \
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
-            LINEAR_ROWS(XT, T, K, x, ptrs, y, tid, rows_in, rows_out, ys)                                   \
+            void **rows_in = ptrs + (int64_t)tid * 2 * T, **rows_out = rows_in + T;                         \
+            float *ys = y + (int64_t)tid * T * 32;                                                          \
+            for (int64_t t = 0; t < T; t++) {                                                              \
+                rows_in[t] = (void *)(x + t * K);                                                          \
+                rows_out[t] = ys + t * 32;                                                                 \
+            }                                                                                              \
             linear_panels_##SUFFIX(T, K, N, (const XT *const *)rows_in, w, bias, out, out_bf16, 0, ys,     \
                                    (float *const *)rows_out, ones);                                        \
         }                                                                                                  \
@@ -375,7 +371,7 @@ DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
  * j < lens[r] at cache slots slots[r, j], a softmax in float32 (max subtracted), and the weighted sum of the
  * values. Threads split the (row, key/value head) pairs.
  *   q [*, H, D], cache [2, cache_slots, KVH, D] (q's element type), out [*, H, D]; D a multiple of 16, at most
- *   MAX_HEAD_DIM; slots [requests, max_kv] int64, lens [requests] int64; scores [threads, rep, max_kv] float32
+ *   MAX_HEAD_DIM; slots [requests, max_kv] int64, lens [requests] int64; scores [threads, max_kv] float32
  *   scratch. */
 static inline float hsum(v16 v) {
     float s[16], t = 0.0f;
@@ -385,53 +381,58 @@ static inline float hsum(v16 v) {
 }
 
 #define MAX_HEAD_DIM 256
+/* One query head's attention over `len` positions (float32 scores and softmax, the max subtracted): position
+ * j's key and value at keys / values + at(j) * stride, at(j) = slots ? slots[j] : j; q scaled first. s: `len`
+ * floats of scratch; D a multiple of 16. */
+#define DEFINE_ATTEND_HEAD(SUFFIX, T)                                                                        \
+    static inline void attend_head_##SUFFIX(int64_t D, int64_t len, const T *q, float scale, const T *keys,  \
+                                            const T *values, int64_t stride, const int64_t *slots, float *s, \
+                                            T *out) {                                                       \
+        const int64_t vecs = D / 16;                                                                        \
+        v16 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];                                                  \
+        for (int64_t c = 0; c < vecs; c++) qv[c] = load_##SUFFIX(q + c * 16) * splat(scale);                \
+        float top = -INFINITY, total = 0.0f;                                                                \
+        for (int64_t j = 0; j < len; j++) {                                                                 \
+            const T *k = keys + (slots ? slots[j] : j) * stride;                                            \
+            v16 dot = qv[0] * load_##SUFFIX(k);                                                             \
+            for (int64_t c = 1; c < vecs; c++) dot += qv[c] * load_##SUFFIX(k + c * 16);                    \
+            s[j] = hsum(dot);                                                                               \
+            top = s[j] > top ? s[j] : top;                                                                  \
+        }                                                                                                   \
+        for (int64_t j = 0; j < len; j++) total += (s[j] = expf(s[j] - top));                               \
+        for (int64_t j = 0; j < len; j++) s[j] /= total;                                                    \
+        for (int64_t c = 0; c < vecs; c++) acc[c] = splat(0.0f);                                            \
+        for (int64_t j = 0; j < len; j++) {                                                                 \
+            const T *v = values + (slots ? slots[j] : j) * stride;                                          \
+            const v16 p = splat(s[j]);                                                                      \
+            for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_##SUFFIX(v + c * 16);                     \
+        }                                                                                                   \
+        for (int64_t c = 0; c < vecs; c++) store_##SUFFIX(out + c * 16, acc[c]);                            \
+    }
+DEFINE_ATTEND_HEAD(f32, float)
+DEFINE_ATTEND_HEAD(bf16, uint16_t)
+
 #define DEFINE_DECODE_ATTENTION(SUFFIX, T)                                                                   \
     void decode_attention_##SUFFIX(int64_t n, int64_t H, int64_t KVH, int64_t D, const T *q,                \
                                    const int64_t *rows, const int64_t *reqs, const T *cache,               \
                                    int64_t cache_slots,                                                    \
                                    const int64_t *slots, const int64_t *lens, int64_t max_kv, float scale, \
                                    T *out, float *scores, int threads) {                                   \
-        const int64_t rep = H / KVH, vecs = D / 16;                                                        \
+        const int64_t rep = H / KVH;                                                                       \
         const T *keys = cache, *values = cache + cache_slots * KVH * D;                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                  \
         for (int64_t task = 0; task < n * KVH; task++) {                                                    \
             const int64_t i = task / KVH, g = task % KVH, r = reqs[i], len = lens[r];                     \
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
-            float *s = scores + (int64_t)tid * rep * max_kv;                                               \
-            if (len <= 0) { /* no key (a padded row): zeros */                                             \
-                for (int64_t h = 0; h < rep; h++)                                                          \
-                    for (int64_t c = 0; c < vecs; c++)                                                     \
-                        store_##SUFFIX(out + (rows[i] * H + g * rep + h) * D + c * 16, splat(0.0f));    \
-                continue;                                                                                  \
-            }                                                                                              \
-            v16 qv[MAX_HEAD_DIM / 16];                                                                     \
-            for (int64_t h = 0; h < rep; h++) { /* scores, one head at a time (its q in registers) */       \
-                const T *qh = q + (rows[i] * H + g * rep + h) * D;                                          \
-                for (int64_t c = 0; c < vecs; c++) qv[c] = load_##SUFFIX(qh + c * 16) * splat(scale);    \
-                float *sh = s + h * max_kv;                                                                \
-                for (int64_t j = 0; j < len; j++) {                                                         \
-                    const T *k = keys + (slots[r * max_kv + j] * KVH + g) * D;                              \
-                    v16 acc = qv[0] * load_##SUFFIX(k);                                                 \
-                    for (int64_t c = 1; c < vecs; c++) acc += qv[c] * load_##SUFFIX(k + c * 16);         \
-                    sh[j] = hsum(acc);                                                                     \
+            for (int64_t h = 0; h < rep; h++) {                                                            \
+                const int64_t at = (rows[i] * H + g * rep + h) * D;                                        \
+                if (len <= 0) { /* no key (a padded row): zeros */                                         \
+                    for (int64_t c = 0; c < D / 16; c++) store_##SUFFIX(out + at + c * 16, splat(0.0f));   \
+                    continue;                                                                              \
                 }                                                                                          \
-                float top = -INFINITY, total = 0.0f;                                                       \
-                for (int64_t j = 0; j < len; j++) top = sh[j] > top ? sh[j] : top;                          \
-                for (int64_t j = 0; j < len; j++) total += (sh[j] = expf(sh[j] - top));                     \
-                for (int64_t j = 0; j < len; j++) sh[j] /= total;                                           \
-            }                                                                                              \
-            for (int64_t h = 0; h < rep; h++) { /* values: sum_j p_j v_j */                                 \
-                v16 acc[MAX_HEAD_DIM / 16];                                                                \
-                for (int64_t c = 0; c < vecs; c++) acc[c] = splat(0.0f);                                   \
-                const float *ph = s + h * max_kv;                                                          \
-                for (int64_t j = 0; j < len; j++) {                                                         \
-                    const T *v = values + (slots[r * max_kv + j] * KVH + g) * D;                            \
-                    const v16 p = splat(ph[j]);                                                            \
-                    for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_##SUFFIX(v + c * 16);          \
-                }                                                                                          \
-                T *o = out + (rows[i] * H + g * rep + h) * D;                                               \
-                for (int64_t c = 0; c < vecs; c++) store_##SUFFIX(o + c * 16, acc[c]);                 \
+                attend_head_##SUFFIX(D, len, q + at, scale, keys + g * D, values + g * D, KVH * D,          \
+                                     slots + r * max_kv, scores + (int64_t)tid * max_kv, out + at);         \
             }                                                                                              \
         }                                                                                                  \
     }
@@ -518,6 +519,8 @@ static inline uint16_t narrow(float f) {
 
 #pragma omp declare simd simdlen(16) notinbranch
 extern float expf(float);
+/* silu_times with a 16-lane clone (libmvec's expf), for the pass's SwiGLU loop; silu_times itself stays scalar
+ * (glibc's expf): the expert kernel's results keep their bits. */
 #pragma omp declare simd simdlen(16) notinbranch
 static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
@@ -600,27 +603,12 @@ DEFINE_ROW_NORM(bf16, uint16_t)
                     const int64_t r = task / NQ, h = task % NQ, g = h / rep, b = r / S, len = pos0 + r % S + 1; \
                     const T *q = qkv + r * NQKV + h * D;                                                   \
                     T *o = attn + r * NQ * D + h * D;                                                      \
-                    float top = -INFINITY, total = 0.0f;                                                   \
                     if (D % 16 == 0) { /* 16 lanes at a time (head sizes 64, 128) */                       \
-                        v16 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];                                 \
-                        for (int64_t c = 0; c < D / 16; c++) qv[c] = load_##TS(q + c * 16);                \
-                        for (int64_t j = 0; j < len; j++) {                                                \
-                            const T *k = kc + ((b * Q + j) * NKV + g) * D;                                 \
-                            v16 dot = qv[0] * load_##TS(k);                                                \
-                            for (int64_t c = 1; c < D / 16; c++) dot += qv[c] * load_##TS(k + c * 16);     \
-                            s[j] = hsum(dot) * scale;                                                      \
-                            top = s[j] > top ? s[j] : top;                                                 \
-                        }                                                                                  \
-                        for (int64_t j = 0; j < len; j++) total += (s[j] = expf(s[j] - top));              \
-                        for (int64_t c = 0; c < D / 16; c++) acc[c] = splat(0.0f);                         \
-                        for (int64_t j = 0; j < len; j++) {                                                \
-                            const T *v = vc + ((b * Q + j) * NKV + g) * D;                                 \
-                            const v16 p = splat(s[j] / total);                                             \
-                            for (int64_t c = 0; c < D / 16; c++) acc[c] += p * load_##TS(v + c * 16);      \
-                        }                                                                                  \
-                        for (int64_t c = 0; c < D / 16; c++) store_##TS(o + c * 16, acc[c]);               \
+                        const T *k0 = kc + b * Q * NKV * D + g * D, *v0 = vc + b * Q * NKV * D + g * D;    \
+                        attend_head_##TS(D, len, q, scale, k0, v0, NKV * D, (const int64_t *)0, s, o);     \
                         continue;                                                                          \
                     }                                                                                      \
+                    float top = -INFINITY, total = 0.0f;                                                   \
                     for (int64_t j = 0; j < len; j++) {                                                    \
                         const T *k = kc + ((b * Q + j) * NKV + g) * D;                                     \
                         float dot = 0.0f;                                                                  \
