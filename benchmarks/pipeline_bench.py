@@ -283,6 +283,17 @@ def compile_note(engine) -> str:
     return f"compiled (first call, compiling included: {'-' if took is None else f'{took:.1f} s'}, in the warm-up)"
 
 
+def decode_step_note(engine) -> str:
+    """Which decoders run their decode steps' layers in one CPU kernel call (``cpu_kernels.decoder_step``)."""
+    names = []
+    for name, stage in engine.orchestrator.stages.items():
+        part = getattr(getattr(getattr(stage, "runner", None), "model", None), name, None)
+        decoder = getattr(part, "model", None)
+        if hasattr(decoder, "kernel_layers") and decoder.kernel_layers():
+            names.append(name)
+    return f"{', '.join(names)} in one CPU kernel call (cpu_kernels.decoder_step)" if names else "layer by layer"
+
+
 def allocator_note() -> str:
     try:
         from omnistage.runtime_env import configure_allocator
@@ -458,7 +469,8 @@ def main() -> None:
           f"({'exactly' if fixed_speech else 'at most'}) transformers: "
           f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
           f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
-    print(f"code predictor: {compile_note(engine)}; allocator: {allocator_note()}", flush=True)
+    print(f"code predictor: {compile_note(engine)}; decode steps: {decode_step_note(engine)}; "
+          f"allocator: {allocator_note()}", flush=True)
     dtypes = list(dict.fromkeys(c.dtype for c in args.configs))
     peaks_before = {d: measure_peaks(getattr(torch, d)) for d in dtypes}
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,

@@ -301,7 +301,7 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pas
     if decoder_pass and not cpu_kernels.available():
         pytest.skip("no C compiler to build omnistage's CPU kernels")
     if not decoder_pass:
-        monkeypatch.setattr(cpu_kernels, "supports_decoder_pass", lambda *args: False)
+        monkeypatch.setattr(cpu_kernels, "supports_decoder_layers", lambda *args: False)
     cp = _predictor(groups=5, seed=3)
     g = torch.Generator().manual_seed(8)
     cases = [(4, [None, 31, None, 32]), (1, [None]), (3, [33, None, 34])]
@@ -333,7 +333,7 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim):
     """``cpu_kernels.decoder_pass``: every layer of a pass in one call equals the decoder layers attending over
     the frame cache (a 2-row first pass, then a 1-row pass), float32 to rounding, bfloat16 to about one
     rounding; the keys and values land in the caches at the rows' positions."""
-    if not cpu_kernels.supports_decoder_pass(dtype, 64, head_dim):
+    if not cpu_kernels.supports_decoder_layers(dtype, 64, head_dim):
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     dec = DecoderConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                         intermediate_size=80, rms_norm_eps=1e-6, rope_theta=10000.0)
@@ -346,20 +346,20 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim):
     first, second = torch.randn(3, 2, 64, generator=g).to(dtype), torch.randn(3, 1, 64, generator=g).to(dtype)
     cache = cp.new_cache(3, first)
     caches = [first.new_zeros(3, 5, 2, head_dim) for _ in range(4)]
-    table = cpu_kernels.decoder_pass_table([(*w, caches[2 * i], caches[2 * i + 1]) for i, w in enumerate(layers)])
+    table = cpu_kernels.decoder_table(layers, list(zip(caches[::2], caches[1::2])))
     rope = (cp.model.rope_cos.to(dtype), cp.model.rope_sin.to(dtype))
     tol = 1e-5 if dtype == torch.float32 else 2**-6
     norm = cp.model.norm.weight.float()
     for x, position in ((first, 0), (second, 2)):
         want = cp.model(x, torch.arange(position, position + x.shape[1]), cache)  # normed
-        got = cpu_kernels.decoder_pass(x.clone(), table, position, (4, 2, head_dim, 80, 5), rope, 1e-6)
+        got = cpu_kernels.decoder_pass(x.clone(), table, position, (4, 2, head_dim, 5), rope, 1e-6)
         got = cp.model.norm(got)
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
     # With the head: the last row's final norm, the group's logits and their argmax in the same call.
     for caches_i in caches:
         caches_i.zero_()
-    cpu_kernels.decoder_pass(first.clone(), table, 0, (4, 2, head_dim, 80, 5), rope, 1e-6)
-    logits, picks = cpu_kernels.decoder_pass(second.clone(), table, 2, (4, 2, head_dim, 80, 5), rope, 1e-6,
+    cpu_kernels.decoder_pass(first.clone(), table, 0, (4, 2, head_dim, 5), rope, 1e-6)
+    logits, picks = cpu_kernels.decoder_pass(second.clone(), table, 2, (4, 2, head_dim, 5), rope, 1e-6,
                                              (norm, cp.packed_heads[1], 64))
     want_logits = cp.logits(want[:, -1], 2).float()
     assert logits.shape == (3, 64) and logits.dtype == dtype
@@ -459,3 +459,54 @@ def test_fast_bfloat16_decoders_attend_in_float32_on_cpu():
     for dtype, want in ((torch.bfloat16, torch.float32), (torch.float32, None)):
         assert PagedDecoder(cfg).to(dtype).attention_dtype is None
         assert fast_kernels(PagedDecoder(cfg).to(dtype), True).attention_dtype == want
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [True, False])
+def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, monkeypatch):
+    """``cpu_kernels.decoder_step`` (a decode step's layers in one call, the fast option's default on CPU) equals
+    the decoder layers one by one: a dense layer, then routed experts with and without a sigmoid-gated shared
+    expert; requests of different lengths in scattered cache blocks; keys and values land in the same slots;
+    the hidden captured between layers and the final-normed output of ``run_layers`` agree too."""
+    if not cpu_kernels.supports_decoder_layers(dtype, 64, 16):
+        pytest.skip("this CPU has no AVX512-BF16 dot products")
+    from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
+
+    cfg = DecoderConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                        intermediate_size=80, rms_norm_eps=1e-6, rope_theta=1e4, num_experts=6,
+                        num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=not shared,
+                        sparse_layers=(1, 2), shared_expert_intermediate_size=40 if shared else 0)
+    dec = fast_kernels(_seeded(PagedDecoder(cfg), seed=21, std=0.2).to(dtype), True)
+    assert len(dec.kernel_layers()) == 3
+    caches = allocate_kv_cache(3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype=dtype)
+    tables, contexts = [[5, 2], [7], [0, 6, 3]], [5, 1, 9]
+    g = torch.Generator().manual_seed(22)
+    prompt = torch.randn(sum(contexts), 64, generator=g).to(dtype)
+    meta = build_attention_metadata(contexts, [0, 0, 0], tables, 4, 8)  # prefill: layer by layer
+    positions = torch.cat([torch.arange(n) for n in contexts])
+    dec.run_layers(prompt, positions, caches, meta)
+
+    step = torch.randn(3, 64, generator=g).to(dtype)
+    meta = build_attention_metadata([1, 1, 1], contexts, tables, 4, 8)
+    positions = torch.tensor(contexts)
+    cos, sin = dec.rotary(positions, dtype)
+    mine = [c.clone() for c in caches]
+    h, want_mid = step, None
+    for i, layer in enumerate(dec.layers):  # the reference: each layer's own ops
+        h = layer(h, cos, sin, dec.attend(caches[i], meta))
+        want_mid = h if i == 0 else want_mid
+    want = dec.norm(h)
+    calls, kernel = [], cpu_kernels.decoder_step
+    monkeypatch.setattr(cpu_kernels, "decoder_step", lambda *args: calls.append(args[1]) or kernel(*args))
+    before = step.clone()
+    got, got_mid = dec.run_layers(step, positions, mine, meta, capture_layer=1)
+    assert [t.addresses.shape[0] for t in calls] == [1, 2]  # layer 0, then layers 1-2
+    tol = 1e-5 if dtype == torch.float32 else 2**-6
+    for a, b in ((got, want), (got_mid, want_mid)):
+        assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item()
+    for theirs, ours in zip(caches, mine):
+        assert (ours.float() - theirs.float()).abs().max().item() <= tol * theirs.float().abs().max().item()
+        written = ours.float().abs().sum(dim=(0, 2, 3)) > 0
+        assert torch.equal(written, theirs.float().abs().sum(dim=(0, 2, 3)) > 0)  # the same slots, no others
+    assert torch.equal(step, before)  # the input rows are left as they were

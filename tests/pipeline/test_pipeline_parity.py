@@ -391,12 +391,15 @@ def test_bfloat16_and_fast_pipelines_run_end_to_end(tiny_ckpt, dtype, fast):
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
 def test_fast_compiled_pipeline_matches_transformers(tiny_ckpt, monkeypatch):
     """``fast`` as served: the code predictor's passes through the decoder-pass kernel where it builds (else its
-    frame compiled: packed heads, inductor's own norms and activations) and the expert kernel for every batch:
-    its rounding differs from the reference's, its tokens and codes do not, here."""
+    frame compiled: packed heads, inductor's own norms and activations), decode steps through the decoder-step
+    kernel and the expert kernel for the other batches: its rounding differs from the reference's, its tokens
+    and codes do not, here."""
     monkeypatch.setenv("OMNISTAGE_COMPILE", "1")
     kernel_rows = []
     kernel = StackedExperts.kernel
     monkeypatch.setattr(StackedExperts, "kernel", lambda self, x, *a: kernel_rows.append(len(x)) or kernel(self, x, *a))
+    step_rows, step = [], cpu_kernels.decoder_step
+    monkeypatch.setattr(cpu_kernels, "decoder_step", lambda x, *a: step_rows.append(len(x)) or step(x, *a))
     eng = OmniEngine(EngineArgs(str(tiny_ckpt), fast=True), load_pipeline_config("qwen3_omni"))
     predictor = eng.orchestrator.stages["talker"].runner.model.talker.code_predictor
     assert predictor.packed_heads is not None and not predictor.frame_compiler.exact
@@ -405,9 +408,10 @@ def test_fast_compiled_pipeline_matches_transformers(tiny_ckpt, monkeypatch):
         assert predictor.pass_layers() and predictor.frame_compiler.compile_seconds is None
     else:
         assert predictor.frame_compiler.failure is None and predictor.frame_compiler.compile_seconds is not None
-    # Decode batches of 1-3 rows and the prefills took the expert kernel (where it builds: a C compiler).
+    # Decode steps of 1-3 rows ran all their layers in one decoder-step call each, and the prefills took the
+    # expert kernel (where the kernels build: a C compiler).
     if cpu_kernels.available():
-        assert {1, 2, 3} <= set(kernel_rows) and max(kernel_rows) > 3
+        assert {1, 2, 3} <= set(step_rows) and max(kernel_rows) > 3
     for i in range(len(PROMPTS)):
         tokens, codes, wav = reference(str(tiny_ckpt), i)
         assert got[i]["tokens"] == tokens

@@ -23,8 +23,11 @@ order); a row's result does not depend on its batch mates or the thread count.
 
 Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
 
-``decoder_pass`` runs all layers of a small dense Qwen3 decoder for one pass in one call (the code
-predictor's passes under ``fast``: 15 per frame, on a few rows each).
+``decoder_pass`` and ``decoder_step`` run every layer of a Qwen3(-MoE) decoder in one call: the code
+predictor's passes (15 per frame, on a few rows each) and the paged Thinker's and Talker's decode steps under
+``fast``. As separate ops, a layer is 15-30 calls on a few rows, each with its own dispatch and thread fork and
+join (measured on the small preset's Talker, 16 rows, bfloat16, 2 threads: 19.2 ms a step layer by layer, 8.6
+ms in one call, where its 124 MB of weights take about 5 ms to read).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -100,10 +104,10 @@ def _build() -> ctypes.CDLL:
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
     for suffix in ("f32", _DOT):
-        if hasattr(library, f"cp_pass_{suffix}"):
-            decoder_pass = getattr(library, f"cp_pass_{suffix}")
-            decoder_pass.restype = None
-            decoder_pass.argtypes = [pointer, pointer, i64, pointer, ctypes.c_float, ctypes.c_float, i32]
+        if hasattr(library, f"decoder_layers_{suffix}"):
+            layers = getattr(library, f"decoder_layers_{suffix}")
+            layers.restype = None
+            layers.argtypes = [pointer, pointer, i64, pointer, ctypes.c_float, ctypes.c_float, i32]
     for suffix in _SUFFIX.values():
         attention = getattr(library, f"decode_attention_{suffix}")
         attention.restype = None
@@ -442,63 +446,168 @@ def snake_pointwise(
     return x
 
 
-# -- the code predictor's decoder layers, one pass ---------------------------------------------------------
+# -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------
+
+_LAYER_WIDTH = 19  # the C table's entries per layer (enum L_* in cpu_kernels.c)
+_BUFFERS = 29  # the C kernel's buffer addresses (enum B_*)
+MAX_EXPERTS = 512  # the C router's bound
 
 
-def supports_decoder_pass(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
-    """Whether ``decoder_pass`` serves a Qwen3 decoder of this dtype and shape on the CPU (float32, or bfloat16
-    with AVX512-BF16 dot products; hidden size a multiple of 32)."""
+def supports_decoder_layers(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
+    """Whether ``decoder_pass`` / ``decoder_step`` serve a Qwen3 decoder of this dtype and shape on the CPU
+    (float32, or bfloat16 with AVX512-BF16 dot products; hidden size a multiple of 32)."""
     return (
         hidden % DOWN_PANEL == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and available()
         and (dtype == torch.float32 or _dot_bf16(dtype, hidden))
     )
 
 
-def decoder_pass_table(layers: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-    """The kernel's per-layer address table from (input norm weight, q/k/v panels, q norm weight, k norm weight,
-    o panels, post-attention norm weight, gate/up panels, down panels, K cache, V cache) per layer: norm weights
-    float32, panels from ``pack_linear`` (gate rows before up rows), caches [B, Q, kv_heads, head_dim] in the
-    model's dtype, all contiguous. The tensors must outlive the table's use."""
-    for layer in layers:
-        if len(layer) != 10 or not all(t.is_contiguous() and t.device.type == "cpu" for t in layer):
-            raise ValueError("each layer needs 10 contiguous CPU tensors")
-    return torch.tensor([[t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64)
+@dataclass(frozen=True)
+class LayerWeights:
+    """One Qwen3 decoder layer as the decoder kernels read it: norm weights float32 ([H], q/k norms [D]),
+    panels from ``pack_linear`` (q/k/v stacked; gate rows before up rows) or ``pack_experts``, all contiguous.
+    The MLP is ``gate_up``/``down`` (dense, ``intermediate`` wide), or routed ``experts`` chosen by ``router``
+    (``top_k`` of ``num_experts``, weights renormalised with ``norm_topk``) plus, where ``gate_up`` is given too, a
+    shared expert scaled by the sigmoid of ``shared_gate`` (a 1-output linear layer)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    intermediate: int = 0
+    router: torch.Tensor | None = None
+    experts: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_experts: int = 0
+    top_k: int = 0
+    norm_topk: bool = False
+    shared_gate: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        tensors = [self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm]
+        tensors += [t for t in (self.gate_up, self.down, self.router, self.shared_gate) if t is not None]
+        tensors += list(self.experts or ())
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+            raise ValueError("decoder layer weights must be contiguous CPU tensors")
+        if (self.gate_up is None) != (self.down is None) or (self.gate_up is not None and self.intermediate <= 0):
+            raise ValueError("a dense MLP or shared expert needs gate_up, down and its intermediate size")
+        if self.router is None:
+            if self.gate_up is None or self.experts is not None:
+                raise ValueError("a layer without a router needs a dense MLP and no experts")
+        elif self.experts is None or not 0 < self.top_k <= self.num_experts <= MAX_EXPERTS:
+            raise ValueError(f"routed experts need their panels and 0 < top_k <= num_experts <= {MAX_EXPERTS}")
+        elif (self.shared_gate is None) != (self.gate_up is None):
+            raise ValueError("a shared expert needs both its MLP and its gate")
+
+    def entries(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+        def address(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        up, down = self.experts or (None, None)
+        return [address(t) for t in (self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm,
+                                     k_cache, v_cache, self.gate_up, self.down)] + [
+            self.intermediate, address(self.router), address(up), address(down), self.num_experts, self.top_k,
+            0 if up is None else up.shape[1] * UP_PANEL, int(self.norm_topk), address(self.shared_gate)]
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """``decoder_table``'s result: the kernel's per-layer addresses and the scratch sizes they need. The weights
+    and caches it was built from must outlive its use."""
+
+    addresses: torch.Tensor  # [L, _LAYER_WIDTH] int64
+    gate_up_width: int  # widest dense / shared gate/up output (padded)
+    intermediate: int  # widest dense / shared intermediate
+    experts: int  # most routed experts, most selections per row, widest expert intermediate
+    top_k: int
+    expert_intermediate: int
+
+    def part(self, start: int, stop: int) -> LayerTable:
+        """Layers ``start`` .. ``stop - 1`` only."""
+        return LayerTable(self.addresses[start:stop], self.gate_up_width, self.intermediate, self.experts,
+                          self.top_k, self.expert_intermediate)
+
+
+def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerTable:
+    """The kernels' table for ``layers`` over per-layer (K cache, V cache) of the model's dtype, contiguous:
+    the code predictor's [B, Q, kv_heads, head_dim] pairs, or a paged cache's ``cache[0]``, ``cache[1]``."""
+    if len(layers) != len(caches) or not all(k.is_contiguous() and v.is_contiguous() for k, v in caches):
+        raise ValueError("one contiguous (K, V) cache pair per layer")
+    rows = [layer.entries(k, v) for layer, (k, v) in zip(layers, caches)]
+    return LayerTable(
+        addresses=torch.tensor(rows, dtype=torch.int64).reshape(len(layers), _LAYER_WIDTH),
+        gate_up_width=max((_round_up(2 * w.intermediate, DOWN_PANEL) for w in layers), default=0),
+        intermediate=max((w.intermediate for w in layers), default=0),
+        experts=max((w.num_experts for w in layers), default=0),
+        top_k=max((w.top_k for w in layers), default=0),
+        expert_intermediate=max((w.experts[0].shape[1] * UP_PANEL for w in layers if w.experts), default=0),
+    )
+
+
+def _run_layers(
+    x: torch.Tensor, table: LayerTable, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, ...],
+    max_kv: int, geometry: list[int], inputs: list[int], head: list[int], eps: float,
+) -> None:
+    """Scratch for ``decoder_layers_*`` and the call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS."""
+    rows, hidden = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1), x.shape[-1]
+    if not (x.is_contiguous() and x.device.type == "cpu" and heads % kv_heads == 0):
+        raise ValueError("the decoder kernel needs contiguous CPU rows and query heads a multiple of kv heads")
+    threads, selections = torch.get_num_threads(), rows * table.top_k
+    rows_max = max(rows, selections)
+    qkv_width = _round_up((heads + 2 * kv_heads) * head_dim, DOWN_PANEL)
+    widths = {"normed": hidden, "qkv": qkv_width, "attn": heads * head_dim,
+              "gate_up": max(table.gate_up_width, hidden), "act": table.intermediate,
+              "logits": _round_up(table.experts, DOWN_PANEL), "shared_gate": DOWN_PANEL, "moe": hidden}
+    typed = [_scratch(f"layers-{name}-{x.dtype}", rows * width, x.dtype) for name, width in widths.items()]
+    hexp = _scratch(f"layers-hexp-{x.dtype}", selections * table.expert_intermediate, x.dtype)
+    scratch = [
+        _scratch("layers-geometry", 4 * rows, torch.int64), *typed, hexp,
+        _scratch("layers-y", threads * rows_max * DOWN_PANEL, torch.float32),
+        _scratch("layers-scores", threads * max_kv, torch.float32),
+        _scratch("layers-route", selections, torch.float32),
+        _scratch("layers-ids", selections, torch.int64),
+        _scratch("layers-sort", 2 * selections + 2 * table.experts + 2, torch.int64),
+        _scratch("layers-pointers", threads * 2 * rows_max, torch.int64),
+        _scratch("ones", rows_max, torch.float32, fill=1.0),
+    ]
+    cos, sin = (t.float().contiguous() for t in rope)
+    dims = torch.tensor([rows, hidden, heads, kv_heads, head_dim, qkv_width, rows_max, max_kv, *geometry],
+                        dtype=torch.int64)
+    bufs = torch.tensor([x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *(t.data_ptr() for t in scratch),
+                         *head], dtype=torch.int64)
+    assert bufs.numel() == _BUFFERS
+    _function(f"decoder_layers_{'f32' if x.dtype == torch.float32 else _DOT}")(
+        dims.data_ptr(), table.addresses.data_ptr(), table.addresses.shape[0], bufs.data_ptr(), eps,
+        head_dim**-0.5, threads,
+    )
 
 
 def decoder_pass(
-    x: torch.Tensor, table: torch.Tensor, first_position: int, shape: tuple[int, int, int, int, int],
+    x: torch.Tensor, table: LayerTable, first_position: int, shape: tuple[int, int, int, int],
     rope: tuple[torch.Tensor, torch.Tensor], eps: float,
     head: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a small Qwen3 decoder (RMSNorm, q/k/v, q/k norms, rotary, causal attention over a
-    per-request cache of the frame's positions, o, RMSNorm, SwiGLU, residuals) for one pass, in one call, in
-    place on x [B, S, H] (request b's rows at positions first_position .. first_position + S - 1; their keys
-    and values are written to the caches). The code predictor makes 15 passes per frame; as separate ops,
-    each layer of a pass is ~15 calls on 16 rows, each with its own dispatch and thread fork/join.
+    per-request cache of the frame's positions, o, RMSNorm, MLP, residuals) for one pass, in one call, in place
+    on x [B, S, H] (request b's rows at positions first_position .. first_position + S - 1; their keys and
+    values are written to the caches). The code predictor makes 15 passes per frame; as separate ops, each
+    layer of a pass is ~15 calls on 16 rows, each with its own dispatch and thread fork/join.
 
-    ``table``: ``decoder_pass_table``'s; ``shape``: (query heads, key/value heads, head size, intermediate
-    size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any float dtype);
-    ``eps``: the norms' epsilon. Returns x; with ``head`` = (final norm weight float32 [H], ``pack_linear``
-    panels of the output head, vocabulary size), each request's last row also takes the final norm and the head
-    in the same call, and it returns (logits [B, vocabulary] in x's dtype, argmax picks [B] int64: the first of
-    equal maxima, as ``torch.argmax``)."""
+    ``table``: ``decoder_table``'s over caches [B, Q, kv_heads, head size]; ``shape``: (query heads, key/value
+    heads, head size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any
+    float dtype); ``eps``: the norms' epsilon. Returns x; with ``head`` = (final norm weight float32 [H],
+    ``pack_linear`` panels of the output head, vocabulary size), each request's last row also takes the final
+    norm and the head in the same call, and it returns (logits [B, vocabulary] in x's dtype, argmax picks [B]
+    int64: the first of equal maxima, as ``torch.argmax``)."""
     _require()
     batch, rows_per_request, hidden = x.shape
-    heads, kv_heads, head_dim, inter, positions = shape[:5]
-    if not (x.is_contiguous() and x.device.type == "cpu" and first_position + rows_per_request <= positions
-            and heads % kv_heads == 0):
-        raise ValueError("decoder_pass needs contiguous CPU rows within the cache's positions")
-    rows, threads = batch * rows_per_request, torch.get_num_threads()
-    qkv_width = _round_up((heads + 2 * kv_heads) * head_dim, DOWN_PANEL)
-    gate_up_width = _round_up(2 * inter, DOWN_PANEL)
-    widths = {"normed": hidden, "qkv": qkv_width, "attn": heads * head_dim, "gate_up": gate_up_width, "act": inter}
-    scratch = [_scratch(f"pass-{name}-{x.dtype}", rows * width, x.dtype) for name, width in widths.items()]
-    y = _scratch("pass-y", threads * rows * DOWN_PANEL, torch.float32)
-    pointers = _scratch("pass-pointers", threads * 2 * rows, torch.int64)
-    ones = _scratch("ones", rows, torch.float32, fill=1.0)
-    scores = _scratch("pass-scores", threads * positions, torch.float32)
-    cos, sin = (t.float().contiguous() for t in rope)
-    vocab, head_ptrs = 0, [0] * 5
+    heads, kv_heads, head_dim, positions = shape
+    if first_position + rows_per_request > positions:
+        raise ValueError("decoder_pass rows must lie within the cache's positions")
+    vocab, head_ptrs, out = 0, [0] * 5, None
     if head is not None:
         norm, panels, vocab = head
         if norm.dtype != torch.float32 or panels.dtype != x.dtype or panels.shape[1] != hidden:
@@ -507,12 +616,29 @@ def decoder_pass(
         picks = torch.empty(batch, dtype=torch.int64)
         last = _scratch(f"pass-last-{x.dtype}", batch * hidden, x.dtype)
         head_ptrs = [norm.data_ptr(), panels.data_ptr(), logits.data_ptr(), picks.data_ptr(), last.data_ptr()]
-    dims = torch.tensor([batch, rows_per_request, first_position, hidden, heads, kv_heads, head_dim, inter,
-                         positions, qkv_width, gate_up_width, vocab, _round_up(vocab, DOWN_PANEL)], dtype=torch.int64)
-    bufs = torch.tensor([x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *(t.data_ptr() for t in scratch),
-                         y.data_ptr(), pointers.data_ptr(), ones.data_ptr(), scores.data_ptr(), *head_ptrs],
-                        dtype=torch.int64)
-    _function(f"cp_pass_{'f32' if x.dtype == torch.float32 else _DOT}")(
-        dims.data_ptr(), table.data_ptr(), table.shape[0], bufs.data_ptr(), eps, head_dim**-0.5, threads,
-    )
-    return x if head is None else (logits[:, :vocab], picks)
+        out = (logits[:, :vocab], picks)
+    geometry = [0, batch, rows_per_request, first_position, positions, vocab, _round_up(vocab, DOWN_PANEL)]
+    _run_layers(x, table, heads, kv_heads, head_dim, rope, positions, geometry, [0] * 4, head_ptrs, eps)
+    return x if out is None else out
+
+
+def decoder_step(
+    x: torch.Tensor, table: LayerTable, shape: tuple[int, int, int], rope: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor, row_request: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Every layer of a paged Qwen3(-MoE) decoder for a decode step, in one call, in place on x [R, H]: row r
+    (one query each) writes its key and value at cache slot ``slot_mapping[r]`` and attends to the first
+    ``seq_lens[q]`` slots of ``kv_slots[q]``, q = ``row_request[r]`` (``AttentionMetadata``'s decode group).
+    ``table``: ``decoder_table``'s over the paged caches' K and V halves; ``shape``: (query heads, key/value
+    heads, head size); ``rope``: (cos, sin) [R, head size] of the rows. Returns x (the last layer's output,
+    before the final norm)."""
+    _require()
+    heads, kv_heads, head_dim = shape
+    rows = x.shape[0]
+    if not (slot_mapping.numel() >= rows and row_request.numel() == rows and rope[0].shape[0] == rows):
+        raise ValueError("decoder_step needs a slot, a request and rotary values for every row")
+    inputs = [t.to(torch.int64).contiguous() for t in (slot_mapping, row_request, seq_lens, kv_slots)]
+    _run_layers(x, table, heads, kv_heads, head_dim, rope, kv_slots.shape[1], [1, 0, 0, 0, 0, 0, 0],
+                [t.data_ptr() for t in inputs], [0] * 5, eps)
+    return x

@@ -145,6 +145,39 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def kernel_layer(layer: DecoderLayer) -> cpu_kernels.LayerWeights | None:
+    """``layer``'s weights as ``cpu_kernels``' decoder kernels read them, once the ``fast`` option packed them; None
+    where they cannot (a linear layer not in panel layout or biased, no q/k norms, experts without panels)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.q_norm is None:
+        return None
+
+    def panels(linear: nn.Module | None) -> torch.Tensor | None:
+        return getattr(linear, "panels", None) if getattr(linear, "bias", None) is None else None
+
+    norms = [n.weight.detach().float().contiguous()
+             for n in (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)]
+    parts: dict[str, Any] = dict(input_norm=norms[0], qkv=panels(attn.qkv_proj), q_norm=norms[1], k_norm=norms[2],
+                                 o=panels(attn.o_proj), post_norm=norms[3])
+    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
+    if dense is not None:
+        parts.update(gate_up=panels(dense.gate_up_proj), down=panels(dense.down_proj),
+                     intermediate=dense.intermediate_size)
+    if isinstance(mlp, SparseMoE):
+        if mlp.experts.panels is None or mlp.experts.packed is not None:  # no panels, or not for every batch
+            return None
+        parts.update(router=panels(mlp.gate), experts=mlp.experts.panels, num_experts=mlp.num_experts,
+                     top_k=mlp.top_k, norm_topk=mlp.norm_topk_prob)
+        if dense is not None:
+            parts["shared_gate"] = panels(mlp.shared_expert_gate)
+        if parts["router"] is None or (dense is not None and parts["shared_gate"] is None):
+            return None
+    if any(parts[name] is None for name in ("qkv", "o")) or (dense is not None and None in (parts["gate_up"],
+                                                                                              parts["down"])):
+        return None
+    return cpu_kernels.LayerWeights(**parts)
+
+
 class PagedDecoder(nn.Module):
     """``layers`` + final ``norm`` over flattened token rows with one paged KV cache per layer.
 
@@ -161,6 +194,10 @@ class PagedDecoder(nn.Module):
         self.attention_dtype: torch.dtype | None = None
         # The ``fast`` option's decode attention (``cpu_kernels.decode_attention``), set by ``pack_weights``.
         self.decode_kernel: DecodeKernel | None = None
+        # The ``fast`` option's whole-step kernel: its layers (None: not looked at yet) and its table for the
+        # stage's caches (rebuilt if they move).
+        self._kernel_layers: list[cpu_kernels.LayerWeights] | None = []
+        self._table: tuple[tuple[int, ...], cpu_kernels.LayerTable] | None = None
 
     def pack_weights(self, batch_hint: int) -> int:
         """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it; it packs nothing):
@@ -174,7 +211,44 @@ class PagedDecoder(nn.Module):
             self.attention_dtype = torch.float32
         if cpu_kernels.supports_decode_attention(weight.dtype, self.cfg.head_dim, weight.device):
             self.decode_kernel = cpu_kernels.decode_attention
+            self._kernel_layers = None  # looked at on first use: the layers below are packed after this call
         return 0
+
+    def kernel_layers(self) -> list[cpu_kernels.LayerWeights]:
+        """Every layer's weights for ``cpu_kernels.decoder_step`` (the ``fast`` option on CPU), or [] where it
+        cannot serve this decoder."""
+        if self._kernel_layers is None:
+            layers: list[cpu_kernels.LayerWeights | None] = []
+            if self.decode_kernel is not None and cpu_kernels.supports_decoder_layers(
+                    self.norm.weight.dtype, self.cfg.hidden_size, self.cfg.head_dim):
+                layers = [kernel_layer(layer) for layer in self.layers]
+            self._kernel_layers = layers if layers and all(layers) else []
+        return self._kernel_layers
+
+    def _kernel_table(self, kv_caches: list[torch.Tensor]) -> cpu_kernels.LayerTable:
+        key = tuple(cache.data_ptr() for cache in kv_caches)
+        if self._table is None or self._table[0] != key:
+            self._table = (key, cpu_kernels.decoder_table(self.kernel_layers(), [(c[0], c[1]) for c in kv_caches]))
+        return self._table[1]
+
+    def run_span(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata, start: int, stop: int,
+    ) -> torch.Tensor:
+        """Layers ``start`` .. ``stop - 1`` over rows h [N, H] (h itself is left as it is). A decode step (one
+        query row per request, every row real) on CPU under ``fast`` runs them in one ``cpu_kernels.decoder_step``
+        call; anything else layer by layer."""
+        groups = attn_meta.groups
+        if (stop > start and len(groups) == 1 and groups[0].max_q == 1 and groups[0].token_rows.numel() == h.shape[0]
+                and h.device.type == "cpu" and kv_caches[0].dtype == h.dtype and self.kernel_layers()):
+            table = self._kernel_table(kv_caches).part(start, stop)
+            g, cfg = groups[0], self.cfg
+            return cpu_kernels.decoder_step(
+                h.contiguous().clone(), table, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (cos, sin),
+                attn_meta.slot_mapping, g.token_req, g.seq_lens, g.kv_slots, cfg.rms_norm_eps)
+        for i in range(start, stop):
+            h = self.layers[i](h, cos, sin, self.attend(kv_caches[i], attn_meta))
+        return h
 
     def attend(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> AttendFn:
         """Bind one layer's paged cache and the step's metadata into an ``attend`` callable."""
@@ -192,22 +266,23 @@ class PagedDecoder(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
         capture_layer: int | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [N, H] layer-0 input -> (final-normed [N, H], hidden entering layer ``capture_layer`` or None).
 
         ``capture_layer == num_layers`` captures the final-normed output (what transformers reports last).
+        ``rope``: the rows' (cos, sin) when the caller computes them (default: ``self.rotary`` at ``positions``).
         """
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        num_layers = len(self.layers)
+        if len(kv_caches) != num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
         if positions.shape[0] != h.shape[0]:
             raise ValueError(f"positions has {positions.shape[0]} rows, hidden has {h.shape[0]}")
-        cos, sin = self.rotary(positions, h.dtype)
-        captured = None
-        for i, layer in enumerate(self.layers):
-            if i == capture_layer:
-                captured = h
-            h = layer(h, cos, sin, self.attend(kv_caches[i], attn_meta))
-        h = self.norm(h)
-        if capture_layer == len(self.layers):
+        cos, sin = self.rotary(positions, h.dtype) if rope is None else rope
+        split = capture_layer if capture_layer is not None and capture_layer < num_layers else num_layers
+        h = self.run_span(h, cos, sin, kv_caches, attn_meta, 0, split)
+        captured = h if split < num_layers else None
+        h = self.norm(self.run_span(h, cos, sin, kv_caches, attn_meta, split, num_layers))
+        if capture_layer == num_layers:
             captured = h
         return h, captured

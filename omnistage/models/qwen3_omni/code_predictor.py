@@ -34,7 +34,7 @@ from torch._higher_order_ops.scan import scan
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
-from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer
+from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layer
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
@@ -244,7 +244,7 @@ class CodePredictor(nn.Module):
         self.packed_heads: torch.Tensor | list[torch.Tensor] | None = None
         # The decoder layers' weights as ``cpu_kernels.decoder_pass`` reads them, per layer, once the ``fast``
         # option packed them ([] when the kernel cannot serve this predictor; None: not looked at yet).
-        self._pass_layers: list[tuple[torch.Tensor, ...]] | None = None
+        self._pass_layers: list[cpu_kernels.LayerWeights] | None = None
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True,
@@ -282,7 +282,7 @@ class CodePredictor(nn.Module):
             return packed_linear_at(hidden, self.packed_heads, head)
         return F.linear(hidden, head)
 
-    def pass_layers(self) -> list[tuple[torch.Tensor, ...]]:
+    def pass_layers(self) -> list[cpu_kernels.LayerWeights]:
         """The decoder layers' weights for ``cpu_kernels.decoder_pass`` ([] where it cannot serve: weights not
         packed into panels, another dtype or device, biases, no q/k norms)."""
         if not isinstance(self.packed_heads, torch.Tensor):  # not packed (yet), or packed for oneDNN
@@ -291,23 +291,14 @@ class CodePredictor(nn.Module):
             self._pass_layers = self._collect_pass_layers()
         return self._pass_layers
 
-    def _collect_pass_layers(self) -> list[tuple[torch.Tensor, ...]]:
+    def _collect_pass_layers(self) -> list[cpu_kernels.LayerWeights]:
         d = self.cfg.decoder
         if d.qkv_bias or d.o_bias or not d.qk_norm:
             return []
-        if not cpu_kernels.supports_decoder_pass(self.packed_heads.dtype, d.hidden_size, d.head_dim):
+        if not cpu_kernels.supports_decoder_layers(self.packed_heads.dtype, d.hidden_size, d.head_dim):
             return []
-        layers = []
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(getattr(linear, "panels", None) is None for linear in linears):
-                return []
-            norms = [n.weight.detach().float().contiguous() for n in
-                     (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)]
-            layers.append((norms[0], attn.qkv_proj.panels, norms[1], norms[2], attn.o_proj.panels, norms[3],
-                           mlp.gate_up_proj.panels, mlp.down_proj.panels))
-        return layers
+        layers = [kernel_layer(layer) for layer in self.model.layers]
+        return layers if all(layers) else []
 
     def _kernel_frame(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor
@@ -317,9 +308,8 @@ class CodePredictor(nn.Module):
         d = self.cfg.decoder
         batch, groups = talker_hidden.shape[0], self.num_code_groups
         caches = [talker_hidden.new_zeros(batch, groups, d.num_kv_heads, d.head_dim) for _ in range(2 * d.num_layers)]
-        table = cpu_kernels.decoder_pass_table(
-            [(*weights, caches[2 * i], caches[2 * i + 1]) for i, weights in enumerate(self.pass_layers())])
-        shape = (d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size, groups)
+        table = cpu_kernels.decoder_table(self.pass_layers(), list(zip(caches[::2], caches[1::2])))
+        shape = (d.num_heads, d.num_kv_heads, d.head_dim, groups)
         # The values the model uses (rounded to its dtype), in float32 once per frame.
         rope = tuple(t.to(talker_hidden.dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
         norm = self.model.norm.weight.detach().float()

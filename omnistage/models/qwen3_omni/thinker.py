@@ -89,6 +89,10 @@ class Thinker(nn.Module):
         else:
             cos, sin = self.model.rotary(positions, embeds.dtype)
         num_deepstack = 0 if deepstack_rows is None or not deepstack_rows.numel() else deepstack.shape[0]
+        if not num_deepstack:
+            h, accept = self.model.run_layers(embeds, positions, kv_caches, attn_meta, self.accept_hidden_layer,
+                                              rope=(cos, sin))
+            return ThinkerOutput(hidden=h, embeds=embeds, accept_hidden=accept)
         h = embeds
         accept = h if self.accept_hidden_layer == 0 else None
         for i, layer in enumerate(layers):

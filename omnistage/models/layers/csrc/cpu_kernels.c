@@ -224,16 +224,67 @@ static inline __attribute__((always_inline)) void down_tile_bf16dp(
 DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
 #endif
 
-/* The layer, for one weight type.
- *   x        [T, H] float32 rows
- *   ids      [T, K] int64 selected experts; weights [T, K] float32 routing weights
+/* The layer's two phases for one weight type, run by every thread of the enclosing parallel region (orphaned
+ * `omp for`s, each ending in its barrier), on selections already sorted by expert (order, starts).
+ *   x        [T, H] rows (XT)
+ *   weights  [T, K] float32 routing weights
  *   w13      [E, I/16, H, 32] gate/up panels; w2 [E, HP/32, I, 32] down panels (I, HP: multiples of 16, 32;
  *            padded with zero weights, so padded outputs and intermediates are 0)
  *   out      [T, HP] float32 or bfloat16 (out_bf16)
- *   h        [T*K, I] float32 scratch; y [threads, T*K, 32] float32 scratch
- *   sort     [2*T*K + 2*E + 2] int64 scratch; ptrs [threads, 2*T*K] pointer scratch
+ *   h        [T*K, I] scratch (HT); ys [T*K, 32] float32, rows_in / rows_out [T*K]: this thread's scratch
+ */
+#define DEFINE_MOE_PHASES(SUFFIX, WT, XT, HT)                                                                \
+    static void moe_phases_##SUFFIX(int64_t T, int64_t K, int64_t E, int64_t H, int64_t HP, int64_t I,      \
+                                    const XT *x, const int64_t *order, const int64_t *starts,              \
+                                    const float *weights, const WT *w13, const WT *w2, void *out,          \
+                                    int out_bf16, HT *h, float *ys, void **rows_in, void **rows_out) {     \
+        const int64_t up_panels = I / 16, down_panels = HP / 32;                                            \
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < up_panels; p++) {                       \
+            for (int64_t e = 0; e < E; e++) {                                                               \
+                const int64_t first = starts[e], count = starts[e + 1] - first;                             \
+                if (!count) continue;                                                                      \
+                for (int64_t j = 0; j < count; j++) {                                                       \
+                    rows_in[j] = (void *)(x + (order[first + j] / K) * H);                                  \
+                    rows_out[j] = h + (first + j) * I + p * 16;                                             \
+                }                                                                                          \
+                gate_up_panel_##SUFFIX(count, H, (const XT *const *)rows_in,                               \
+                                       w13 + ((e * up_panels + p) * H) * 32, (HT *const *)rows_out);       \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < down_panels; p++) {                     \
+            for (int64_t e = 0; e < E; e++) {                                                               \
+                const int64_t first = starts[e], count = starts[e + 1] - first;                             \
+                if (!count) continue;                                                                      \
+                float wsel[ROWS];                                                                          \
+                for (int64_t j0 = 0; j0 < count; j0 += ROWS) {                                              \
+                    const int64_t m = count - j0 < ROWS ? count - j0 : ROWS;                                \
+                    for (int64_t j = 0; j < m; j++) {                                                       \
+                        const int64_t s = order[first + j0 + j];                                            \
+                        rows_in[j] = h + (first + j0 + j) * I;                                              \
+                        rows_out[j] = ys + s * 32;                                                          \
+                        wsel[j] = weights[s];                                                              \
+                    }                                                                                      \
+                    down_panel_##SUFFIX(m, I, (const HT *const *)rows_in,                                  \
+                                        w2 + ((e * down_panels + p) * I) * 32, wsel, (float *const *)rows_out, \
+                                        (const WT *)0);                                                    \
+                }                                                                                          \
+            }                                                                                              \
+            for (int64_t t = 0; t < T; t++) { /* each token's slots in top-k order */                      \
+                v16 a = load_f32(ys + t * K * 32), b = load_f32(ys + t * K * 32 + 16);                      \
+                for (int64_t k = 1; k < K; k++) {                                                           \
+                    a += load_f32(ys + (t * K + k) * 32);                                                   \
+                    b += load_f32(ys + (t * K + k) * 32 + 16);                                              \
+                }                                                                                          \
+                store_columns(out, out_bf16, t * HP + p * 32, a, b);                                        \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+/* The layer, for one weight type: the phases above over ids [T, K] (int64 selected experts) sorted here.
+ *   y        [threads, T*K, 32] float32 scratch; sort [2*T*K + 2*E + 2] int64 scratch; ptrs [threads, 2*T*K]
  */
 #define DEFINE_LAYER(SUFFIX, WT, XT, HT)                                                                     \
+    DEFINE_MOE_PHASES(SUFFIX, WT, XT, HT)                                                                    \
     void moe_experts_##SUFFIX(int64_t T, int64_t K, int64_t E, int64_t H, int64_t HP, int64_t I,            \
                               const XT *x,                                                                \
                               const int64_t *ids, const float *weights, const WT *w13, const WT *w2,        \
@@ -242,51 +293,12 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
         const int64_t n = T * K;                                                                           \
         int64_t *order = sort, *starts = sort + n;                                                         \
         sort_selections(n, E, ids, order, starts);                                                         \
-        const int64_t up_panels = I / 16, down_panels = HP / 32;                                            \
         _Pragma("omp parallel num_threads(threads)") {                                                     \
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
-            void **rows_in = ptrs + (int64_t)tid * 2 * n, **rows_out = rows_in + n;                         \
-            float *ys = y + (int64_t)tid * n * 32;                                                          \
-            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < up_panels; p++) {                   \
-                for (int64_t e = 0; e < E; e++) {                                                           \
-                    const int64_t first = starts[e], count = starts[e + 1] - first;                         \
-                    if (!count) continue;                                                                  \
-                    for (int64_t j = 0; j < count; j++) {                                                   \
-                        rows_in[j] = (void *)(x + (order[first + j] / K) * H);                              \
-                        rows_out[j] = h + (first + j) * I + p * 16;                                         \
-                    }                                                                                      \
-                    gate_up_panel_##SUFFIX(count, H, (const XT *const *)rows_in,                           \
-                                           w13 + ((e * up_panels + p) * H) * 32, (HT *const *)rows_out);   \
-                }                                                                                          \
-            }                                                                                              \
-            _Pragma("omp for schedule(static)") for (int64_t p = 0; p < down_panels; p++) {                 \
-                for (int64_t e = 0; e < E; e++) {                                                           \
-                    const int64_t first = starts[e], count = starts[e + 1] - first;                         \
-                    if (!count) continue;                                                                  \
-                    float wsel[ROWS];                                                                      \
-                    for (int64_t j0 = 0; j0 < count; j0 += ROWS) {                                          \
-                        const int64_t m = count - j0 < ROWS ? count - j0 : ROWS;                            \
-                        for (int64_t j = 0; j < m; j++) {                                                   \
-                            const int64_t s = order[first + j0 + j];                                        \
-                            rows_in[j] = h + (first + j0 + j) * I;                                          \
-                            rows_out[j] = ys + s * 32;                                                      \
-                            wsel[j] = weights[s];                                                          \
-                        }                                                                                  \
-                        down_panel_##SUFFIX(m, I, (const HT *const *)rows_in,                              \
-                                            w2 + ((e * down_panels + p) * I) * 32, wsel, (float *const *)rows_out, \
-                                            (const WT *)0);                                                \
-                    }                                                                                      \
-                }                                                                                          \
-                for (int64_t t = 0; t < T; t++) { /* each token's slots in top-k order */                  \
-                    v16 a = load_f32(ys + t * K * 32), b = load_f32(ys + t * K * 32 + 16);                  \
-                    for (int64_t k = 1; k < K; k++) {                                                       \
-                        a += load_f32(ys + (t * K + k) * 32);                                               \
-                        b += load_f32(ys + (t * K + k) * 32 + 16);                                          \
-                    }                                                                                      \
-                    store_columns(out, out_bf16, t * HP + p * 32, a, b);                                    \
-                }                                                                                          \
-            }                                                                                              \
+            void **rows_in = ptrs + (int64_t)tid * 2 * n;                                                   \
+            moe_phases_##SUFFIX(T, K, E, H, HP, I, x, order, starts, weights, w13, w2, out, out_bf16, h,   \
+                                y + (int64_t)tid * n * 32, rows_in, rows_in + n);                          \
         }                                                                                                  \
     }
 
@@ -485,25 +497,6 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
     }
 }
 
-/* The code predictor's decoder layers for one pass of a frame (Qwen3: RMSNorm, q/k/v, per-head q/k RMSNorm,
- * rotary, attention over the frame's cached positions, o, RMSNorm, SwiGLU; residuals), all layers in one
- * parallel region: rows split between the threads for the row-wise steps, panels for the linear layers,
- * (row, key/value head) pairs for attention. Each of these would otherwise be a call of its own, with its own
- * fork and join of the threads, on a few rows. Values are rounded to the model's type where its separate ops
- * store a tensor (bfloat16: after each norm, linear layer, rotary, attention and residual; SwiGLU once).
- *   dims: B requests, S rows per request (request-major, at positions pos0 .. pos0+S-1), pos0, H, NQ query
- *     heads, NKV key/value heads, D head size, I intermediate size, Q frame positions (the caches' length),
- *     and the linear layers' padded output widths NQKV (>= (NQ + 2 NKV) D) and NGU (>= 2I); H % 32 == 0.
- *   layers: L blocks of 10 addresses: input norm weight (float32 [H]), q/k/v panels, q norm, k norm weights
- *     (float32 [D]), o panels, post-attention norm weight (float32 [H]), gate/up panels (the gate's rows
- *     first), down panels, K cache, V cache ([B, Q, NKV, D] of the model's type).
- *   bufs: x [B S, H] (updated in place), cos, sin (float32 [Q, D], the values the model uses), then scratch:
- *     normed [R, H], qkv [R, NQKV], attn [R, NQ D], gate/up [R, NGU], act [R, I] (model's type), y [threads,
- *     R, 32] float32, ptrs [threads, 2 R], ones [R] float32 ones, scores [threads, Q] float32; and for the
- *     output head (bufs[12] NULL: none): the final norm's weight (float32 [H]), the head's panels, logits
- *     [B, VP] of the model's type, the picks [B] int64 (each request's argmax, the first of equal maxima),
- *     normed last rows [B, H] scratch; dims[11], dims[12]: the vocabulary V and its padded width VP.
- *   eps: the norms' epsilon; scale: the attention's. */
 static inline float widen(uint16_t b) {
     const uint32_t bits = (uint32_t)b << 16;
     float f;
@@ -548,111 +541,239 @@ static inline float round_bf16(float v) { return widen(narrow(v)); }
 DEFINE_ROW_NORM(f32, float)
 DEFINE_ROW_NORM(bf16, uint16_t)
 
-#define DEFINE_PASS(SUFFIX, TS, WT, T)                                                                       \
-    void cp_pass_##SUFFIX(const int64_t *dims, const int64_t *layers, int64_t L, const int64_t *bufs,       \
-                          float eps, float scale, int threads) {                                           \
-        const int64_t B = dims[0], S = dims[1], pos0 = dims[2], H = dims[3], NQ = dims[4], NKV = dims[5];  \
-        const int64_t D = dims[6], I = dims[7], Q = dims[8], NQKV = dims[9], NGU = dims[10];               \
-        const int64_t R = B * S, rep = NQ / NKV, half = D / 2, bf16 = sizeof(T) == 2;                      \
-        T *x = (T *)bufs[0];                                                                               \
-        const float *cos_t = (const float *)bufs[1], *sin_t = (const float *)bufs[2];                      \
-        T *normed = (T *)bufs[3], *qkv = (T *)bufs[4], *attn = (T *)bufs[5], *gu = (T *)bufs[6];           \
-        T *act = (T *)bufs[7];                                                                             \
-        float *y = (float *)bufs[8], *scores = (float *)bufs[11];                                          \
-        void **ptrs = (void **)bufs[9];                                                                    \
-        const float *ones = (const float *)bufs[10];                                                       \
+/* Qwen3 decoder layers, all of them in one parallel region (Qwen3: RMSNorm, q/k/v, per-head q/k RMSNorm, rotary,
+ * attention over cached keys, o, RMSNorm, then a SwiGLU MLP or routed SwiGLU experts with an optional
+ * sigmoid-gated shared expert; residuals): rows split between the threads for the row-wise steps, panels for
+ * the linear layers and the experts, (row, query head) pairs for attention. Each of these would otherwise be a
+ * call of its own, with its own dispatch and fork and join of the threads, on a few rows. Values are rounded
+ * to the model's type where its separate ops store a tensor (bfloat16: after each norm, linear layer, rotary,
+ * attention, residual, the experts' sum, the shared expert's gate and product; SwiGLU once).
+ *
+ * Two callers: the code predictor's passes (`frame`: B requests of S rows at positions pos0 .. pos0+S-1, keys
+ * and values in per-request caches [B, Q, NKV, D]) and decode steps of the paged decoders (`paged`: one row per
+ * request, keys and values in the paged cache [2, slots, NKV, D] at its slot tables).
+ *
+ *   layers: L rows of L_WIDTH entries (below); norm weights float32, panels from pack_linear / pack_experts in
+ *     the model's type, caches of the model's type. H % 32 == 0, D even and at most MAX_HEAD_DIM.
+ *   dims: R rows, H, NQ query heads, NKV key/value heads, D head size, NQKV (>= (NQ + 2 NKV) D, the q/k/v
+ *     panels' width), rows_max (>= R and >= R * top-k: scratch rows per thread), max_kv (keys per row at most),
+ *     mode (0 frame, 1 paged), then frame: B, S, pos0, Q; and for the head (frame only): V, VP.
+ *   bufs (B_*): x [R, H] (updated in place), cos, sin (float32 [*, D], the values the model uses: frame rows by
+ *     position, paged rows by row), the paged geometry (slot of each row's key and value, the row's request,
+ *     each request's key count, its slots [requests, max_kv]), then scratch (below), and the output head.
+ *   eps: the norms' epsilon; scale: the attention's. */
+enum { /* a layer's row of the table */
+    L_NORM1, L_QKV, L_QNORM, L_KNORM, L_O, L_NORM2, L_KC, L_VC, /* attention */
+    L_GU, L_DOWN, L_INTER, /* dense SwiGLU MLP, or the shared expert (L_GU 0: none): gate rows first */
+    L_ROUTER, L_EUP, L_EDOWN, L_EXPERTS, L_TOPK, L_EINTER, L_NORM_TOPK, L_SGATE, /* L_ROUTER 0: dense MLP */
+    L_WIDTH
+};
+enum { /* bufs */
+    B_X, B_COS, B_SIN, B_PUT, B_REQ, B_LENS, B_SLOTS, /* inputs */
+    B_GEO, B_NORMED, B_QKV, B_ATTN, B_GU, B_ACT, B_LOGITS, B_SG, B_MOE, B_HEXP, B_Y, B_SCORES, B_ROUTE_W, B_IDS,
+    B_SORT, B_PTRS, B_ONES, /* scratch: GEO int64 [4 R]; model's type: NORMED [R, H], QKV [R, NQKV], ATTN
+                               [R, NQ D], GU [R, 2I'], ACT [R, I], LOGITS [R, E'], SG [R, 32], MOE [R, H],
+                               HEXP [R k, I_e]; float32: Y [threads, rows_max, 32], SCORES [threads, max_kv],
+                               ROUTE_W [R k]; IDS [R k], SORT [2 R k + 2 E + 2] int64; PTRS [threads, 2 rows_max];
+                               ONES [rows_max] float32 ones */
+    B_HEAD_NORM, B_HEAD, B_HEAD_LOGITS, B_PICKS, B_LAST, /* frame: each request's last row through the final
+                               norm (float32 [H]), the head's panels, logits [B, VP] (model's type), argmax picks
+                               [B] int64 (the first of equal maxima), scratch [B, H]; B_HEAD_NORM NULL: none */
+    B_WIDTH
+};
+#define MAX_EXPERTS 512
+
+static inline int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
+
+/* The rows' geometry, GEO = put [R] (slot of the row's key and value), rope [R] (row of the cos/sin tables),
+ * len [R] (keys it attends to), keys [R] (its first key's slot, or with slot tables its table's offset). */
+static void row_geometry(const int64_t *dims, const int64_t *bufs) {
+    const int64_t R = dims[0], max_kv = dims[7];
+    int64_t *put = (int64_t *)bufs[B_GEO], *rope = put + R, *len = rope + R, *keys = len + R;
+    for (int64_t r = 0; r < R; r++) {
+        if (dims[8] == 0) { /* frame: request b's row at position pos0 + r % S, its cache b */
+            const int64_t S = dims[10], Q = dims[12], b = r / S, pos = dims[11] + r % S;
+            put[r] = b * Q + pos, rope[r] = pos, len[r] = pos + 1, keys[r] = b * Q;
+        } else {
+            const int64_t req = ((const int64_t *)bufs[B_REQ])[r];
+            put[r] = ((const int64_t *)bufs[B_PUT])[r], rope[r] = r;
+            len[r] = ((const int64_t *)bufs[B_LENS])[req], keys[r] = req * max_kv;
+        }
+    }
+}
+
+#define DEFINE_DECODER_LAYERS(SUFFIX, TS, WT, T)                                                              \
+    /* Route each row: softmax (float32) over its router logits, the top k (the first of equal values first), \
+     * optionally renormalised, rounded to the model's type as a tensor of it holds them. */                 \
+    static inline void route_row_##SUFFIX(const T *logits, int64_t E, int64_t K, int norm_topk, int64_t *ids,  \
+                                          float *weights) {                                                \
+        float p[MAX_EXPERTS], top = -INFINITY, total = 0.0f, picked = 0.0f;                                 \
+        char taken[MAX_EXPERTS] = {0};                                                                     \
+        for (int64_t e = 0; e < E; e++) top = get_##TS(logits + e) > top ? get_##TS(logits + e) : top;     \
+        for (int64_t e = 0; e < E; e++) total += (p[e] = expf(get_##TS(logits + e) - top));                \
+        for (int64_t e = 0; e < E; e++) p[e] /= total;                                                     \
+        for (int64_t k = 0; k < K; k++) { /* (NaN scores: some expert all the same, never out of range) */ \
+            int64_t best = 0;                                                                              \
+            while (taken[best]) best++;                                                                    \
+            for (int64_t e = best + 1; e < E; e++)                                                         \
+                if (!taken[e] && p[e] > p[best]) best = e;                                                 \
+            ids[k] = best, weights[k] = p[best], picked += p[best];                                        \
+            taken[best] = 1;                                                                               \
+        }                                                                                                  \
+        for (int64_t k = 0; k < K; k++) weights[k] = round_##TS(norm_topk ? weights[k] / picked : weights[k]); \
+    }                                                                                                      \
+    static void layer_##SUFFIX(const int64_t *a, const int64_t *dims, const int64_t *bufs, float eps,       \
+                               float scale, int tid) {                                                     \
+        const int64_t R = dims[0], H = dims[1], NQ = dims[2], NKV = dims[3], D = dims[4], NQKV = dims[5];  \
+        const int64_t rows_max = dims[6], max_kv = dims[7], rep = NQ / NKV, half = D / 2, bf16 = sizeof(T) == 2; \
+        const int64_t *put = (const int64_t *)bufs[B_GEO], *rope = put + R, *lens = rope + R, *keys = lens + R; \
+        const int64_t *slot_tables = (const int64_t *)bufs[B_SLOTS];                                       \
+        const float *cos_t = (const float *)bufs[B_COS], *sin_t = (const float *)bufs[B_SIN];              \
+        const float *ones = (const float *)bufs[B_ONES];                                                   \
+        T *x = (T *)bufs[B_X], *normed = (T *)bufs[B_NORMED], *qkv = (T *)bufs[B_QKV];                     \
+        T *attn = (T *)bufs[B_ATTN], *gu = (T *)bufs[B_GU], *act = (T *)bufs[B_ACT];                       \
+        void **rows_in = (void **)bufs[B_PTRS] + (int64_t)tid * 2 * rows_max, **rows_out = rows_in + rows_max; \
+        float *ys = (float *)bufs[B_Y] + (int64_t)tid * rows_max * 32;                                     \
+        float *s = (float *)bufs[B_SCORES] + (int64_t)tid * max_kv, row[MAX_HEAD_DIM];                     \
+        const float *norm1 = (const float *)a[L_NORM1], *qnorm = (const float *)a[L_QNORM];                \
+        const float *knorm = (const float *)a[L_KNORM], *norm2 = (const float *)a[L_NORM2];                \
+        T *kc = (T *)a[L_KC], *vc = (T *)a[L_VC];                                                          \
+        for (int64_t r = 0; r < R; r++) rows_out[r] = ys + r * 32;                                         \
+        /* input norm, q/k/v */                                                                            \
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
+            row_norm_##TS(H, x + r * H, norm1, eps, 0, normed + r * H);                                    \
+        for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
+        linear_panels_##SUFFIX(R, H, NQKV, (const T *const *)rows_in, (const WT *)a[L_QKV], 0, qkv, bf16, 0, \
+                               ys, (float *const *)rows_out, ones);                                        \
+        /* q/k norms, rotary; k and v into the caches */                                                   \
+        _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * (NQ + NKV); task++) {         \
+            const int64_t r = task / (NQ + NKV), head = task % (NQ + NKV);                                 \
+            T *src = qkv + r * NQKV + head * D;                                                            \
+            row_norm_##TS(D, src, head < NQ ? qnorm : knorm, eps, row, 0);                                 \
+            T *dst = head < NQ ? src : kc + (put[r] * NKV + (head - NQ)) * D;                              \
+            const float *cs = cos_t + rope[r] * D, *sn = sin_t + rope[r] * D;                              \
+            for (int64_t d = 0; d < D; d++) {                                                              \
+                const float turned = d < half ? -row[d + half] : row[d - half];                            \
+                put_##TS(dst + d, round_##TS(row[d] * cs[d]) + round_##TS(turned * sn[d]));                \
+            }                                                                                              \
+            if (head >= NQ) { /* its value head too */                                                     \
+                const T *v = qkv + r * NQKV + (NQ + NKV) * D + (head - NQ) * D;                            \
+                memcpy(vc + (put[r] * NKV + (head - NQ)) * D, v, (size_t)D * sizeof(T));                   \
+            }                                                                                              \
+        }                                                                                                  \
+        /* attention: row r over its lens[r] keys (consecutive slots from keys[r], or its slot table's) */  \
+        _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * NQ; task++) {                 \
+            const int64_t r = task / NQ, h = task % NQ, g = h / rep, len = lens[r];                        \
+            const int64_t *slots = slot_tables ? slot_tables + keys[r] : 0, first = slots ? 0 : keys[r];   \
+            const T *q = qkv + r * NQKV + h * D, *k0 = kc + (first * NKV + g) * D, *v0 = vc + (first * NKV + g) * D; \
+            T *o = attn + r * NQ * D + h * D;                                                              \
+            if (len <= 0) { /* no key (a padded row): zeros */                                             \
+                for (int64_t d = 0; d < D; d++) put_##TS(o + d, 0.0f);                                     \
+                continue;                                                                                  \
+            }                                                                                              \
+            if (D % 16 == 0) { /* 16 lanes at a time (head sizes 64, 128) */                               \
+                attend_head_##TS(D, len, q, scale, k0, v0, NKV * D, slots, s, o);                          \
+                continue;                                                                                  \
+            }                                                                                              \
+            float top = -INFINITY, total = 0.0f;                                                           \
+            for (int64_t j = 0; j < len; j++) {                                                            \
+                const T *k = k0 + (slots ? slots[j] : j) * NKV * D;                                        \
+                float dot = 0.0f;                                                                          \
+                for (int64_t d = 0; d < D; d++) dot += get_##TS(q + d) * get_##TS(k + d);                  \
+                s[j] = dot * scale;                                                                        \
+                top = s[j] > top ? s[j] : top;                                                             \
+            }                                                                                              \
+            for (int64_t j = 0; j < len; j++) total += (s[j] = expf(s[j] - top));                          \
+            for (int64_t d = 0; d < D; d++) row[d] = 0.0f;                                                 \
+            for (int64_t j = 0; j < len; j++) {                                                            \
+                const T *v = v0 + (slots ? slots[j] : j) * NKV * D;                                        \
+                const float p = s[j] / total;                                                              \
+                for (int64_t d = 0; d < D; d++) row[d] += p * get_##TS(v + d);                             \
+            }                                                                                              \
+            for (int64_t d = 0; d < D; d++) put_##TS(o + d, row[d]);                                       \
+        }                                                                                                  \
+        for (int64_t r = 0; r < R; r++) rows_in[r] = attn + r * NQ * D;                                    \
+        linear_panels_##SUFFIX(R, NQ * D, H, (const T *const *)rows_in, (const WT *)a[L_O], 0, x, bf16, 1, ys, \
+                               (float *const *)rows_out, ones);                                            \
+        /* post-attention norm; the dense MLP or the shared expert's gate/up (and its gate), the router */  \
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
+            row_norm_##TS(H, x + r * H, norm2, eps, 0, normed + r * H);                                    \
+        for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
+        const int64_t I = a[L_INTER], NGU = round32(2 * I), E = a[L_EXPERTS], K = a[L_TOPK];                \
+        T *logits = (T *)bufs[B_LOGITS], *sg = (T *)bufs[B_SG], *moe = (T *)bufs[B_MOE];                   \
+        if (a[L_GU])                                                                                       \
+            linear_panels_##SUFFIX(R, H, NGU, (const T *const *)rows_in, (const WT *)a[L_GU], 0, gu, bf16, 0, \
+                                   ys, (float *const *)rows_out, ones);                                    \
+        if (a[L_ROUTER])                                                                                   \
+            linear_panels_##SUFFIX(R, H, round32(E), (const T *const *)rows_in, (const WT *)a[L_ROUTER], 0,   \
+                                   logits, bf16, 0, ys, (float *const *)rows_out, ones);                   \
+        if (a[L_SGATE])                                                                                    \
+            linear_panels_##SUFFIX(R, H, 32, (const T *const *)rows_in, (const WT *)a[L_SGATE], 0, sg, bf16, 0, \
+                                   ys, (float *const *)rows_out, ones);                                    \
+        /* SwiGLU (dense MLP or shared expert); routing */                                                 \
+        int64_t *ids = (int64_t *)bufs[B_IDS];                                                             \
+        float *route_w = (float *)bufs[B_ROUTE_W];                                                         \
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                               \
+            if (a[L_GU]) {                                                                                 \
+                const T *gate = gu + r * NGU, *up = gate + I;                                              \
+                T *out = act + r * I;                                                                      \
+                _Pragma("omp simd") for (int64_t i = 0; i < I; i++)                                        \
+                    put_##TS(out + i, swiglu_lane(get_##TS(gate + i), get_##TS(up + i)));                  \
+            }                                                                                              \
+            if (a[L_ROUTER])                                                                               \
+                route_row_##SUFFIX(logits + r * round32(E), E, K, (int)a[L_NORM_TOPK], ids + r * K,        \
+                                   route_w + r * K);                                                       \
+        }                                                                                                  \
+        if (!a[L_ROUTER]) { /* dense: down + residual */                                                   \
+            for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                      \
+            linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, (const WT *)a[L_DOWN], 0, x, bf16, 1, \
+                                   ys, (float *const *)rows_out, ones);                                    \
+            return;                                                                                        \
+        }                                                                                                  \
+        int64_t *order = (int64_t *)bufs[B_SORT], *starts = order + R * K;                                  \
+        _Pragma("omp single") sort_selections(R * K, E, ids, order, starts);                               \
+        moe_phases_##SUFFIX(R, K, E, H, H, a[L_EINTER], normed, order, starts, route_w, (const WT *)a[L_EUP], \
+                            (const WT *)a[L_EDOWN], moe, bf16, (T *)bufs[B_HEXP], ys, rows_in, rows_out);  \
+        if (a[L_GU]) { /* the shared expert's down projection, into gu's rows */                           \
+            for (int64_t r = 0; r < R; r++) {                                                              \
+                rows_in[r] = act + r * I;                                                                  \
+                rows_out[r] = ys + r * 32;                                                                 \
+            }                                                                                              \
+            linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, (const WT *)a[L_DOWN], 0, gu, bf16, 0, \
+                                   ys, (float *const *)rows_out, ones);                                    \
+        }                                                                                                  \
+        /* x += experts + sigmoid(shared gate) * shared expert */                                          \
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                               \
+            const float gate = a[L_SGATE] ? round_##TS(1.0f / (1.0f + expf(-get_##TS(sg + r * 32)))) : 1.0f; \
+            for (int64_t c = 0; c < H; c++) {                                                              \
+                float v = get_##TS(moe + r * H + c);                                                       \
+                if (a[L_GU]) v = round_##TS(v + round_##TS(gate * get_##TS(gu + r * H + c)));               \
+                put_##TS(x + r * H + c, get_##TS(x + r * H + c) + v);                                      \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    void decoder_layers_##SUFFIX(const int64_t *dims, const int64_t *layers, int64_t L, const int64_t *bufs, \
+                                 float eps, float scale, int threads) {                                    \
+        row_geometry(dims, bufs);                                                                          \
         _Pragma("omp parallel num_threads(threads)") {                                                     \
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
-            void **rows_in = ptrs + (int64_t)tid * 2 * R, **rows_out = rows_in + R;                         \
-            float *ys = y + (int64_t)tid * R * 32, *s = scores + (int64_t)tid * Q;                          \
-            for (int64_t r = 0; r < R; r++) rows_out[r] = ys + r * 32;                                     \
-            float row[MAX_HEAD_DIM];                                                                       \
-            for (int64_t l = 0; l < L; l++) {                                                              \
-                const int64_t *a = layers + l * 10;                                                        \
-                const float *norm1 = (const float *)a[0], *qnorm = (const float *)a[2];                    \
-                const float *knorm = (const float *)a[3], *norm2 = (const float *)a[5];                    \
-                const WT *w_qkv = (const WT *)a[1], *w_o = (const WT *)a[4], *w_gu = (const WT *)a[6];     \
-                const WT *w_down = (const WT *)a[7];                                                       \
-                T *kc = (T *)a[8], *vc = (T *)a[9];                                                        \
-                /* input norm */                                                                           \
-                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
-                    row_norm_##TS(H, x + r * H, norm1, eps, 0, normed + r * H);                            \
-                for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                               \
-                linear_panels_##SUFFIX(R, H, NQKV, (const T *const *)rows_in, w_qkv, 0, qkv, bf16, 0, ys,   \
-                                       (float *const *)rows_out, ones);                                    \
-                /* q/k norms, rotary; k and v into the caches */                                           \
-                _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * (NQ + NKV); task++) { \
-                    const int64_t r = task / (NQ + NKV), head = task % (NQ + NKV);                         \
-                    const int64_t b = r / S, pos = pos0 + r % S;                                           \
-                    T *src = qkv + r * NQKV + head * D;                                                    \
-                    row_norm_##TS(D, src, head < NQ ? qnorm : knorm, eps, row, 0);                         \
-                    T *dst = head < NQ ? src : kc + ((b * Q + pos) * NKV + (head - NQ)) * D;               \
-                    const float *cs = cos_t + pos * D, *sn = sin_t + pos * D;                              \
-                    for (int64_t d = 0; d < D; d++) {                                                      \
-                        const float turned = d < half ? -row[d + half] : row[d - half];                    \
-                        put_##TS(dst + d, round_##TS(row[d] * cs[d]) + round_##TS(turned * sn[d]));        \
-                    }                                                                                      \
-                    if (head >= NQ) { /* its value head too */                                             \
-                        const T *v = qkv + r * NQKV + (NQ + NKV) * D + (head - NQ) * D;                    \
-                        memcpy(vc + ((b * Q + pos) * NKV + (head - NQ)) * D, v, (size_t)D * sizeof(T));    \
-                    }                                                                                      \
-                }                                                                                          \
-                /* attention over positions 0 .. pos of the request's frame */                             \
-                _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * NQ; task++) {         \
-                    const int64_t r = task / NQ, h = task % NQ, g = h / rep, b = r / S, len = pos0 + r % S + 1; \
-                    const T *q = qkv + r * NQKV + h * D;                                                   \
-                    T *o = attn + r * NQ * D + h * D;                                                      \
-                    if (D % 16 == 0) { /* 16 lanes at a time (head sizes 64, 128) */                       \
-                        const T *k0 = kc + b * Q * NKV * D + g * D, *v0 = vc + b * Q * NKV * D + g * D;    \
-                        attend_head_##TS(D, len, q, scale, k0, v0, NKV * D, (const int64_t *)0, s, o);     \
-                        continue;                                                                          \
-                    }                                                                                      \
-                    float top = -INFINITY, total = 0.0f;                                                   \
-                    for (int64_t j = 0; j < len; j++) {                                                    \
-                        const T *k = kc + ((b * Q + j) * NKV + g) * D;                                     \
-                        float dot = 0.0f;                                                                  \
-                        for (int64_t d = 0; d < D; d++) dot += get_##TS(q + d) * get_##TS(k + d);          \
-                        s[j] = dot * scale;                                                                \
-                        top = s[j] > top ? s[j] : top;                                                     \
-                    }                                                                                      \
-                    for (int64_t j = 0; j < len; j++) total += (s[j] = expf(s[j] - top));                  \
-                    for (int64_t d = 0; d < D; d++) row[d] = 0.0f;                                         \
-                    for (int64_t j = 0; j < len; j++) {                                                    \
-                        const T *v = vc + ((b * Q + j) * NKV + g) * D;                                     \
-                        const float p = s[j] / total;                                                      \
-                        for (int64_t d = 0; d < D; d++) row[d] += p * get_##TS(v + d);                     \
-                    }                                                                                      \
-                    for (int64_t d = 0; d < D; d++) put_##TS(o + d, row[d]);                               \
-                }                                                                                          \
-                for (int64_t r = 0; r < R; r++) rows_in[r] = attn + r * NQ * D;                            \
-                linear_panels_##SUFFIX(R, NQ * D, H, (const T *const *)rows_in, w_o, 0, x, bf16, 1, ys,    \
-                                       (float *const *)rows_out, ones);                                    \
-                /* post-attention norm, SwiGLU MLP */                                                      \
-                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
-                    row_norm_##TS(H, x + r * H, norm2, eps, 0, normed + r * H);                           \
-                for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                               \
-                linear_panels_##SUFFIX(R, H, NGU, (const T *const *)rows_in, w_gu, 0, gu, bf16, 0, ys,     \
-                                       (float *const *)rows_out, ones);                                    \
-                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                       \
-                    const T *gate = gu + r * NGU, *up = gate + I;                                          \
-                    T *out = act + r * I;                                                                  \
-                    _Pragma("omp simd") for (int64_t i = 0; i < I; i++)                                    \
-                        put_##TS(out + i, swiglu_lane(get_##TS(gate + i), get_##TS(up + i)));             \
-                }                                                                                          \
-                for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                  \
-                linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, w_down, 0, x, bf16, 1, ys,      \
-                                       (float *const *)rows_out, ones);                                    \
-            }                                                                                              \
-            if (bufs[12]) { /* each request's last row: final norm, output head, argmax */                \
-                const int64_t V = dims[11], VP = dims[12];                                                 \
-                T *last = (T *)bufs[16], *logits = (T *)bufs[14];                                          \
-                int64_t *picks = (int64_t *)bufs[15];                                                      \
+            for (int64_t l = 0; l < L; l++) layer_##SUFFIX(layers + l * L_WIDTH, dims, bufs, eps, scale, tid); \
+            if (bufs[B_HEAD_NORM]) { /* each request's last row: final norm, output head, argmax */        \
+                const int64_t H = dims[1], B = dims[9], S = dims[10], V = dims[13], VP = dims[14];         \
+                const T *x = (const T *)bufs[B_X];                                                         \
+                T *last = (T *)bufs[B_LAST], *logits = (T *)bufs[B_HEAD_LOGITS];                           \
+                int64_t *picks = (int64_t *)bufs[B_PICKS];                                                 \
+                void **rows_in = (void **)bufs[B_PTRS] + (int64_t)tid * 2 * dims[6], **rows_out = rows_in + dims[6]; \
+                float *ys = (float *)bufs[B_Y] + (int64_t)tid * dims[6] * 32;                              \
                 _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++)                         \
-                    row_norm_##TS(H, x + (b * S + S - 1) * H, (const float *)bufs[12], eps, 0, last + b * H); \
-                for (int64_t b = 0; b < B; b++) rows_in[b] = last + b * H;                                 \
-                linear_panels_##SUFFIX(B, H, VP, (const T *const *)rows_in, (const WT *)bufs[13], 0, logits, \
-                                       bf16, 0, ys, (float *const *)rows_out, ones);                       \
+                    row_norm_##TS(H, x + (b * S + S - 1) * H, (const float *)bufs[B_HEAD_NORM], eps, 0, last + b * H); \
+                for (int64_t b = 0; b < B; b++) {                                                          \
+                    rows_in[b] = last + b * H;                                                             \
+                    rows_out[b] = ys + b * 32;                                                             \
+                }                                                                                          \
+                linear_panels_##SUFFIX(B, H, VP, (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, logits, \
+                                       sizeof(T) == 2, 0, ys, (float *const *)rows_out, (const float *)bufs[B_ONES]); \
                 _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++) {                       \
                     int64_t best = 0;                                                                      \
                     for (int64_t v = 1; v < V; v++)                                                        \
@@ -663,7 +784,7 @@ DEFINE_ROW_NORM(bf16, uint16_t)
         }                                                                                                  \
     }
 
-DEFINE_PASS(f32, f32, float, float)
+DEFINE_DECODER_LAYERS(f32, f32, float, float)
 #if defined(__AVX512BF16__)
-DEFINE_PASS(bf16dp, bf16, uint16_t, uint16_t)
+DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t)
 #endif
