@@ -89,17 +89,18 @@ def build_attention_metadata(
         raise ValueError(f"num_padded_tokens={padded} is smaller than the real token count {num_tokens}")
     scratch = scratch_slot(num_blocks, block_size)
 
+    for i, (t, q, c) in enumerate(zip(block_tables, query_lens, context_lens)):
+        if len(t) * block_size < q + c:
+            raise ValueError(f"request {i}: {len(t)} blocks cannot hold {q + c} tokens")
     q_lens = torch.tensor(query_lens, dtype=torch.long)
     ctx = torch.tensor(context_lens, dtype=torch.long)
     seq = q_lens + ctx
     starts = torch.zeros(num_reqs + 1, dtype=torch.long)
     starts[1:] = torch.cumsum(q_lens, 0)
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    table = torch.full((num_reqs, max(max_blocks, 1)), num_blocks, dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        if len(t) * block_size < int(seq[i]):
-            raise ValueError(f"request {i}: {len(t)} blocks cannot hold {int(seq[i])} tokens")
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    # One tensor for all block tables (padded with the scratch block's id), not one per request.
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    table = torch.tensor([list(t) + [num_blocks] * (width - len(t)) for t in block_tables],
+                         dtype=torch.long).reshape(num_reqs, width)
 
     # Slot of every real token row: its absolute position looked up in its request's block table.
     req_of_row = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
@@ -111,7 +112,8 @@ def build_attention_metadata(
 
     groups = []
     is_decode = q_lens == 1
-    for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode & (q_lens > 0)).flatten()):
+    for in_group in (is_decode, ~is_decode & (q_lens > 0)):
+        members = torch.nonzero(in_group).flatten()
         if members.numel() == 0:
             continue
         g_qlens, g_ctx, g_seq = q_lens[members], ctx[members], seq[members]
@@ -125,7 +127,7 @@ def build_attention_metadata(
         mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
         # Padded query rows would have no valid key; let them see key 0 so softmax stays finite (discarded).
         mask[:, :, 0] = True
-        row_in_group = torch.isin(req_of_row, members)
+        row_in_group = in_group[req_of_row]
         token_rows = torch.nonzero(row_in_group).flatten()
         remap = torch.full((num_reqs,), -1, dtype=torch.long)
         remap[members] = torch.arange(members.numel())

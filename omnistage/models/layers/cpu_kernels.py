@@ -547,41 +547,50 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
     )
 
 
+def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_width: int, threads: int) -> list[int]:
+    """Addresses of this thread's scratch for a decoder-kernel call on x's rows (bufs B_GEO..B_ONES but the
+    scores), kept per shape: a frame's 15 passes and a stage's decode steps repeat a few shapes, and building
+    them on every call cost ~0.1 ms of the ~1.4 ms a code-predictor pass takes."""
+    rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+    key = (x.dtype, rows, hidden, qkv_width, attn_width, threads, table.gate_up_width, table.intermediate,
+           table.experts, table.top_k, table.expert_intermediate)
+    kept = _local.__dict__.setdefault("layer_workspaces", {})
+    found = kept.get(key)
+    if found is None:
+        if len(kept) >= 64:  # bounded (row counts up to a stage's batch limit, a few tables)
+            kept.clear()
+        selections = rows * table.top_k
+        rows_max = max(rows, selections)
+        typed = [rows * width for width in (hidden, qkv_width, attn_width, max(table.gate_up_width, hidden),
+                                            table.intermediate, _round_up(table.experts, DOWN_PANEL), DOWN_PANEL,
+                                            hidden)] + [selections * table.expert_intermediate]
+        buffers = [torch.empty(4 * rows, dtype=torch.int64), *(torch.empty(n, dtype=x.dtype) for n in typed),
+                   torch.empty(threads * rows_max * DOWN_PANEL), torch.empty(selections),
+                   torch.empty(selections, dtype=torch.int64),
+                   torch.empty(2 * selections + 2 * table.experts + 2, dtype=torch.int64),
+                   torch.empty(threads * 2 * rows_max, dtype=torch.int64), torch.ones(rows_max)]
+        found = kept[key] = (buffers, [t.data_ptr() for t in buffers], rows_max)
+    return found[1:]
+
+
 def _run_layers(
     x: torch.Tensor, table: LayerTable, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, ...],
     max_kv: int, geometry: list[int], inputs: list[int], head: list[int], eps: float,
 ) -> None:
-    """Scratch for ``decoder_layers_*`` and the call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS."""
-    rows, hidden = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1), x.shape[-1]
+    """The ``decoder_layers_*`` call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS, ``head``: the rest."""
     if not (x.is_contiguous() and x.device.type == "cpu" and heads % kv_heads == 0):
         raise ValueError("the decoder kernel needs contiguous CPU rows and query heads a multiple of kv heads")
-    threads, selections = torch.get_num_threads(), rows * table.top_k
-    rows_max = max(rows, selections)
+    threads = torch.get_num_threads()
     qkv_width = _round_up((heads + 2 * kv_heads) * head_dim, DOWN_PANEL)
-    widths = {"normed": hidden, "qkv": qkv_width, "attn": heads * head_dim,
-              "gate_up": max(table.gate_up_width, hidden), "act": table.intermediate,
-              "logits": _round_up(table.experts, DOWN_PANEL), "shared_gate": DOWN_PANEL, "moe": hidden}
-    typed = [_scratch(f"layers-{name}-{x.dtype}", rows * width, x.dtype) for name, width in widths.items()]
-    hexp = _scratch(f"layers-hexp-{x.dtype}", selections * table.expert_intermediate, x.dtype)
-    scratch = [
-        _scratch("layers-geometry", 4 * rows, torch.int64), *typed, hexp,
-        _scratch("layers-y", threads * rows_max * DOWN_PANEL, torch.float32),
-        _scratch("layers-scores", threads * max_kv, torch.float32),
-        _scratch("layers-route", selections, torch.float32),
-        _scratch("layers-ids", selections, torch.int64),
-        _scratch("layers-sort", 2 * selections + 2 * table.experts + 2, torch.int64),
-        _scratch("layers-pointers", threads * 2 * rows_max, torch.int64),
-        _scratch("ones", rows_max, torch.float32, fill=1.0),
-    ]
+    (scratch, rows_max) = _layer_workspace(x, table, qkv_width, heads * head_dim, threads)
+    scores = _scratch("layers-scores", threads * max_kv, torch.float32)
     cos, sin = (t.float().contiguous() for t in rope)
-    dims = torch.tensor([rows, hidden, heads, kv_heads, head_dim, qkv_width, rows_max, max_kv, *geometry],
-                        dtype=torch.int64)
-    bufs = torch.tensor([x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *(t.data_ptr() for t in scratch),
-                         *head], dtype=torch.int64)
-    assert bufs.numel() == _BUFFERS
+    dims = (ctypes.c_int64 * 15)(x.numel() // x.shape[-1], x.shape[-1], heads, kv_heads, head_dim, qkv_width,
+                                 rows_max, max_kv, *geometry)
+    bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch[:11],
+                                       scores.data_ptr(), *scratch[11:], *head)
     _function(f"decoder_layers_{'f32' if x.dtype == torch.float32 else _DOT}")(
-        dims.data_ptr(), table.addresses.data_ptr(), table.addresses.shape[0], bufs.data_ptr(), eps,
-        head_dim**-0.5, threads,
+        dims, table.addresses.data_ptr(), table.addresses.shape[0], bufs, eps, head_dim**-0.5, threads,
     )
 
 
