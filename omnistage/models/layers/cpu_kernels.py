@@ -41,7 +41,8 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -307,20 +308,30 @@ def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | No
 _DECODE_ROWS = 64  # linear calls up to this many rows reuse a workspace kept per row count
 
 
-def _linear_workspace(tokens: int, threads: int) -> tuple[int, int, int]:
+def _linear_workspace(tokens: int, threads: int) -> list[int]:
     """Addresses of this thread's scratch for a linear call: y [threads, tokens, 32] float32, pointers
     [threads, 2 * tokens], ones [tokens] float32. Decode-sized calls (hundreds per step, a few row counts) keep
-    theirs per row count, addresses included; larger ones share the growing buffers."""
+    theirs per row count; larger ones share the growing buffers."""
     if tokens > _DECODE_ROWS:
-        return (_scratch("y", threads * tokens * DOWN_PANEL, torch.float32).data_ptr(),
+        return [_scratch("y", threads * tokens * DOWN_PANEL, torch.float32).data_ptr(),
                 _scratch("pointers", threads * 2 * tokens, torch.int64).data_ptr(),
-                _scratch("ones", tokens, torch.float32, fill=1.0).data_ptr())
-    kept = _local.__dict__.setdefault("linear_workspaces", {})
-    found = kept.get((tokens, threads))
+                _scratch("ones", tokens, torch.float32, fill=1.0).data_ptr()]
+    return _kept("linear", (tokens, threads), lambda: [
+        torch.empty(threads * tokens * DOWN_PANEL), torch.empty(threads * 2 * tokens, dtype=torch.int64),
+        torch.ones(tokens)])
+
+
+def _kept(kind: str, key: tuple, make: Callable[[], list[torch.Tensor]]) -> list[int]:
+    """Addresses of buffers ``make()`` built for this thread and ``key``, built once and kept: calls of one
+    shape (a step's hundreds of small calls, a frame's 15 passes) then cost no allocation and no address
+    lookups. At most 64 shapes per kind are kept (row counts up to a stage's batch limit, a few tables)."""
+    kept = _local.__dict__.setdefault(f"kept-{kind}", {})
+    found = kept.get(key)
     if found is None:
-        buffers = (torch.empty(threads * tokens * DOWN_PANEL), torch.empty(threads * 2 * tokens, dtype=torch.int64),
-                   torch.ones(tokens))
-        found = kept[(tokens, threads)] = (buffers, tuple(b.data_ptr() for b in buffers))
+        if len(kept) >= 64:
+            kept.clear()
+        buffers = make()
+        found = kept[key] = (buffers, [t.data_ptr() for t in buffers])
     return found[1]
 
 
@@ -527,8 +538,7 @@ class LayerTable:
 
     def part(self, start: int, stop: int) -> LayerTable:
         """Layers ``start`` .. ``stop - 1`` only."""
-        return LayerTable(self.addresses[start:stop], self.gate_up_width, self.intermediate, self.experts,
-                          self.top_k, self.expert_intermediate)
+        return replace(self, addresses=self.addresses[start:stop])
 
 
 def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LayerTable:
@@ -547,30 +557,25 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
     )
 
 
-def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_width: int, threads: int) -> list[int]:
-    """Addresses of this thread's scratch for a decoder-kernel call on x's rows (bufs B_GEO..B_ONES but the
-    scores), kept per shape: a frame's 15 passes and a stage's decode steps repeat a few shapes, and building
-    them on every call cost ~0.1 ms of the ~1.4 ms a code-predictor pass takes."""
+def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_width: int, threads: int,
+                     rows_max: int) -> list[int]:
+    """Addresses of this thread's scratch for a decoder-kernel call on x's rows (bufs B_GEO..B_ONES), kept per
+    shape (building them on every call cost ~0.1 ms of the ~1.4 ms a code-predictor pass takes)."""
     rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
-    key = (x.dtype, rows, hidden, qkv_width, attn_width, threads, table.gate_up_width, table.intermediate,
-           table.experts, table.top_k, table.expert_intermediate)
-    kept = _local.__dict__.setdefault("layer_workspaces", {})
-    found = kept.get(key)
-    if found is None:
-        if len(kept) >= 64:  # bounded (row counts up to a stage's batch limit, a few tables)
-            kept.clear()
-        selections = rows * table.top_k
-        rows_max = max(rows, selections)
+    selections = rows * table.top_k
+
+    def make() -> list[torch.Tensor]:
         typed = [rows * width for width in (hidden, qkv_width, attn_width, max(table.gate_up_width, hidden),
                                             table.intermediate, _round_up(table.experts, DOWN_PANEL), DOWN_PANEL,
                                             hidden)] + [selections * table.expert_intermediate]
-        buffers = [torch.empty(4 * rows, dtype=torch.int64), *(torch.empty(n, dtype=x.dtype) for n in typed),
-                   torch.empty(threads * rows_max * DOWN_PANEL), torch.empty(selections),
-                   torch.empty(selections, dtype=torch.int64),
-                   torch.empty(2 * selections + 2 * table.experts + 2, dtype=torch.int64),
-                   torch.empty(threads * 2 * rows_max, dtype=torch.int64), torch.ones(rows_max)]
-        found = kept[key] = (buffers, [t.data_ptr() for t in buffers], rows_max)
-    return found[1:]
+        return [torch.empty(4 * rows, dtype=torch.int64), *(torch.empty(n, dtype=x.dtype) for n in typed),
+                torch.empty(threads * rows_max * DOWN_PANEL), torch.empty(selections),
+                torch.empty(selections, dtype=torch.int64),
+                torch.empty(2 * selections + 2 * table.experts + 2, dtype=torch.int64),
+                torch.empty(threads * 2 * rows_max, dtype=torch.int64), torch.ones(rows_max)]
+
+    return _kept("layers", (x.dtype, rows, hidden, qkv_width, attn_width, threads, table.gate_up_width,
+                            table.intermediate, table.experts, table.top_k, table.expert_intermediate), make)
 
 
 def _run_layers(
@@ -580,15 +585,16 @@ def _run_layers(
     """The ``decoder_layers_*`` call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS, ``head``: the rest."""
     if not (x.is_contiguous() and x.device.type == "cpu" and heads % kv_heads == 0):
         raise ValueError("the decoder kernel needs contiguous CPU rows and query heads a multiple of kv heads")
-    threads = torch.get_num_threads()
+    threads, rows = torch.get_num_threads(), x.numel() // x.shape[-1]
     qkv_width = _round_up((heads + 2 * kv_heads) * head_dim, DOWN_PANEL)
-    (scratch, rows_max) = _layer_workspace(x, table, qkv_width, heads * head_dim, threads)
+    rows_max = max(rows, rows * table.top_k)
+    scratch = _layer_workspace(x, table, qkv_width, heads * head_dim, threads, rows_max)
     scores = _scratch("layers-scores", threads * max_kv, torch.float32)
     cos, sin = (t.float().contiguous() for t in rope)
-    dims = (ctypes.c_int64 * 15)(x.numel() // x.shape[-1], x.shape[-1], heads, kv_heads, head_dim, qkv_width,
-                                 rows_max, max_kv, *geometry)
-    bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch[:11],
-                                       scores.data_ptr(), *scratch[11:], *head)
+    dims = (ctypes.c_int64 * 15)(rows, x.shape[-1], heads, kv_heads, head_dim, qkv_width, rows_max, max_kv,
+                                 *geometry)
+    bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch,
+                                       scores.data_ptr(), *head)
     _function(f"decoder_layers_{'f32' if x.dtype == torch.float32 else _DOT}")(
         dims, table.addresses.data_ptr(), table.addresses.shape[0], bufs, eps, head_dim**-0.5, threads,
     )

@@ -178,6 +178,14 @@ def kernel_layer(layer: DecoderLayer) -> cpu_kernels.LayerWeights | None:
     return cpu_kernels.LayerWeights(**parts)
 
 
+def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
+    """Every layer's ``kernel_layer`` weights, or [] where the decoder kernels cannot serve all of them."""
+    if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim):
+        return []
+    found = [kernel_layer(layer) for layer in layers]
+    return found if found and all(found) else []
+
+
 class PagedDecoder(nn.Module):
     """``layers`` + final ``norm`` over flattened token rows with one paged KV cache per layer.
 
@@ -218,11 +226,7 @@ class PagedDecoder(nn.Module):
         """Every layer's weights for ``cpu_kernels.decoder_step`` (the ``fast`` option on CPU), or [] where it
         cannot serve this decoder."""
         if self._kernel_layers is None:
-            layers: list[cpu_kernels.LayerWeights | None] = []
-            if self.decode_kernel is not None and cpu_kernels.supports_decoder_layers(
-                    self.norm.weight.dtype, self.cfg.hidden_size, self.cfg.head_dim):
-                layers = [kernel_layer(layer) for layer in self.layers]
-            self._kernel_layers = layers if layers and all(layers) else []
+            self._kernel_layers = kernel_layers(self.layers, self.cfg, self.norm.weight.dtype)
         return self._kernel_layers
 
     def _kernel_table(self, kv_caches: list[torch.Tensor]) -> cpu_kernels.LayerTable:

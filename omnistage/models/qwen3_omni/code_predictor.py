@@ -34,7 +34,7 @@ from torch._higher_order_ops.scan import scan
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
-from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layer
+from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layers
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
@@ -288,17 +288,8 @@ class CodePredictor(nn.Module):
         if not isinstance(self.packed_heads, torch.Tensor):  # not packed (yet), or packed for oneDNN
             return []
         if self._pass_layers is None:
-            self._pass_layers = self._collect_pass_layers()
+            self._pass_layers = kernel_layers(self.model.layers, self.cfg.decoder, self.packed_heads.dtype)
         return self._pass_layers
-
-    def _collect_pass_layers(self) -> list[cpu_kernels.LayerWeights]:
-        d = self.cfg.decoder
-        if d.qkv_bias or d.o_bias or not d.qk_norm:
-            return []
-        if not cpu_kernels.supports_decoder_layers(self.packed_heads.dtype, d.hidden_size, d.head_dim):
-            return []
-        layers = [kernel_layer(layer) for layer in self.model.layers]
-        return layers if all(layers) else []
 
     def _kernel_frame(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor

@@ -570,12 +570,12 @@ enum { /* a layer's row of the table */
 };
 enum { /* bufs */
     B_X, B_COS, B_SIN, B_PUT, B_REQ, B_LENS, B_SLOTS, /* inputs */
-    B_GEO, B_NORMED, B_QKV, B_ATTN, B_GU, B_ACT, B_LOGITS, B_SG, B_MOE, B_HEXP, B_Y, B_SCORES, B_ROUTE_W, B_IDS,
-    B_SORT, B_PTRS, B_ONES, /* scratch: GEO int64 [4 R]; model's type: NORMED [R, H], QKV [R, NQKV], ATTN
+    B_GEO, B_NORMED, B_QKV, B_ATTN, B_GU, B_ACT, B_LOGITS, B_SG, B_MOE, B_HEXP, B_Y, B_ROUTE_W, B_IDS, B_SORT,
+    B_PTRS, B_ONES, B_SCORES, /* scratch: GEO int64 [4 R]; model's type: NORMED [R, H], QKV [R, NQKV], ATTN
                                [R, NQ D], GU [R, 2I'], ACT [R, I], LOGITS [R, E'], SG [R, 32], MOE [R, H],
-                               HEXP [R k, I_e]; float32: Y [threads, rows_max, 32], SCORES [threads, max_kv],
-                               ROUTE_W [R k]; IDS [R k], SORT [2 R k + 2 E + 2] int64; PTRS [threads, 2 rows_max];
-                               ONES [rows_max] float32 ones */
+                               HEXP [R k, I_e]; float32: Y [threads, rows_max, 32], ROUTE_W [R k]; IDS [R k],
+                               SORT [2 R k + 2 E + 2] int64; PTRS [threads, 2 rows_max]; ONES [rows_max] float32
+                               ones; SCORES [threads, max_kv] float32 (last: its size follows the context) */
     B_HEAD_NORM, B_HEAD, B_HEAD_LOGITS, B_PICKS, B_LAST, /* frame: each request's last row through the final
                                norm (float32 [H]), the head's panels, logits [B, VP] (model's type), argmax picks
                                [B] int64 (the first of equal maxima), scratch [B, H]; B_HEAD_NORM NULL: none */
