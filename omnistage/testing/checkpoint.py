@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
 from omnistage.testing.presets import (
+    Preset,
     build_config_dict,
     build_generation_config_dict,
     build_preprocessor_config_dict,
@@ -47,7 +48,7 @@ FAMILIES = ("qwen3_omni", "qwen2_5_omni")
 
 def build_checkpoint(
     out_dir: str | Path,
-    preset: str = "tiny",
+    preset: str | Preset = "tiny",
     seed: int = 0,
     max_shard_bytes: int | None = None,
     family: str = "qwen3_omni",
@@ -58,7 +59,8 @@ def build_checkpoint(
     `max_shard_bytes` is exceeded), tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, and for
     qwen3_omni the processor's files: preprocessor_config.json (audio features + images),
     video_preprocessor_config.json, chat_template.json; for qwen2_5_omni spk_dict.pt (text-only, no
-    processor files). The same (family, preset, seed) gives byte-identical files.
+    processor files). The same (family, preset, seed) gives byte-identical files. ``preset``: a preset's name,
+    or (qwen3_omni) a ``Preset`` of any sizes.
     """
     if family == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint as build_qwen2_5_omni
@@ -66,7 +68,7 @@ def build_checkpoint(
         return build_qwen2_5_omni(out_dir, preset, seed, max_shard_bytes)
     if family != "qwen3_omni":
         raise ValueError(f"unknown model family {family!r}; choose from {list(FAMILIES)}")
-    spec = get_preset(preset)
+    spec = preset if isinstance(preset, Preset) else get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -19,7 +19,7 @@ from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
-from omnistage.models.layers.fast_linear import PackedLinear, fast_kernels, onednn_available
+from omnistage.models.layers.fast_linear import PackedLinear, can_pack, fast_kernels, onednn_available
 from omnistage.models.layers.mlp import GatedMLP
 from omnistage.models.layers.moe import WIDENED_BF16_MAX_ROWS_PER_EXPERT, SparseMoE
 from omnistage.models.qwen3_omni.code_predictor import (
@@ -237,7 +237,10 @@ def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(
     fast_kernels(moe, True)
     any_batch = cpu_kernels.serves_any_batch(dtype, hidden)
     assert any_batch == (dtype == torch.float32 or hidden == 16 and cpu_kernels._dot_bf16(dtype, hidden))
-    assert moe.experts.panels is not None and (moe.experts.packed is None) == any_batch
+    # A per-expert oneDNN copy serves large batches where the kernel loses there and oneDNN packs the dtype (its
+    # bfloat16 needs AVX-512 BW/VL/DQ); without one the kernel serves every batch.
+    per_expert = not any_batch and can_pack(torch.empty(1, hidden, dtype=dtype))
+    assert moe.experts.panels is not None and (moe.experts.packed is not None) == per_expert
     calls = []
     kernel_call = moe.experts.kernel
     moe.experts.kernel = lambda x, *a: calls.append(x.shape[0]) or kernel_call(x, *a)
@@ -245,8 +248,8 @@ def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(
         got = moe(x)
         assert (got - want[n]).abs().max().item() <= tol * max(1.0, want[n].abs().max().item()), n
     assert moe.route(xs[40])[1].unique().numel() == 6  # rows really spread over the experts
-    assert calls == [n for n in xs if any_batch or n * 2 <= WIDENED_BF16_MAX_ROWS_PER_EXPERT * 6]
-    if any_batch:
+    assert calls == [n for n in xs if not per_expert or n * 2 <= WIDENED_BF16_MAX_ROWS_PER_EXPERT * 6]
+    if not per_expert:
         with pytest.raises(RuntimeError, match="expert kernel only"):
             moe(xs[9], kernel=False)
     else:  # above the limit: the per-expert GEMMs, close to the kernel
@@ -274,7 +277,10 @@ def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype,
     want = linear(x).float()
     fast_kernels(linear, True)
     if dtype == torch.bfloat16 and not cpu_kernels.supports_linear(torch.empty(1, 48, dtype=dtype)):
-        assert linear.panels is None and linear.packed_weight is not None
+        if can_pack(torch.empty(1, 48, dtype=dtype)):
+            assert linear.panels is None and linear.packed_weight is not None
+        else:  # no oneDNN bfloat16 on this CPU either: torch's own GEMM, the weight kept
+            assert type(linear) is torch.nn.Linear and linear.weight.numel() == 48 * 37
         return
     assert linear.panels is not None and linear.packed_weight is None and linear.weight.numel() == 0
     got = linear(x)
@@ -510,3 +516,28 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, monk
         written = ours.float().abs().sum(dim=(0, 2, 3)) > 0
         assert torch.equal(written, theirs.float().abs().sum(dim=(0, 2, 3)) > 0)  # the same slots, no others
     assert torch.equal(step, before)  # the input rows are left as they were
+
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+@pytest.mark.parametrize("out_features", [64, 80, 1000])  # whole panels, a padded panel, many padded
+def test_every_custom_ops_fake_kernel_reports_the_real_sizes_and_strides(out_features):
+    """``torch.library.opcheck`` runs each op for real and on fake tensors (static and dynamic shapes) and
+    compares sizes, strides and dtypes: a compiled graph then sees what the real op returns (a padded panel's
+    output is a view with the padded row stride)."""
+    from omnistage.models.layers.fast_linear import pack_weight, packed_linear, packed_linear_at
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, 48, generator=g)
+    for x in (torch.randn(3, 48, generator=g), torch.randn(2, 5, 48, generator=g)):
+        packed = pack_weight(weight)
+        # oneDNN's packed weight is an opaque tensor (no storage) that opcheck cannot fake: its ops' fakes are
+        # contiguous [..., out_features], so the real ops must return exactly that.
+        for out in (packed_linear(x, packed, None), packed_linear_at(x, [packed, packed], torch.tensor(1))):
+            assert out.shape == (*x.shape[:-1], out_features) and out.is_contiguous()
+        if cpu_kernels.available():
+            panels = cpu_kernels.pack_linear(weight)
+            bias = cpu_kernels.pack_bias(torch.randn(out_features, generator=g), out_features)
+            torch.library.opcheck(cpu_kernels.panel_linear, (x, panels, bias, out_features))
+            stacked = cpu_kernels.pack_linear(torch.stack((weight, -weight)))
+            torch.library.opcheck(cpu_kernels.panel_linear_at, (x, stacked, torch.tensor(1), out_features))
+

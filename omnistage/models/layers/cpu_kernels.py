@@ -21,6 +21,11 @@ unavailable (logged once), and ``OMNISTAGE_CPU_KERNELS=0`` turns them off; layer
 GEMMs and torch's attention and vocoder passes. Float rounding differs from the GEMMs' (sums in another
 order); a row's result does not depend on its batch mates or the thread count.
 
+The panel kernels (linear layers, experts, decoder layers, the vocoder's tail) are measured faster only with
+AVX-512's 8-row tiles; on AVX2 (3-row tiles) they lose to oneDNN, so layers take them by default only there
+(``panels_preferred``). Each ``supports_*`` says which dtypes, shapes and devices a kernel serves; a layer
+outside them keeps the reference path.
+
 Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
 
 ``decoder_pass`` and ``decoder_step`` run every layer of a Qwen3(-MoE) decoder in one call: the code
@@ -102,6 +107,8 @@ def _build() -> ctypes.CDLL:
         linear = getattr(library, f"linear_{suffix}")
         linear.restype = None
         linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
+    library.tile_rows.restype = ctypes.c_int
+    library.tile_rows.argtypes = []
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
     for suffix in ("f32", _DOT):
@@ -134,6 +141,21 @@ def available() -> bool:
                 _failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
                 log.warning("CPU kernels unavailable, layers keep oneDNN's packed GEMMs: %s", _failure)
     return _library is not None
+
+
+PANELS_ENV = "OMNISTAGE_PANEL_KERNELS"
+
+
+def panels_preferred() -> bool:
+    """Whether layers take the panel kernels (linear layers, experts, whole decoder layers, the vocoder's
+    residual tail) by default: where the build has 8-row tiles (AVX-512), on which they were measured faster
+    than oneDNN. With AVX2 only (3-row tiles, 16 registers) they were 3-5x slower than oneDNN's GEMMs (a
+    1024 x 1024 linear layer, 1-64 rows, AMD EPYC Zen 3, 1-2 threads), so there oneDNN serves.
+    ``OMNISTAGE_PANEL_KERNELS=1`` takes them wherever they build (tests), ``=0`` never."""
+    choice = os.environ.get(PANELS_ENV, "auto").strip().lower()
+    if choice in ("0", "false", "no", "off") or not available():
+        return False
+    return choice in ("1", "true", "yes", "on") or _library.tile_rows() == 8
 
 
 def _require() -> None:
@@ -188,7 +210,7 @@ def in_large_pages(t: torch.Tensor) -> torch.Tensor:
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether stacked expert weights of this dtype and device can take the kernel (CPU, float32/bfloat16)."""
-    return weight.device.type == "cpu" and weight.dtype in _SUFFIX
+    return weight.device.type == "cpu" and weight.dtype in _SUFFIX and panels_preferred()
 
 
 def _dot_bf16(dtype: torch.dtype, inputs: int) -> bool:
@@ -203,7 +225,7 @@ def _suffix(dtype: torch.dtype, inputs: int) -> str:
 def serves_any_batch(dtype: torch.dtype, hidden: int) -> bool:
     """Whether the kernel is at least as fast as oneDNN's per-expert GEMMs at every row count (float32, and
     bfloat16 with dot products); the widened bfloat16 variant loses from about 16 rows per expert."""
-    return available() and (dtype == torch.float32 or _dot_bf16(dtype, hidden))
+    return panels_preferred() and (dtype == torch.float32 or _dot_bf16(dtype, hidden))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -275,7 +297,7 @@ def supports_linear(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dim() == 2
-        and available()
+        and panels_preferred()
         and (weight.dtype == torch.float32 or _dot_bf16(weight.dtype, weight.shape[1]))
     )
 
@@ -345,15 +367,21 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, ou
     rows = x.reshape(-1, in_features).contiguous()
     tokens, padded = rows.shape[0], panels.shape[0] * DOWN_PANEL
     threads = torch.get_num_threads()
-    out = rows.new_empty(tokens, padded)
+    out, result = _linear_output(x, padded, out_features)
     y, pointers, ones = _linear_workspace(tokens, threads)
     _function(f"linear_{_suffix(x.dtype, in_features)}")(
         tokens, in_features, padded, rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
         out.data_ptr(), int(x.dtype == torch.bfloat16), y, pointers, ones, threads,
     )
-    if padded != out_features:
-        out = out[:, :out_features]
-    return out.reshape(*x.shape[:-1], out_features)
+    return result
+
+
+def _linear_output(x: torch.Tensor, padded: int, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the [tokens, padded] rows the kernel writes, what the op returns: those rows as [..., out_features],
+    the padding columns sliced off, not copied). The fake kernels return the same view, so a compiled graph
+    sees the real op's sizes and strides (a padded panel's output is not contiguous)."""
+    out = x.new_empty(x.numel() // x.shape[-1], padded)
+    return out, out[:, :out_features].reshape(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("omnistage::panel_linear", mutates_args=())
@@ -365,7 +393,7 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 
 @panel_linear.register_fake
 def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
+    return _linear_output(x, panels.shape[0] * DOWN_PANEL, out_features)[1]
 
 
 @torch.library.custom_op("omnistage::panel_linear_at", mutates_args=())
@@ -377,7 +405,7 @@ def panel_linear_at(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, 
 
 @panel_linear_at.register_fake
 def _(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features)
+    return _linear_output(x, panels.shape[1] * DOWN_PANEL, out_features)[1]
 
 
 # -- paged decode attention ---------------------------------------------------------------------------------
@@ -431,7 +459,8 @@ def decode_attention(
 
 def supports_snake_pointwise(x: torch.Tensor) -> bool:
     """Whether ``snake_pointwise`` serves these [B, T, C] signals (CPU, float32, C a multiple of 32)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] % DOWN_PANEL == 0 and available()
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] % DOWN_PANEL == 0
+            and panels_preferred())
 
 
 def snake_pointwise(
@@ -468,7 +497,7 @@ def supports_decoder_layers(dtype: torch.dtype, hidden: int, head_dim: int) -> b
     """Whether ``decoder_pass`` / ``decoder_step`` serve a Qwen3 decoder of this dtype and shape on the CPU
     (float32, or bfloat16 with AVX512-BF16 dot products; hidden size a multiple of 32)."""
     return (
-        hidden % DOWN_PANEL == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and available()
+        hidden % DOWN_PANEL == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and panels_preferred()
         and (dtype == torch.float32 or _dot_bf16(dtype, hidden))
     )
 

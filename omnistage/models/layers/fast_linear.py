@@ -37,7 +37,12 @@ def onednn_available() -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return onednn_available() and weight.device.type == "cpu" and weight.dtype in _PACKABLE
+    """Whether oneDNN packs this weight: CPU, float32, or bfloat16 where the CPU has oneDNN's bfloat16 support
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on AVX2 alone its reorder refuses bfloat16, and the layer keeps
+    torch's own GEMM)."""
+    if not (onednn_available() and weight.device.type == "cpu" and weight.dtype in _PACKABLE):
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:

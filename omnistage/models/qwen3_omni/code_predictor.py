@@ -21,7 +21,6 @@ Two entry points share that loop:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -169,14 +168,15 @@ def pick_residual_codes(
 
     logits: [B, V]; sampled: [B] bool (None: every row greedy); noise: [B, k] exponential draws, one per
     top-k candidate. The race ``argmax(p / noise)`` over the kept candidates is an exact draw from their
-    renormalised probabilities (as the runner's sampler draws over the whole vocabulary). A batch with no
-    sampled row skips the top-k (a ``torch.cond``, so one compiled graph serves both kinds of batch).
+    renormalised probabilities (as the runner's sampler draws over the whole vocabulary). A compiled frame
+    always draws (greedy rows keep their argmax): one graph serves every batch, with no data-dependent branch
+    that a symbolic batch size could break.
     """
     logits = logits.float()
     best = logits.argmax(-1)
     if sampled is None or noise is None:
         return best
-    return torch.cond(sampled.any(), _draw_residual_codes, _keep_best, (logits, sampled, noise, best))
+    return _draw_residual_codes(logits, sampled, noise, best)
 
 
 def _draw_residual_codes(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor,
@@ -184,10 +184,6 @@ def _draw_residual_codes(logits: torch.Tensor, sampled: torch.Tensor, noise: tor
     top, ids = logits.topk(noise.shape[-1], dim=-1)  # sorted, descending
     drawn = ids.gather(-1, (top_p_probs(top) / noise).argmax(-1, keepdim=True))[:, 0]
     return torch.where(sampled, drawn, best)
-
-
-def _keep_best(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
-    return best.clone()  # a cond branch may not return one of its inputs
 
 
 # Softmax and sums keep their eager numerics in a compiled frame: a last-bit difference could change a draw.
@@ -247,8 +243,7 @@ class CodePredictor(nn.Module):
         self._pass_layers: list[cpu_kernels.LayerWeights] | None = None
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
-            self._frame, name="code predictor frame", dynamic_batch=True,
-            eager=functools.partial(self._frame, loop=python_scan),
+            self._frame, name="code predictor frame", dynamic_batch=True, eager=self._eager_frame,
         )
 
     def embed_group(self, codes: torch.Tensor, group: int) -> torch.Tensor:
@@ -304,7 +299,7 @@ class CodePredictor(nn.Module):
         # The values the model uses (rounded to its dtype), in float32 once per frame.
         rope = tuple(t.to(talker_hidden.dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
         norm = self.model.norm.weight.detach().float()
-        any_sampled = bool(sampled.any())  # decided once (torch.cond outside a graph costs ~1 ms a call)
+        any_sampled = bool(sampled.any())  # a greedy batch skips the draws
 
         def run(x: torch.Tensor, position: int, group: int) -> torch.Tensor:
             # The pass ends with the final norm, this group's head and the argmax, in the same call.
@@ -367,6 +362,13 @@ class CodePredictor(nn.Module):
         # One stacked sum (not a running sum): the same reduction the reference uses, so float32 bits agree.
         return torch.stack(codes, dim=1), embedding_sum(torch.stack(embeds, dim=1))
 
+    def _eager_frame(
+        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_frame`` without a graph: a Python loop over the passes, and a greedy batch skips the draws."""
+        return self._frame(talker_hidden, code0_embed, sampled, noise, loop=python_scan,
+                           draw=bool(sampled.any()))
+
     def _frame(
         self,
         talker_hidden: torch.Tensor,
@@ -374,6 +376,7 @@ class CodePredictor(nn.Module):
         sampled: torch.Tensor,
         noise: torch.Tensor,
         loop: Callable = scan,
+        draw: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole frame as one pure function of tensors (what gets compiled): (codes [B, Q-1], embed_sum [B, H]).
 
@@ -382,6 +385,7 @@ class CodePredictor(nn.Module):
         (the graph holds one pass, not Q-2 unrolled copies, so compile time does not grow with Q), a plain
         Python loop over the same body when eager (``python_scan``).
         """
+        sampled = sampled if draw else None
         cache = self.new_cache(talker_hidden.shape[0], talker_hidden)
         h = self._first_pass(talker_hidden, code0_embed, cache)
         first = pick_residual_codes(self.logits(h, 1), sampled, noise[:, 0])

@@ -35,6 +35,9 @@ typedef uint32_t u16v __attribute__((vector_size(64)));
 #define ROWS 3 /* 16 (AVX2) registers; each 16-float vector is two of them */
 #endif
 
+/* The row tile the build got: Python serves the panel kernels by default only with 8-row (AVX-512) tiles. */
+int tile_rows(void) { return ROWS; }
+
 static inline v16 load_f32(const float *p) { return *(const v16u *)p; }
 
 static inline v16 load_bf16(const uint16_t *p) {
