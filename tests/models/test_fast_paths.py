@@ -541,3 +541,29 @@ def test_every_custom_ops_fake_kernel_reports_the_real_sizes_and_strides(out_fea
             stacked = cpu_kernels.pack_linear(torch.stack((weight, -weight)))
             torch.library.opcheck(cpu_kernels.panel_linear_at, (x, stacked, torch.tensor(1), out_features))
 
+
+@pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
+@pytest.mark.parametrize("panels", ["1", "0"])
+def test_packing_keeps_one_copy_of_the_weights_resident(panels, monkeypatch):
+    """The engine keeps freed heap blocks for reuse (``configure_allocator``); packing must still hand the
+    released unpacked weights back, or the process holds every weight twice (the panels live in their own
+    2 MB-page mappings)."""
+    psutil = pytest.importorskip("psutil")
+    from omnistage.models.layers.fast_linear import pack_linear_weights
+    from omnistage.runtime_env import configure_allocator
+
+    if panels == "1" and not cpu_kernels.available():
+        pytest.skip("no C compiler to build omnistage's CPU kernels")
+    monkeypatch.setenv(cpu_kernels.PANELS_ENV, panels)
+    configure_allocator()
+    process = psutil.Process()
+    start = process.memory_info().rss
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 2048, bias=False) for _ in range(24))).eval()
+    weight_bytes = 24 * 2048 * 1024 * 4  # 201 MB
+    loaded = process.memory_info().rss
+    assert loaded - start >= 0.9 * weight_bytes
+    assert pack_linear_weights(model) == 24
+    packed = process.memory_info().rss
+    assert packed - start <= 1.1 * weight_bytes, (packed - start) / weight_bytes
+    x = torch.randn(3, 1024)
+    assert model[0](x).shape == (3, 2048)

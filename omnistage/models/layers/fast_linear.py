@@ -26,6 +26,7 @@ from torch import nn
 
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.cpu_kernels import pack_bias, pack_linear, panel_linear
+from omnistage.runtime_env import release_free_heap
 
 # Row count the packed layout is tuned for (decode batches); any row count runs correctly.
 PACK_BATCH_HINT = 16
@@ -120,14 +121,29 @@ def pack_linear_weights(module: nn.Module, batch_hint: int = PACK_BATCH_HINT) ->
     Call after the weights are loaded (a later load would leave the packed copies stale). No-op when neither
     kernel is available or the weights are not on the CPU in float32/bfloat16.
     """
-    count = 0
+    count, released = 0, 0
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     for sub in module.modules():
+        deep = hasattr(sub, "pack_weights")  # (a module's own packing may release its children's weights)
+        before = _weight_bytes(sub, deep)
         if type(sub) is nn.Linear and uses[id(sub.weight)] == 1 and _pack_linear(sub, batch_hint):
             count += 1
         elif hasattr(sub, "pack_weights") and callable(sub.pack_weights):
             count += sub.pack_weights(batch_hint)
+        released += before - _weight_bytes(sub, deep)
+        if released >= _TRIM_EVERY_BYTES:  # the unpacked copies go back to the system as packing goes
+            release_free_heap()
+            released = 0
+    if released:
+        release_free_heap()
     return count
+
+
+_TRIM_EVERY_BYTES = 256 << 20
+
+
+def _weight_bytes(module: nn.Module, recurse: bool) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=recurse))
 
 
 def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
