@@ -90,6 +90,11 @@ class BuildContext:
 class PartSpec:
     execution: ExecutionType
     capabilities: ModelCapabilities = field(default_factory=ModelCapabilities)
+    # Checkpoint name prefixes of the weights the part holds while it serves, less those under weight_skip (its
+    # memory plan); float32_weights: held in float32 whatever the serving dtype.
+    weight_prefixes: tuple[str, ...] = ()
+    weight_skip: tuple[str, ...] = ()
+    float32_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,11 @@ class ModelFamily(ABC):
     @abstractmethod
     def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Bridge:
         """The bridge ``name`` feeding ``model`` (the downstream stage's model)."""
+
+    def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
+        """(layers, KV heads, head size) of an AR part's paged KV cache, from the checkpoint's config, for the
+        memory plan before anything loads; None where unknown (the plan then counts no KV for it)."""
+        return None
 
     # ---- request side -------------------------------------------------------------------------------
     @property

@@ -32,12 +32,13 @@ from omnistage.pipeline.ar_stage import ARStage
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.faults import FaultInjector
 from omnistage.pipeline.generation_stage import GenerationStage
+from omnistage.pipeline.memory_plan import check_fits, plan_memory
 from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.pipeline.stage import Stage, StepEvents
 from omnistage.runner.ar_runner import ARRunner
 from omnistage.runner.generation_runner import GenerationRunner
 from omnistage.runner.graph_runner import CUDAGraphARRunner, GraphRunnerConfig
-from omnistage.runtime_env import configure_allocator
+from omnistage.runtime_env import configure_allocator, release_free_heap
 
 logger = logging.getLogger("omnistage.engine")
 WORKER_POLL_S = 0.05
@@ -80,6 +81,7 @@ def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: Engi
     configure_allocator()  # once per process that holds a stage: freed large blocks stay for reuse
     dtype = DTYPES[args.dtype]
     model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast))
+    release_free_heap()  # the loader's and the packing's temporaries (e.g. a float32 copy of a bfloat16 tensor)
     bridge = family.build_bridge(stage.bridge, model, stage.bridge_args) if stage.bridge else None
     s = stage.scheduler
     if stage.execution is ExecutionType.GENERATION:
@@ -116,6 +118,12 @@ class OmniEngine:
         runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
         self.family = family_cls(args.model)
         self.backend = args.distributed_executor_backend or self.pipeline.distributed_executor_backend
+        # Refuse before loading what cannot fit (Ray places stages on other machines: not checked here).
+        placement = {s.name: s.devices if s.devices.startswith(("cpu", "cuda")) else f"cuda:{s.devices.split(',')[0]}"
+                     for s in self.pipeline.stages if self.backend == "mp" and s.devices}
+        self.memory_plan = plan_memory(self.family, self.pipeline, DTYPES[args.dtype], args.device, placement)
+        if self.backend != "ray":
+            check_fits(self.memory_plan)
         self.workers = None
         self._wake = threading.Event()
         if self.backend == "inproc":

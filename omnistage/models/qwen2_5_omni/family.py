@@ -27,8 +27,10 @@ from omnistage.models.family import (
 )
 from omnistage.models.layers.fast_linear import fast_kernels
 from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTalker, talker2token2wav_args
+from omnistage.models.qwen2_5_omni.decoder import decoder_config
 from omnistage.models.qwen2_5_omni.loading import (
     ARCHITECTURE,
+    THINKER_TOWERS,
     load_config,
     load_talker,
     load_thinker,
@@ -59,9 +61,10 @@ class Qwen25OmniFamily(HFChatFamily):
     architectures = (ARCHITECTURE,)
     preset_file = "qwen2_5_omni.yaml"
     parts = {
-        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
-        "talker": PartSpec(ExecutionType.AR),
-        "token2wav": PartSpec(ExecutionType.GENERATION),
+        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True), ("thinker.",),
+                            weight_skip=tuple(f"thinker.{t}" for t in THINKER_TOWERS)),
+        "talker": PartSpec(ExecutionType.AR, weight_prefixes=("talker.",)),
+        "token2wav": PartSpec(ExecutionType.GENERATION, weight_prefixes=("token2wav.",), float32_weights=True),
     }
     bridges = {
         "thinker2talker": BridgeSpec(no_args),
@@ -85,6 +88,13 @@ class Qwen25OmniFamily(HFChatFamily):
             self.default_voice = PREFERRED_VOICE if PREFERRED_VOICE in self.voices else self.voices[0]
 
     # ---- stage side ---------------------------------------------------------------------------------
+    def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
+        cfg = {"thinker": self.config.thinker_config.text_config, "talker": self.config.talker_config}.get(part)
+        if cfg is None:
+            return None
+        d = decoder_config(cfg)
+        return d.num_layers, d.num_kv_heads, d.head_dim
+
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":

@@ -84,9 +84,9 @@ class Qwen3OmniFamily(HFChatFamily):
     preset_file = "qwen3_omni.yaml"
     wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
-        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
-        "talker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True)),
-        "code2wav": PartSpec(ExecutionType.GENERATION),
+        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True), ("thinker.",)),
+        "talker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True), ("talker.",)),
+        "code2wav": PartSpec(ExecutionType.GENERATION, weight_prefixes=("code2wav.",)),
     }
     bridges = {
         "thinker2talker": BridgeSpec(no_args),
@@ -107,6 +107,13 @@ class Qwen3OmniFamily(HFChatFamily):
         self.num_code_groups = int(talker.num_code_groups)
 
     # ---- stage side ---------------------------------------------------------------------------------
+    def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
+        cfg = {"thinker": self.config.thinker_config, "talker": self.config.talker_config}.get(part)
+        if cfg is None:
+            return None
+        text = cfg.text_config
+        return text.num_hidden_layers, text.num_key_value_heads, text.head_dim
+
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":

@@ -1,0 +1,129 @@
+"""What a pipeline will hold in memory, planned before any weight is read, and refused when it cannot fit.
+
+Per stage: the weights its part declares (``PartSpec.weight_prefixes``), sized from the safetensors headers in
+the serving dtype, and its paged KV pool as the scheduler will size it (``resolve_num_blocks`` over the family's
+``kv_geometry``). The stages sharing a device are summed and compared with what that device has available
+(``MemAvailable`` for the CPU, ``torch.cuda.mem_get_info`` for a GPU): a pipeline that needs more is refused
+with an error naming the stage that needs the most, the bytes and the options, instead of being killed by the
+OOM killer halfway through loading. Activations and encoder caches come on top (they are bounded by the
+batch limits), so the plan is a floor, not a ceiling. ``OMNISTAGE_SKIP_MEMORY_CHECK=1`` skips the refusal.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from omnistage.config import ConfigError, ExecutionType, PipelineConfig
+from omnistage.models.family import ModelFamily
+from omnistage.models.loader import checkpoint_files
+
+SKIP_ENV = "OMNISTAGE_SKIP_MEMORY_CHECK"
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: str
+    device: str
+    weight_bytes: int
+    kv_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+# Bytes per element of the safetensors dtypes that are not floating point (floats load in the serving dtype).
+_STORED_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def tensor_sizes(model_dir: str | Path) -> dict[str, tuple[int, int | None]]:
+    """Every checkpoint tensor's (element count, stored bytes per element, None for floating point: those load
+    in the serving dtype), from the files' headers (no data read)."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in checkpoint_files(model_dir).items():
+        by_file.setdefault(path, []).append(name)
+    out: dict[str, tuple[int, int | None]] = {}
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                view = f.get_slice(name)
+                numel = 1
+                for d in view.get_shape():
+                    numel *= d
+                out[name] = (numel, _STORED_BYTES.get(view.get_dtype()))
+    return out
+
+
+def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtype, device: str,
+                placement: dict[str, str] | None = None) -> list[StageMemory]:
+    """Each stage's weights and KV pool in bytes; ``placement``: a stage's device where it is not ``device``."""
+    declared = any(family.parts[pipeline.stage(n).model_part].weight_prefixes for n in pipeline.order)
+    sizes = tensor_sizes(family.model_dir) if declared else {}  # (a family may declare no weights at all)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    plans = []
+    for name in pipeline.order:
+        stage = pipeline.stage(name)
+        part = family.parts[stage.model_part]
+        width = 4 if part.float32_weights else itemsize
+        weights = sum(
+            numel * (width if stored is None else stored)
+            for tensor, (numel, stored) in sizes.items()
+            if tensor.startswith(part.weight_prefixes) and not (part.weight_skip and tensor.startswith(part.weight_skip))
+        ) if part.weight_prefixes else 0
+        kv = 0
+        geometry = family.kv_geometry(stage.model_part) if stage.execution is ExecutionType.AR else None
+        if geometry is not None:
+            layers, kv_heads, head_dim = geometry
+            s = stage.scheduler
+            per_block = 2 * layers * s.block_size * kv_heads * head_dim * itemsize
+            kv = (s.resolve_num_blocks(per_block) + 1) * per_block  # (+ the scratch block padded rows write)
+        plans.append(StageMemory(name, (placement or {}).get(name, device), weights, kv))
+    return plans
+
+
+def available_bytes(device: str) -> int | None:
+    """What ``device`` has free now: the host's MemAvailable for the CPU, the GPU's free memory; None unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.mem_get_info(dev.index or 0)[0]
+    if dev.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] | None = None) -> None:
+    """Raise ConfigError when the stages placed on one device need more than it has available
+    (``available(device)``, default ``available_bytes``)."""
+    available = available or available_bytes
+    if os.environ.get(SKIP_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
+        return
+    for device in dict.fromkeys(p.device for p in plans):
+        here = [p for p in plans if p.device == device]
+        need = sum(p.total for p in here)
+        have = available(device)
+        if have is None or need <= have:
+            continue
+        worst = max(here, key=lambda p: p.total)
+        parts = ", ".join(f"{p.stage} {p.weight_bytes / _GIB:.2f} GiB weights + {p.kv_bytes / _GIB:.2f} GiB KV"
+                          for p in here)
+        raise ConfigError(
+            f"the pipeline needs {need / _GIB:.2f} GiB on {device} ({parts}) but {have / _GIB:.2f} GiB is "
+            f"available; options: --dtype bfloat16 (half the weight bytes of float32), a smaller kv_cache_bytes, "
+            f"max_model_len or max_num_seqs in the stage config, stages on other devices (devices: in the stage "
+            f"config, with --distributed-executor-backend mp or ray); {SKIP_ENV}=1 loads anyway",
+            stage=worst.stage)
