@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     try:
         family = {"family": args.family} if args.family else {}

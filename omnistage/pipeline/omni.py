@@ -78,7 +78,7 @@ class _Collector:
 def _resolve_model(model: str | Path | None) -> str:
     if model is not None:
         return str(model)
-    from omnistage.testing import default_model_dir
+    from omnistage.checkpoints import default_model_dir
 
     return str(default_model_dir())
 
