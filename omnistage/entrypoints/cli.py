@@ -35,7 +35,7 @@ def write_wav(path: str | Path, audio, sample_rate: int) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from omnistage import Omni, SamplingParams
+    from omnistage import Omni, SamplingParams  # the public API (tests replace omnistage.Omni)
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device,
                 distributed_executor_backend=args.distributed_executor_backend, fast=args.fast)

@@ -10,7 +10,8 @@ import torch
 
 from omnistage.checkpoints.corpus import training_corpus
 from omnistage.checkpoints.shaping import PUNCTUATION
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 
 SAMPLES_PER_FRAME = 1920
 

@@ -12,7 +12,8 @@ from test_stage_workers import STAGGERED, assert_same_runs, build, overrides
 
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.pipeline.remote_stage import StageWorkerError
 
 ray = pytest.importorskip("ray")

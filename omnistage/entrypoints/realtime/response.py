@@ -31,7 +31,7 @@ import bisect
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from omnistage.entrypoints.audio_format import pcm16_bytes, to_int16
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer
 from omnistage.entrypoints.metrics import RequestTimer
 from omnistage.entrypoints.realtime.config import AUDIO_RATE, ResponseSettings, SessionConfig
+from omnistage.entrypoints.realtime.context import SessionClosed, SessionHandle
 from omnistage.entrypoints.realtime.conversation import AssistantMessage, FunctionCall, new_item_id
 from omnistage.entrypoints.realtime.events import MAX_TOKENS_INF, RealtimeError, new_id, server_event
 from omnistage.entrypoints.realtime.tools import CALL_CLOSE, CALL_OPEN, ToolCallScanner, parse_call
@@ -48,17 +49,10 @@ from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.omni import EngineDeadError, QueueFullError
 
-if TYPE_CHECKING:
-    from omnistage.entrypoints.realtime.session import RealtimeSession
-
 logger = logging.getLogger("omnistage.realtime")
 # Audio deltas carry at most 0.5 s (32 KB of base64): clients' WebSocket message limits (1 MiB by default in
 # the websockets library the SDK uses) and smooth playback.
 AUDIO_DELTA_SAMPLES = AUDIO_RATE // 2
-
-
-class SessionClosed(Exception):
-    """The client is gone; nothing more can be sent."""
 
 
 def response_params(info: ModelInfo, config: SessionConfig) -> dict[str, SamplingParams]:
@@ -78,7 +72,7 @@ def _b64(samples: np.ndarray) -> str:
 
 
 class ResponseRun:
-    def __init__(self, session: RealtimeSession, settings: ResponseSettings, speech_end: float | None) -> None:
+    def __init__(self, session: SessionHandle, settings: ResponseSettings, speech_end: float | None) -> None:
         self.session, self.settings, self.config = session, settings, settings.config
         ctx = session.ctx
         self.info: ModelInfo = ctx.omni.info
