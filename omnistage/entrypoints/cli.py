@@ -74,7 +74,7 @@ def _with_media(text: str, args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from omnistage.entrypoints.server import serve_from_args
+    from omnistage.entrypoints.serve_args import serve_from_args
 
     return serve_from_args(args)
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     from omnistage.entrypoints.bench import add_bench_arguments
-    from omnistage.entrypoints.server import add_engine_arguments, add_serve_arguments
+    from omnistage.entrypoints.serve_args import add_engine_arguments, add_serve_arguments
 
     add_engine_arguments(p)
 

@@ -17,9 +17,10 @@ from realtime_audio import b64_chunks, pcm, silence, speech_like
 from realtime_client import client, of, send_raw, text_of, until
 from server_thread import ServerThread
 
+from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
 from omnistage.entrypoints.realtime.tools import system_text
-from omnistage.entrypoints.server import ServerLimits, create_app
+from omnistage.entrypoints.server import create_app
 from omnistage.models.family import PreparedPrompt
 
 MODEL = "fake-omni"
