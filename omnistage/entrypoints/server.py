@@ -33,7 +33,8 @@ Choices worth knowing as a client:
   than 1.0 is rejected. ``stream_format="audio"`` streams raw pcm chunk by chunk; wav and flac are sent
   in one piece once complete (their headers carry exact sizes). ``stream_format="sse"`` sends
   ``speech.audio.delta`` events with base64 pcm and needs ``response_format="pcm"``.
-- A client that disconnects mid-stream has its request aborted in every stage.
+- A client that disconnects mid-stream has its request aborted in every stage; one that disconnects while still
+  sending its body is counted as an abort too (``omnistage_requests{finish_reason="abort"}``; no traceback).
 - ``X-Request-Id`` (1-128 characters of ``[A-Za-z0-9-_.:]``) becomes the engine's request id (and the
   response ``id``); without it the server makes one.
 
@@ -130,6 +131,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.body import read_body, run_translator
@@ -159,7 +161,7 @@ class _GuardedRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             try:
                 return await handler(request)
-            except (APIError, StarletteHTTPException, RequestValidationError):
+            except (APIError, StarletteHTTPException, RequestValidationError, ClientDisconnect):
                 raise
             except Exception as exc:
                 logger.exception("internal error while serving %s %s", request.method, request.url.path)
@@ -218,6 +220,12 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(exc.status_code, str(exc.detail), kind, headers=exc.headers))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, exc: ClientDisconnect) -> Response:
+        # The client hung up while sending its body (before anything reached the engine): an ordinary abort.
+        metrics.client_abort()
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
