@@ -84,6 +84,7 @@ class OmniEngine:
             samples_per_frame=self.family.samples_per_frame,
             vocab_size=self.family.vocab_size,
             input_modalities=tuple(self.family.input_modalities),
+            tool_calls=self.family.tool_calls,
         )
 
     @property

@@ -19,9 +19,9 @@ from server_thread import ServerThread
 
 from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
-from omnistage.entrypoints.realtime.tools import system_text
 from omnistage.entrypoints.server import create_app
 from omnistage.models.family import PreparedPrompt
+from omnistage.models.tool_calls import system_text
 
 MODEL = "fake-omni"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",

@@ -78,7 +78,8 @@ class RealtimeSession:
         limits = ctx.limits
         self.buffer = InputAudioBuffer(limits.max_buffered_audio_s * AUDIO_RATE)
         self.detector = SpeechDetector(self.config.turn_detection)
-        self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE)
+        self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE,
+                                         info.tool_calls)
         self.response: ResponseRun | None = None
         self.speech: tuple[str, int] | None = None  # (item id, audio_start_ms) of the speech in progress
         self.overflow_reported = False
