@@ -182,3 +182,10 @@ def test_every_module_imports_on_its_own():
     result = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         pytest.fail(result.stdout + result.stderr)
+
+
+def test_structure_has_a_line_per_module():
+    text = STRUCTURE.read_text()
+    missing = [str(path.relative_to(ROOT)) for path in MODULES.values() if path.name != "__init__.py"
+               and f"`{path.relative_to(ROOT)}`" not in text]
+    assert not missing, f"docs/structure.md has no line for: {missing}"
