@@ -48,11 +48,13 @@ main()
 
 @contextlib.contextmanager
 def loopback_driver() -> Iterator[None]:
-    """While active, this process's Ray driver keeps 127.0.0.1 as the address it connects to and reports."""
+    """While active, this process's Ray driver keeps 127.0.0.1 as the address it connects to and reports, and
+    connects without token auth, as the cluster's nodes run."""
     import ray._private.ray_constants as ray_constants
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        mp.setenv("RAY_AUTH_MODE", "disabled")
         yield
 
 
@@ -111,7 +113,9 @@ class TwoNodeCluster:
                "--disable-usage-stats", "--object-store-memory=100000000", f"--node-manager-port={free_port()}",
                f"--object-manager-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
-        env = {**os.environ, **HEALTH_CHECK, "RAY_USAGE_STATS_ENABLED": "0"}
+        # Token auth off on both nodes alike: a head started by `ray start` turns it on by itself once a token
+        # exists (~/.ray/auth_token, which a local ray.init() writes), a joining node does not.
+        env = {**os.environ, **HEALTH_CHECK, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
         env.pop("RAY_ADDRESS", None)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
