@@ -37,7 +37,8 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
-    from omnistage.pipeline.engine import EngineArgs, OmniEngine
+    from omnistage.pipeline.engine import OmniEngine
+    from omnistage.pipeline.engine_args import EngineArgs
 
     model = resolve_model(args.model, args.preset)
     hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval().to(args.device)

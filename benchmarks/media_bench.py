@@ -185,7 +185,8 @@ def main() -> None:
 
     from omnistage import SamplingParams
     from omnistage.models.registry import load_pipeline_config
-    from omnistage.pipeline.engine import EngineArgs, OmniEngine
+    from omnistage.pipeline.engine import OmniEngine
+    from omnistage.pipeline.engine_args import EngineArgs
 
     model = resolve_model(args.model, args.preset)
     top = max(args.concurrency)

@@ -413,7 +413,8 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
-    from omnistage.pipeline.engine import EngineArgs, OmniEngine
+    from omnistage.pipeline.engine import OmniEngine
+    from omnistage.pipeline.engine_args import EngineArgs
 
     fixed_speech = not args.speech_may_end
     model = resolve_model(args.model, args.preset, args.family)

@@ -55,7 +55,7 @@ def resolve_model(model: str | None, preset: str, family: str = "qwen3_omni") ->
     exits (the small preset is ~0.7 GB: runs must not leave one behind each)."""
     if model is not None:
         return model
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="omnistage-bench-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)

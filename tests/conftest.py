@@ -14,7 +14,7 @@ os.environ.setdefault("OMNISTAGE_PANEL_KERNELS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0)
 
@@ -22,7 +22,7 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gqa_ckpt(tmp_path_factory):
     """head_dim != hidden / heads, GQA ratio 4, 8 code groups."""
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("tiny-gqa"), preset="tiny-gqa", seed=0)
 

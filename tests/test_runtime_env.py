@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from omnistage import runtime_env
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 
 
 def test_configure_allocator_applies_once_and_is_idempotent(monkeypatch):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     try:
         family = {"family": args.family} if args.family else {}
@@ -35,7 +35,7 @@ def write_wav(path: str | Path, audio, sample_rate: int) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from omnistage import Omni, SamplingParams
+    from omnistage import Omni, SamplingParams  # the public API (tests replace omnistage.Omni)
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device,
                 distributed_executor_backend=args.distributed_executor_backend, fast=args.fast)
@@ -74,7 +74,7 @@ def _with_media(text: str, args: argparse.Namespace):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from omnistage.entrypoints.server import serve_from_args
+    from omnistage.entrypoints.serve_args import serve_from_args
 
     return serve_from_args(args)
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     from omnistage.entrypoints.bench import add_bench_arguments
-    from omnistage.entrypoints.server import add_engine_arguments, add_serve_arguments
+    from omnistage.entrypoints.serve_args import add_engine_arguments, add_serve_arguments
 
     add_engine_arguments(p)
 

@@ -66,6 +66,10 @@ class ServerMetrics:
             "Time from the end of user speech (server VAD stop) to the first audio delta of the answer",
             buckets=_LATENCY_BUCKETS, registry=r)
 
+    def client_abort(self) -> None:
+        """A client that left before its request reached the engine (while still sending its body)."""
+        self.requests.labels("abort").inc()
+
     # ---- engine hook (engine thread) ---------------------------------------------------------------
     def observe_step(self, events: Any) -> None:
         self.step_time.labels(events.stage).observe(events.step_time)

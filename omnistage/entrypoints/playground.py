@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from omnistage.testing.default_model import DEFAULT_PRESET, DEFAULT_SEED, builder_fingerprint
+from omnistage.checkpoints.default_model import DEFAULT_PRESET, DEFAULT_SEED, builder_fingerprint
 
 _STATIC = resources.files("omnistage.entrypoints") / "static"
 _ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
@@ -52,7 +52,7 @@ async def asset(name: str) -> Response:
 
 
 def is_built_in(checkpoint_name: str) -> bool:
-    """Whether the served checkpoint is the built-in model (its cache directory name, see testing.default_model)."""
+    """Whether the served checkpoint is the built-in model (its cache directory name, see checkpoints.default_model)."""
     return checkpoint_name == f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-{builder_fingerprint()}"
 
 

@@ -26,6 +26,7 @@ import torch
 
 from omnistage.config import ConfigError, ExecutionType, ModelCapabilities, PipelineConfig, StageConfig
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.tool_calls import ToolCallFormat
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,9 @@ class ModelFamily(ABC):
     sample_rate: int | None = None  # of the audio output, when the family speaks
     num_code_groups: int | None = None  # codec codes per frame, when the family emits codes
     samples_per_frame: int | None = None  # output audio samples per codec frame, when the family speaks
+    # How tool definitions, calls and results are written for the model and calls read back from its text;
+    # None: the family's model does not call tools.
+    tool_calls: ClassVar[ToolCallFormat | None] = None
 
     @abstractmethod
     def render_prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> PreparedPrompt:

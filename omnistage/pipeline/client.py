@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.tool_calls import ToolCallFormat
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ModelInfo:
     vocab_size: int | None = None  # width of the text stage's logits (token ids a request may name)
     input_modalities: tuple[str, ...] = ("text",)  # what prompts may hold: + "audio", "image", "video"
     samples_per_frame: int | None = None  # audio samples per codec frame (the Talker reads one text token per frame)
+    tool_calls: ToolCallFormat | None = None  # the family's tool-call format; None: the model calls no tools
 
 
 class EngineClient(Protocol):

@@ -15,90 +15,26 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from omnistage.config import ConfigError, ExecutionType, PipelineConfig, StageConfig, validate_pipeline
-from omnistage.config.stage_config import EXECUTOR_BACKENDS
-from omnistage.core.generation_scheduler import GenerationScheduler
+from omnistage.config import ConfigError, ExecutionType, PipelineConfig, validate_pipeline
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.core.scheduler import ARScheduler
-from omnistage.models.family import BuildContext, ModelFamily, PreparedPrompt
+from omnistage.models.family import PreparedPrompt
 from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
-from omnistage.pipeline.ar_stage import ARStage
 from omnistage.pipeline.client import ModelInfo, RequestDelta
+from omnistage.pipeline.engine_args import DTYPES, EngineArgs
 from omnistage.pipeline.faults import FaultInjector
-from omnistage.pipeline.generation_stage import GenerationStage
 from omnistage.pipeline.memory_plan import check_fits, plan_memory
 from omnistage.pipeline.orchestrator import Orchestrator
-from omnistage.pipeline.stage import Stage, StepEvents
-from omnistage.runner.ar_runner import ARRunner
-from omnistage.runner.generation_runner import GenerationRunner
-from omnistage.runner.graph_runner import CUDAGraphARRunner, GraphRunnerConfig
-from omnistage.runtime_env import configure_allocator, release_free_heap
+from omnistage.pipeline.stage import StepEvents
+from omnistage.pipeline.stage_builder import build_stage
 
 logger = logging.getLogger("omnistage.engine")
 WORKER_POLL_S = 0.05
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Messages = Sequence[Mapping[str, Any]]
 Prompt = str | Messages | list[int] | PreparedPrompt
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    model: str
-    stage_config: str | None = None  # preset name or YAML path; None: the checkpoint family's preset
-    dtype: str = "float32"
-    device: str = "cpu"
-    fast: bool = True  # packed oneDNN kernels on CPU (rounding differs from the reference's; False: reference kernels)
-    distributed_executor_backend: str | None = None  # inproc | mp | ray; None: the pipeline config's
-    worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
-
-    def __post_init__(self) -> None:
-        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got "
-                             f"{self.distributed_executor_backend!r}")
-        if not (isinstance(self.worker_startup_timeout, (int, float)) and self.worker_startup_timeout > 0):
-            raise ValueError(f"worker_startup_timeout must be > 0, got {self.worker_startup_timeout!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not Path(self.model).is_dir():
-            raise ValueError(f"model directory {self.model!r} does not exist")
-
-
-def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * itemsize
-
-
-def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: EngineArgs,
-                faults: FaultInjector | None = None) -> Stage:
-    """One stage: its model (built by the family from the checkpoint), scheduler, runner and bridge."""
-    configure_allocator()  # once per process that holds a stage: freed large blocks stay for reuse
-    dtype = DTYPES[args.dtype]
-    model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast))
-    release_free_heap()  # the loader's and the packing's temporaries (e.g. a float32 copy of a bfloat16 tensor)
-    bridge = family.build_bridge(stage.bridge, model, stage.bridge_args) if stage.bridge else None
-    s = stage.scheduler
-    if stage.execution is ExecutionType.GENERATION:
-        return GenerationStage(stage.name, GenerationScheduler(s.max_num_seqs), GenerationRunner(model), bridge,
-                               faults)
-    try:
-        num_blocks = s.resolve_num_blocks(kv_bytes_per_block(model, s.block_size, dtype))
-    except ValueError as exc:
-        raise ConfigError(str(exc), stage=stage.name, field="scheduler") from None
-    if runner == "cuda_graph":
-        buckets = tuple(1 << i for i in range((s.max_num_seqs - 1).bit_length() + 1))
-        graph = GraphRunnerConfig(decode_buckets=buckets, max_model_len=s.max_model_len)
-        ar_runner: ARRunner = CUDAGraphARRunner(model, num_blocks=num_blocks, block_size=s.block_size,
-                                                dtype=dtype, device=args.device, graph_config=graph)
-    else:
-        ar_runner = ARRunner(model, num_blocks=num_blocks, block_size=s.block_size, dtype=dtype, device=args.device)
-    return ARStage(stage.name, ARScheduler(s, num_blocks), ar_runner, bridge, faults)
 
 
 class OmniEngine:
@@ -155,6 +91,7 @@ class OmniEngine:
             samples_per_frame=self.family.samples_per_frame,
             vocab_size=self.family.vocab_size,
             input_modalities=tuple(self.family.input_modalities),
+            tool_calls=self.family.tool_calls,
         )
 
     @property

@@ -43,6 +43,11 @@ class StageMemory:
 _STORED_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one paged KV block: keys and values of ``block_size`` tokens in every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def tensor_sizes(model_dir: str | Path) -> dict[str, tuple[int, int | None]]:
     """Every checkpoint tensor's (element count, stored bytes per element, None for floating point: those load
     in the serving dtype), from the files' headers (no data read)."""
@@ -80,9 +85,8 @@ def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtyp
         kv = 0
         geometry = family.kv_geometry(stage.model_part) if stage.execution is ExecutionType.AR else None
         if geometry is not None:
-            layers, kv_heads, head_dim = geometry
             s = stage.scheduler
-            per_block = 2 * layers * s.block_size * kv_heads * head_dim * itemsize
+            per_block = kv_block_bytes(*geometry, s.block_size, dtype)
             kv = (s.resolve_num_blocks(per_block) + 1) * per_block  # (+ the scratch block padded rows write)
         plans.append(StageMemory(name, (placement or {}).get(name, device), weights, kv))
     return plans

@@ -25,7 +25,8 @@ import torch
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import ModelInfo, RequestDelta
-from omnistage.pipeline.engine import EngineArgs, OmniEngine, Prompt
+from omnistage.pipeline.engine import OmniEngine, Prompt
+from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.pipeline.remote_stage import StageWorkerError
 
 logger = logging.getLogger("omnistage.engine")
@@ -78,7 +79,7 @@ class _Collector:
 def _resolve_model(model: str | Path | None) -> str:
     if model is not None:
         return str(model)
-    from omnistage.testing import default_model_dir
+    from omnistage.checkpoints import default_model_dir
 
     return str(default_model_dir())
 

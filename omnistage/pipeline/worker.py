@@ -44,8 +44,9 @@ def build_worker_stage(init: wire.Init) -> tuple[Any, tuple[type, ...]]:
     """The stage, and the dataclasses its family sends inside per-request values."""
     from omnistage.config import StageConfig
     from omnistage.models.registry import get_family
-    from omnistage.pipeline.engine import EngineArgs, build_stage
+    from omnistage.pipeline.engine_args import EngineArgs
     from omnistage.pipeline.faults import FaultInjector
+    from omnistage.pipeline.stage_builder import build_stage
 
     for p in init.sys_path:
         if p not in sys.path:

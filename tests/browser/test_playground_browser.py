@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from omnistage.testing.default_model import DEFAULT_PRESET, DEFAULT_SEED, builder_fingerprint
+from omnistage.checkpoints.default_model import DEFAULT_PRESET, DEFAULT_SEED, builder_fingerprint
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"

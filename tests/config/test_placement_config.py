@@ -7,7 +7,7 @@ import pytest
 
 from omnistage.config import ConfigError, StageConfig
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs
+from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.pipeline.placement import plan
 
 

@@ -15,6 +15,7 @@ import torch
 
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import PreparedPrompt
+from omnistage.models.tool_calls import QWEN_TOOL_CALLS
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.omni import EngineDeadError, QueueFullError
 
@@ -47,6 +48,7 @@ INFO = ModelInfo(
     voices=("ethan", "chelsie"),
     default_voice="ethan",
     sample_rate=SAMPLE_RATE,
+    tool_calls=QWEN_TOOL_CALLS,  # the fake model writes calls as Qwen's models do
 )
 
 

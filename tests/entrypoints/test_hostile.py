@@ -30,8 +30,10 @@ from media_files import (
 from server_thread import ServerThread
 
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.entrypoints.body import release_freed_memory
+from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.metrics import ServerMetrics
-from omnistage.entrypoints.server import ServerLimits, _release_freed_memory, create_app
+from omnistage.entrypoints.server import create_app
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.omni import AsyncOmni
 
@@ -550,7 +552,7 @@ def test_memory_returns_after_huge_rejected_requests(server, limits):
         # with 13 MB bodies after one warm-up round: +9 MB in the next round, then flat up to 20 rounds).
         for _ in range(3):
             round_()
-        _release_freed_memory()
+        release_freed_memory()
         before = _rss_mb()
         for _ in range(5):
             round_()

@@ -21,8 +21,8 @@ from test_server import _idle
 from omnistage.entrypoints.audio_format import encode_wav
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime.config import FunctionTool
-from omnistage.entrypoints.realtime.tools import call_text, response_text, system_text
 from omnistage.entrypoints.server import create_app
+from omnistage.models.tool_calls import call_text, response_text, system_text
 from omnistage.pipeline.omni import AsyncOmni
 
 MODEL = "tiny-omni"

@@ -17,10 +17,11 @@ from realtime_audio import b64_chunks, pcm, silence, speech_like
 from realtime_client import client, of, send_raw, text_of, until
 from server_thread import ServerThread
 
+from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
-from omnistage.entrypoints.realtime.tools import system_text
-from omnistage.entrypoints.server import ServerLimits, create_app
+from omnistage.entrypoints.server import create_app
 from omnistage.models.family import PreparedPrompt
+from omnistage.models.tool_calls import system_text
 
 MODEL = "fake-omni"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",

@@ -18,8 +18,8 @@ from omnistage.entrypoints.realtime.conversation import (
     UserMessage,
 )
 from omnistage.entrypoints.realtime.input_buffer import InputAudioBuffer
-from omnistage.entrypoints.realtime.tools import ToolCallScanner, parse_call
 from omnistage.entrypoints.realtime.vad import SpeechDetector
+from omnistage.models.tool_calls import QWEN_TOOL_CALLS, ToolCallScanner, parse_call
 
 
 def _events(samples: np.ndarray, config: TurnDetection, chunk: int = 2400):
@@ -110,7 +110,7 @@ def test_tool_call_scanner_releases_a_lone_angle_bracket_and_reports_an_open_cal
 def test_conversation_renders_tools_calls_and_outputs_as_qwen_template_does():
     tool = FunctionTool("get_weather", "Weather in a city",
                         json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}))
-    conv = Conversation(max_items=100, max_audio_samples=10 * RATE)
+    conv = Conversation(max_items=100, max_audio_samples=10 * RATE, tool_calls=QWEN_TOOL_CALLS)
     clip = speech_like(0.5)
     conv.add(UserMessage("u1", [("text", "Weather? "), ("audio", clip)]))
     conv.add(AssistantMessage("a1", text="Let me check.", status="completed"))

@@ -21,7 +21,8 @@ from server_thread import ServerThread
 
 from omnistage.entrypoints import audio_format
 from omnistage.entrypoints.audio_format import to_int16
-from omnistage.entrypoints.server import ServerLimits, create_app
+from omnistage.entrypoints.limits import ServerLimits
+from omnistage.entrypoints.server import create_app
 
 MODEL = "fake-omni"
 

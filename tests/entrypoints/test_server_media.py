@@ -30,9 +30,10 @@ from test_hostile import _check_health, _probe_health
 
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.entrypoints.audio_format import to_int16
+from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.media_input import MediaLimits
 from omnistage.entrypoints.metrics import ServerMetrics
-from omnistage.entrypoints.server import ServerLimits, create_app
+from omnistage.entrypoints.server import create_app
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.omni import AsyncOmni, Omni
 

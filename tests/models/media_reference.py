@@ -25,11 +25,11 @@ from transformers import (
 )
 from transformers.processing_utils import ProcessorMixin
 
+from omnistage.checkpoints.tokenizer import CHAT_TEMPLATE
 from omnistage.models.media import load_video
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor
 from omnistage.testing.reference import load_hf_reference
-from omnistage.testing.tokenizer import CHAT_TEMPLATE
 
 
 class _OurVideoPatches:

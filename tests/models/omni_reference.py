@@ -45,7 +45,7 @@ def single_thread():
 
 @functools.cache
 def checkpoint_dir(preset: str) -> Path:
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix=f"omnistage-h2-{preset}-"))
     return build_checkpoint(root, preset=preset, seed=0)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from omnistage.checkpoints.builder import build_checkpoint
 from omnistage.models.loader import load_into, load_weights
 from omnistage.models.qwen3_omni.config import load_config
-from omnistage.testing.checkpoint import build_checkpoint
 
 
 @pytest.fixture(scope="module")

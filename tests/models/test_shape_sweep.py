@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from omnistage.checkpoints.builder import build_checkpoint
+from omnistage.checkpoints.presets import Code2WavSpec, DecoderSpec, get_preset
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.layers import compiled, cpu_kernels
 from omnistage.pipeline.omni import Omni
-from omnistage.testing.checkpoint import build_checkpoint
-from omnistage.testing.presets import Code2WavSpec, DecoderSpec, get_preset
 
 _TINY = get_preset("tiny")
 VARIANTS = {

@@ -28,7 +28,8 @@ from omnistage.models.qwen3_omni.mrope import PromptPositions, step_positions
 from omnistage.models.qwen3_omni.processor import thinker_media
 from omnistage.models.qwen3_omni.talker_inputs import TalkerTokenIds, talker_media_spans
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.testing.reference import load_hf_reference
 
 # transformers' processor warns about numpy copy semantics of its own tensors; not ours to fix.

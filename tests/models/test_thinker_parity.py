@@ -141,7 +141,7 @@ def test_dense_and_moe_layer_variants(overrides, accept_layer):
     """Layer-type rules (mlp_only_layers / decoder_sparse_step / norm_topk_prob) against transformers' text model."""
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
 
-    from omnistage.testing.weights import init_state_dict, to_hub_layout
+    from omnistage.checkpoints.weights import init_state_dict, to_hub_layout
 
     base = reference("tiny").config.thinker_config.text_config
     text_cfg = type(base)(**{**base.to_dict(), "num_hidden_layers": 4, **overrides})

@@ -13,7 +13,8 @@ import torch
 from test_pipeline_parity import PROMPTS, assert_all_free, make_engine, run
 
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

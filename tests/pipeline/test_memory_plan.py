@@ -11,7 +11,8 @@ from torch import nn
 from omnistage.config import ConfigError
 from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
 from omnistage.pipeline import memory_plan
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 
 
 def _held_bytes(stage_model) -> int:

@@ -17,7 +17,8 @@ from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.fast_linear import PackedLinear, can_pack, onednn_available
 from omnistage.models.layers.moe import StackedExperts
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 
 PROMPTS = [
     "Hi",

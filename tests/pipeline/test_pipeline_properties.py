@@ -20,7 +20,8 @@ import torch
 
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.pipeline.faults import ENV_VAR
 
 PROMPTS = [

@@ -20,7 +20,8 @@ from test_pipeline_parity import PROMPTS, assert_all_free, run
 from omnistage.config import StageConfig
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.registry import load_pipeline_config
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.pipeline.remote_stage import RemoteStage, StageWorkerError
 
 CHUNKS = {"first_chunk_frames": 4, "chunk_frames": 4}

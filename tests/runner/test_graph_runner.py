@@ -415,7 +415,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def tiny_thinker(tmp_path_factory):
-    checkpoint = pytest.importorskip("omnistage.testing.checkpoint")
+    checkpoint = pytest.importorskip("omnistage.checkpoints.builder")
     from safetensors.torch import load_file
 
     from omnistage.models.qwen3_omni.thinker import Thinker

@@ -5,8 +5,8 @@ History the model sees each turn (rendered with the family's chat template throu
   transcript of it, and hearing it is what the model was trained on);
 - assistant messages as their text (the transcript of what was spoken; after an interruption only the part
   that was played);
-- function calls written back into the assistant turn and their outputs into a user turn, in Qwen's format
-  (``tools``).
+- function calls and their outputs, written in the family's tool-call format (``ModelInfo.tool_calls``; Qwen's:
+  calls in the assistant turn, outputs in a user turn).
 The history is bounded: beyond ``max_history_items`` items, or ``max_history_audio_s`` seconds of user audio,
 the oldest items are dropped; a prompt longer than the context drops the oldest items too (``truncation:
 "auto"``), one at a time, until it fits.
@@ -22,7 +22,7 @@ import numpy as np
 
 from omnistage.entrypoints.realtime.config import AUDIO_RATE, FunctionTool
 from omnistage.entrypoints.realtime.events import RealtimeError, new_id
-from omnistage.entrypoints.realtime.tools import call_text, response_text, system_text
+from omnistage.models.tool_calls import ToolCallFormat, ToolCallTurn, ToolResultTurn
 
 
 @dataclass(eq=False)  # items are compared by identity (they hold arrays)
@@ -97,9 +97,11 @@ class FunctionCallOutput(Item):
 
 
 class Conversation:
-    def __init__(self, max_items: int, max_audio_samples: int) -> None:
+    def __init__(self, max_items: int, max_audio_samples: int, tool_calls: ToolCallFormat | None = None) -> None:
+        """``tool_calls``: the served family's format (``ModelInfo.tool_calls``); None: no tools."""
         self.items: list[Item] = []
         self.max_items, self.max_audio_samples = max_items, max_audio_samples
+        self.tool_calls = tool_calls
 
     def find(self, item_id: str) -> Item | None:
         return next((it for it in self.items if it.id == item_id), None)
@@ -138,34 +140,28 @@ class Conversation:
             self.items.pop(0)
 
     def messages(self, instructions: str, tools: Sequence[FunctionTool], skip: int = 0) -> list[dict[str, Any]]:
-        """Chat messages for the model from the items after the first ``skip`` (dropped by truncation).
-        Function calls join the assistant turn before them and consecutive function outputs form one user
-        turn, as Qwen's chat template renders an assistant message with ``tool_calls`` and ``tool`` messages."""
-        out: list[dict[str, Any]] = []
-        system = system_text(instructions, tools)
-        if system:
-            out.append({"role": "system", "content": system})
-        for item in self.items[skip:]:
-            if isinstance(item, UserMessage):
-                out.append(item.message())
-            elif isinstance(item, AssistantMessage):
-                out.append({"role": "assistant", "content": item.text, "_turn": True})
-            elif isinstance(item, FunctionCall):
-                piece = call_text(item.name, item.arguments)
-                if out and out[-1].get("_turn"):  # calls join the assistant turn they came in
-                    out[-1]["content"] += ("\n" if out[-1]["content"] else "") + piece
-                else:
-                    out.append({"role": "assistant", "content": piece, "_turn": True})
-            elif isinstance(item, FunctionCallOutput):
-                piece = response_text(item.output)
-                if out and out[-1].get("_tool_results"):
-                    out[-1]["content"] += "\n" + piece
-                else:
-                    out.append({"role": "user", "content": piece, "_tool_results": True})
-        for m in out:
-            m.pop("_turn", None)
-            m.pop("_tool_results", None)
-        return out
+        """Chat messages for the model from the items after the first ``skip`` (dropped by truncation), in the
+        family's tool-call format."""
+        history = [_entry(item) for item in self.items[skip:]]
+        if self.tool_calls is not None:
+            return self.tool_calls.messages(instructions, tools, history)
+        if tools or any(isinstance(e, ToolCallTurn | ToolResultTurn) for e in history):
+            raise RealtimeError("this model does not call tools: it has no tool-call format", param="tools",
+                                code="unsupported_parameter")
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        return system + history
+
+
+def _entry(item: Item) -> dict[str, Any] | ToolCallTurn | ToolResultTurn:
+    if isinstance(item, UserMessage):
+        return item.message()
+    if isinstance(item, AssistantMessage):
+        return {"role": "assistant", "content": item.text}
+    if isinstance(item, FunctionCall):
+        return ToolCallTurn(item.name, item.arguments)
+    if isinstance(item, FunctionCallOutput):
+        return ToolResultTurn(item.output)
+    raise TypeError(f"not a conversation item: {item!r}")
 
 
 def new_item_id() -> str:

@@ -9,7 +9,8 @@ pcm16, 24 kHz) with ``response.output_audio_transcript.delta`` (audio) or ``resp
 
 Tool calls (``tools``): with tools active the response still asks for speech from the start, but its audio
 is held back while the text could be opening a call: until the first non-blank text that cannot begin
-``<tool_call>``, and again while the text ends in a possible start of the tag (the Talker is one token behind
+the family's call tag (``ModelInfo.tool_calls``; Qwen's ``<tool_call>``), and again while the text ends in a
+possible start of the tag (the Talker is one token behind
 the Thinker and Code2Wav needs a chunk of frames, so in practice nothing waits). A response that opens with a call never speaks: its audio is dropped and, once
 the Thinker's text has ended, the request is aborted in every stage (the Talker would otherwise go on
 voicing the call). A call after some text cuts the speech where the call starts: the Talker reads one text
@@ -31,7 +32,7 @@ import bisect
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -40,25 +41,18 @@ from omnistage.entrypoints.audio_format import pcm16_bytes, to_int16
 from omnistage.entrypoints.detokenizer import IncrementalDetokenizer
 from omnistage.entrypoints.metrics import RequestTimer
 from omnistage.entrypoints.realtime.config import AUDIO_RATE, ResponseSettings, SessionConfig
+from omnistage.entrypoints.realtime.context import SessionClosed, SessionHandle
 from omnistage.entrypoints.realtime.conversation import AssistantMessage, FunctionCall, new_item_id
 from omnistage.entrypoints.realtime.events import MAX_TOKENS_INF, RealtimeError, new_id, server_event
-from omnistage.entrypoints.realtime.tools import CALL_CLOSE, CALL_OPEN, ToolCallScanner, parse_call
 from omnistage.entrypoints.stage_sampling import SamplingFieldError, stage_params
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.omni import EngineDeadError, QueueFullError
 
-if TYPE_CHECKING:
-    from omnistage.entrypoints.realtime.session import RealtimeSession
-
 logger = logging.getLogger("omnistage.realtime")
 # Audio deltas carry at most 0.5 s (32 KB of base64): clients' WebSocket message limits (1 MiB by default in
 # the websockets library the SDK uses) and smooth playback.
 AUDIO_DELTA_SAMPLES = AUDIO_RATE // 2
-
-
-class SessionClosed(Exception):
-    """The client is gone; nothing more can be sent."""
 
 
 def response_params(info: ModelInfo, config: SessionConfig) -> dict[str, SamplingParams]:
@@ -78,7 +72,7 @@ def _b64(samples: np.ndarray) -> str:
 
 
 class ResponseRun:
-    def __init__(self, session: RealtimeSession, settings: ResponseSettings, speech_end: float | None) -> None:
+    def __init__(self, session: SessionHandle, settings: ResponseSettings, speech_end: float | None) -> None:
         self.session, self.settings, self.config = session, settings, settings.config
         ctx = session.ctx
         self.info: ModelInfo = ctx.omni.info
@@ -91,7 +85,8 @@ class ResponseRun:
         self.output: list[AssistantMessage | FunctionCall] = []
         self.message: AssistantMessage | None = None
         self.detok = IncrementalDetokenizer(self.tokenizer)
-        self.scanner = ToolCallScanner() if self.tools else None
+        self.tool_calls = self.info.tool_calls  # the family's format (rendering refuses tools without one)
+        self.scanner = self.tool_calls.scanner() if self.tools and self.tool_calls else None
         self.decided = not self.tools  # speech may flow (no tool call can open the answer any more)
         self.blank = ""  # leading blank text held until decided
         self.held: list[np.ndarray] = []  # audio held while the text could be opening a call
@@ -269,10 +264,10 @@ class ResponseRun:
         self.decided, self.blank = True, ""
 
     async def _call(self, body: str) -> None:
-        parsed = parse_call(body, self.tools)
+        parsed = self.tool_calls.parse_call(body, self.tools)
         if parsed is None:  # not a call of a known tool: keep it as text (it is not spoken)
             logger.warning("response %s: unparseable tool call %r", self.id, body[:200])
-            await self._plain(f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}")
+            await self._plain(self.tool_calls.block_text(body))
             return
         item = FunctionCall(new_item_id(), call_id=new_id("call"), name=parsed.name, arguments=parsed.arguments,
                             status="in_progress")
@@ -292,7 +287,7 @@ class ResponseRun:
             if rest:
                 await self._plain(rest)
             if open_body is not None:  # the text ended inside a call
-                await self._plain(f"{CALL_OPEN}{open_body}")
+                await self._plain(self.tool_calls.open_tag + open_body)
         self.decided = True
         await self._release()
 

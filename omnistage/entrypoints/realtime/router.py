@@ -20,9 +20,9 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime.config import RealtimeLimits
+from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClosed
 from omnistage.entrypoints.realtime.events import RealtimeError
-from omnistage.entrypoints.realtime.response import SessionClosed
-from omnistage.entrypoints.realtime.session import RealtimeContext, RealtimeSession
+from omnistage.entrypoints.realtime.session import RealtimeSession
 from omnistage.pipeline.client import EngineClient
 
 SUBPROTOCOL = "realtime"  # browsers offer it (with the key as a second subprotocol) and need one echoed

@@ -22,15 +22,13 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime import config as cfg
-from omnistage.entrypoints.realtime.config import AUDIO_RATE, RealtimeLimits, SessionConfig
+from omnistage.entrypoints.realtime.config import AUDIO_RATE, SessionConfig
+from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClosed
 from omnistage.entrypoints.realtime.conversation import (
     AssistantMessage,
     Conversation,
@@ -55,7 +53,7 @@ from omnistage.entrypoints.realtime.events import (
     server_event,
 )
 from omnistage.entrypoints.realtime.input_buffer import InputAudioBuffer, ms_to_samples
-from omnistage.entrypoints.realtime.response import ResponseRun, SessionClosed
+from omnistage.entrypoints.realtime.response import ResponseRun
 from omnistage.entrypoints.realtime.vad import SpeechDetector
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
@@ -64,18 +62,6 @@ logger = logging.getLogger("omnistage.realtime")
 
 MIN_COMMIT_MS = 100  # OpenAI's minimum for a committed buffer
 IDLE_KEEP_MS = 500  # kept beyond the prefix padding while no speech is going on (the start is decided late)
-
-
-@dataclass
-class RealtimeContext:
-    """What every session of one server shares."""
-
-    omni: EngineClient
-    model: str
-    metrics: ServerMetrics
-    pool: Executor  # rendering prompts (tokenizer, audio features) runs here, off the event loop
-    limits: RealtimeLimits
-    open_sessions: int = 0
 
 
 class RealtimeSession:
@@ -92,7 +78,8 @@ class RealtimeSession:
         limits = ctx.limits
         self.buffer = InputAudioBuffer(limits.max_buffered_audio_s * AUDIO_RATE)
         self.detector = SpeechDetector(self.config.turn_detection)
-        self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE)
+        self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE,
+                                         info.tool_calls)
         self.response: ResponseRun | None = None
         self.speech: tuple[str, int] | None = None  # (item id, audio_start_ms) of the speech in progress
         self.overflow_reported = False

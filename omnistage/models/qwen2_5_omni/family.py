@@ -49,6 +49,7 @@ from omnistage.models.qwen2_5_omni.streaming import ChunkPlan
 from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
 from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
 from omnistage.models.registry import register_family
+from omnistage.models.tool_calls import QWEN_TOOL_CALLS
 
 PREFERRED_VOICE = "chelsie"  # transformers' generate(speaker="Chelsie") default
 
@@ -58,6 +59,7 @@ PREFERRED_VOICE = "chelsie"  # transformers' generate(speaker="Chelsie") default
 @register_family
 class Qwen25OmniFamily(HFChatFamily):
     name = "qwen2_5_omni"
+    tool_calls = QWEN_TOOL_CALLS
     architectures = (ARCHITECTURE,)
     preset_file = "qwen2_5_omni.yaml"
     parts = {

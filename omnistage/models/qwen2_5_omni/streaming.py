@@ -21,7 +21,7 @@ A chunk is ready once the codes of its look-ahead exist (or the Talker has finis
 The look-ahead also bounds the vocoder's right context: BigVGAN reads ``context_frames()`` mel frames on each
 side (39 for the real vocoder, 28 for the tiny test one), but a chunk only has ``future`` frames past its end.
 Measured on the tiny checkpoint (block 8 frames = 4 codes, 100 random codes, 10 ODE steps, seeded noise;
-``python -m omnistage.testing.qwen2_5_omni.streaming_report``), chunked vs one-shot waveform, same length
+the streaming report in the test helpers, ``testing/qwen2_5_omni/streaming_report.py``), chunked vs one-shot waveform, same length
 (48000 samples) in every case:
 
     chunk/past/future blocks   codes before audio  max |diff|   RMS(diff)/RMS

@@ -42,7 +42,7 @@ from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 
 if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.code2wav_stream import StreamStep
+    from omnistage.models.qwen3_omni.stream_step import StreamStep
 
 DEFAULT_SAMPLE_RATE = 24000
 

@@ -51,6 +51,7 @@ from omnistage.models.qwen3_omni.talker_inputs import (
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.registry import register_family
+from omnistage.models.tool_calls import QWEN_TOOL_CALLS
 
 PREFERRED_VOICE = "ethan"
 
@@ -80,6 +81,7 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
 @register_family
 class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
+    tool_calls = QWEN_TOOL_CALLS
     architectures = ("Qwen3OmniMoeForConditionalGeneration",)
     preset_file = "qwen3_omni.yaml"
     wire_types = (ThinkerMedia, MediaItem, MediaSpan)

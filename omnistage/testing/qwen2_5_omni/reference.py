@@ -26,7 +26,7 @@ from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
 def tiny_checkpoint() -> Path:
     """The tiny Qwen2.5-Omni checkpoint (seed 0), built once per process into a temporary directory that is
     removed at exit (the tests' shared checkpoint)."""
-    from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint
+    from omnistage.checkpoints.qwen2_5_omni.builder import build_checkpoint
 
     out = Path(tempfile.mkdtemp(prefix="omnistage-q25-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)

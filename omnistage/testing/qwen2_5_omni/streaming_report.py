@@ -75,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = args.model
     if model_dir is None:
-        from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint
+        from omnistage.checkpoints.qwen2_5_omni.builder import build_checkpoint
 
         model_dir = str(build_checkpoint(tempfile.mkdtemp(prefix="q25-stream-"), preset="tiny", seed=0))
     t2w_cfg = load_config(model_dir).token2wav_config.dit_config

@@ -10,11 +10,11 @@ import torch
 from q25_reference import checkpoint_dir, loaded
 from safetensors.torch import load_file
 
+from omnistage.checkpoints.builder import build_checkpoint
+from omnistage.checkpoints.qwen2_5_omni.builder import build_state, make_hf_config
+from omnistage.checkpoints.qwen2_5_omni.presets import SPEAKERS, get_preset
 from omnistage.models.qwen2_5_omni.loading import load_config, quiet_config_checks
 from omnistage.models.qwen2_5_omni.voices import UnknownVoiceError, load_speakers, resolve_voice
-from omnistage.testing.checkpoint import build_checkpoint
-from omnistage.testing.qwen2_5_omni.checkpoint import build_state, make_hf_config
-from omnistage.testing.qwen2_5_omni.presets import SPEAKERS, get_preset
 
 
 def test_transformers_loads_with_no_missing_or_unexpected_keys():

@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from omnistage.testing.corpus import training_corpus
+from omnistage.checkpoints.corpus import training_corpus
 
 # Same split rule as the Qwen2 tokenizer: words with an optional leading non-letter, single digits,
 # punctuation runs, newline runs, whitespace.

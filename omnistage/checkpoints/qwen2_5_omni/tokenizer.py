@@ -1,6 +1,6 @@
 """Qwen2.5-Omni's tokenizer flavour for test checkpoints: its added tokens, processor attributes, chat template.
 
-The byte-level BPE is the shared test tokenizer (``omnistage.testing.tokenizer``); only what Qwen2.5-Omni names
+The byte-level BPE is the shared test tokenizer (``omnistage.checkpoints.tokenizer``); only what Qwen2.5-Omni names
 differently changes: ``<|AUDIO|>`` / ``<|IMAGE|>`` / ``<|VIDEO|>`` placeholders, ``<|audio_bos|>`` ... markers,
 and a ChatML template that inserts a default system turn the way the real one does.
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from omnistage.testing.tokenizer import TokenizerFlavor, chatml_template, single_token_id, token_id
+from omnistage.checkpoints.tokenizer import TokenizerFlavor, chatml_template, single_token_id, token_id
 
 # (content, special) in the order of the real Qwen2.5-Omni vocabulary (151643 ... 151664).
 QWEN2_5_OMNI_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (

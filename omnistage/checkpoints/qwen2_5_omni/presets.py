@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import transformers
 
-from omnistage.testing.presets import DecoderSpec, EncoderSpec
-from omnistage.testing.qwen2_5_omni.tokenizer import Qwen25TokenIds
+from omnistage.checkpoints.presets import DecoderSpec, EncoderSpec
+from omnistage.checkpoints.qwen2_5_omni.tokenizer import Qwen25TokenIds
 
 TALKER_EXTRA_IDS = 256
 _CODEC_OFFSETS = {

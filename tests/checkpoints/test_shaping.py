@@ -1,5 +1,5 @@
 """The built-in model's first impression: with the packaged default sampling, answers are words, most end
-on their own after tens of tokens, and are spoken for a few seconds (omnistage/testing/shaping.py)."""
+on their own after tens of tokens, and are spoken for a few seconds (omnistage/checkpoints/shaping.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import statistics
 
 import torch
 
-from omnistage.pipeline.engine import EngineArgs, OmniEngine
-from omnistage.testing.corpus import training_corpus
-from omnistage.testing.shaping import PUNCTUATION
+from omnistage.checkpoints.corpus import training_corpus
+from omnistage.checkpoints.shaping import PUNCTUATION
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
 
 SAMPLES_PER_FRAME = 1920
 

@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.testing.checkpoint import build_checkpoint, build_state, make_hf_config
-from omnistage.testing.presets import PRESETS, TALKER_SPECIAL_RANGE, build_config_dict
-from omnistage.testing.tokenizer import tokenizer_ids, train_tokenizer
+from omnistage.checkpoints.builder import build_checkpoint, build_state, make_hf_config
+from omnistage.checkpoints.presets import PRESETS, TALKER_SPECIAL_RANGE, build_config_dict
+from omnistage.checkpoints.tokenizer import tokenizer_ids, train_tokenizer
 
 CKPT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
-from omnistage.testing.tokenizer import CHAT_TEMPLATE
+from omnistage.checkpoints.tokenizer import CHAT_TEMPLATE
 
 
 def test_feature_extractor_image_processor_and_templates_load(tiny_ckpt):

@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from omnistage.testing.corpus import training_corpus
+from omnistage.checkpoints.corpus import training_corpus
 
 # Chosen on the tiny preset (seed 0) over 24 short prompts with the packaged default sampling (Talker seeded
 # per prompt): 20/24 answers end with EOS, median 33.5 tokens, median 2.5 s of speech, which mostly ends
-# 1-4 frames after the text. Unshaped: 0/24 end within 256 tokens. tests/testing/test_shaping.py checks it.
+# 1-4 frames after the text. Unshaped: 0/24 end within 256 tokens. tests/checkpoints/test_shaping.py checks it.
 NON_WORD_GAIN = 0.3
 THINKER_EOS_GAIN = 1.4
 PAD_ROW_NORM = 100.0  # the Talker's decode input is ~30 (sum of 16 codec embeddings of norm 8)

@@ -16,18 +16,18 @@ from pathlib import Path
 import torch
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
-from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
-from omnistage.testing.presets import build_generation_config_dict
-from omnistage.testing.qwen2_5_omni.presets import (
+from omnistage.checkpoints.presets import build_generation_config_dict
+from omnistage.checkpoints.qwen2_5_omni.presets import (
     SPEAKERS,
     Qwen25Preset,
     build_config_dict,
     get_preset,
     reserved_ids,
 )
-from omnistage.testing.qwen2_5_omni.tokenizer import FLAVOR, token_ids
-from omnistage.testing.tokenizer import save_tokenizer, train_tokenizer
-from omnistage.testing.weights import init_state_dict, to_hub_layout, write_safetensors
+from omnistage.checkpoints.qwen2_5_omni.tokenizer import FLAVOR, token_ids
+from omnistage.checkpoints.tokenizer import save_tokenizer, train_tokenizer
+from omnistage.checkpoints.weights import init_state_dict, to_hub_layout, write_safetensors
+from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPEAKER_FILE = "spk_dict.pt"

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import transformers
 
-from omnistage.testing.tokenizer import TokenizerIds
+from omnistage.checkpoints.tokenizer import TokenizerIds
 
 # generate() suppresses the top 1024 talker ids (all but codec_eos): every codec special id lives there.
 TALKER_SPECIAL_RANGE = 1024

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.testing.presets import (
+from omnistage.checkpoints.presets import (
     Preset,
     build_config_dict,
     build_generation_config_dict,
@@ -17,9 +17,9 @@ from omnistage.testing.presets import (
     build_video_preprocessor_config_dict,
     get_preset,
 )
-from omnistage.testing.shaping import shape_weights
-from omnistage.testing.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
-from omnistage.testing.weights import init_state_dict, to_hub_layout, write_safetensors
+from omnistage.checkpoints.shaping import shape_weights
+from omnistage.checkpoints.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
+from omnistage.checkpoints.weights import init_state_dict, to_hub_layout, write_safetensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,7 +63,7 @@ def build_checkpoint(
     or (qwen3_omni) a ``Preset`` of any sizes.
     """
     if family == "qwen2_5_omni":
-        from omnistage.testing.qwen2_5_omni.checkpoint import build_checkpoint as build_qwen2_5_omni
+        from omnistage.checkpoints.qwen2_5_omni.builder import build_checkpoint as build_qwen2_5_omni
 
         return build_qwen2_5_omni(out_dir, preset, seed, max_shard_bytes)
     if family != "qwen3_omni":

@@ -17,7 +17,7 @@ def builder_fingerprint() -> str:
     """Hash of the builder's sources: a changed builder gets a fresh cache entry, never a stale model."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("checkpoint.py", "presets.py", "weights.py", "tokenizer.py", "corpus.py", "shaping.py"):
+    for name in ("builder.py", "presets.py", "weights.py", "tokenizer.py", "corpus.py", "shaping.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:12]
 
@@ -27,7 +27,7 @@ def default_model_dir() -> Path:
     target = cache_root() / f"{DEFAULT_PRESET}-seed{DEFAULT_SEED}-{builder_fingerprint()}"
     if (target / "config.json").is_file():
         return target
-    from omnistage.testing.checkpoint import build_checkpoint
+    from omnistage.checkpoints.builder import build_checkpoint
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))

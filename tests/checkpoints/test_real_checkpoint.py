@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.testing.checkpoint import build_state, make_hf_config
-from omnistage.testing.presets import get_preset
-from omnistage.testing.real_checkpoint import (
+from omnistage.checkpoints.builder import build_state, make_hf_config
+from omnistage.checkpoints.presets import get_preset
+from omnistage.checkpoints.real import (
     REAL,
     REAL_VOCAB,
     build_real_checkpoint,

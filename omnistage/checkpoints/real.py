@@ -13,7 +13,7 @@ tokens and Qwen's special tokens sit at the bottom of the 152064 rows, the rest 
 width, and never chosen by a prompt.
 
 Tensors are created on the meta device, then one at a time drawn with the test weights' rules
-(``weights.py``), rounded to the storage dtype and added to the current shard; a shard is written when it
+(``checkpoints.weights``), rounded to the storage dtype and added to the current shard; a shard is written when it
 reaches ``max_shard_bytes``, so building holds at most one shard plus one tensor in float32 (the largest: a
 layer's stacked experts, 1.6 GB), whatever the depth. No shaping (it rescales rows of a whole table at once,
 and only matters for the built-in model's words).
@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.testing.checkpoint import make_hf_config
-from omnistage.testing.presets import (
+from omnistage.checkpoints.builder import make_hf_config
+from omnistage.checkpoints.presets import (
     Code2WavSpec,
     DecoderSpec,
     EncoderSpec,
@@ -42,8 +42,8 @@ from omnistage.testing.presets import (
     build_preprocessor_config_dict,
     build_video_preprocessor_config_dict,
 )
-from omnistage.testing.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
-from omnistage.testing.weights import _generator, _hub_name, _init_tensor
+from omnistage.checkpoints.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
+from omnistage.checkpoints.weights import _generator, _hub_name, _init_tensor
 
 REAL_VOCAB = 152064
 STACKS = ("thinker", "talker", "code_predictor", "code2wav", "audio", "vision")

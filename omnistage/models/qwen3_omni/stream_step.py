@@ -1,0 +1,99 @@
+"""StreamStep: one streaming Code2Wav call's view of the batch (carried histories in, updated ones out, valid
+lengths per row), handed down through the vocoder's modules. Its own module so that ``code2wav`` (whose modules
+take it) and ``code2wav_stream`` (which builds it) both depend on it and not on each other."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, slide_window
+
+
+class StreamStep:
+    """One streaming call's view of the batch, handed down through the modules.
+
+    Holds the batched histories of every stateful module, collects their updated histories, and tracks
+    each row's count of valid positions at the current sample rate (frames, then samples after each
+    upsampling).
+    """
+
+    def __init__(
+        self,
+        histories: dict[nn.Module, torch.Tensor],
+        frames: Sequence[int],
+        new_frames: Sequence[int],
+        device: torch.device,
+    ) -> None:
+        self.histories = histories
+        self.updated: dict[nn.Module, torch.Tensor] = {}
+        self.device = device
+        self.frames = torch.tensor(list(frames), device=device)
+        self.starts = [p == 0 and n > 0 for p, n in zip(frames, new_frames)]
+        rows = [b for b, start in enumerate(self.starts) if start]
+        self.starting = torch.tensor(rows, device=device) if rows else None
+        self._set_lengths(list(new_frames))
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+        uniform = all(n == lengths[0] for n in lengths)
+        self.valid: int | torch.Tensor = lengths[0] if uniform else torch.tensor(lengths, device=self.device)
+
+    # -- transformer ---------------------------------------------------------------------------------------
+
+    def frame_positions(self, width: int) -> torch.Tensor:
+        """[B, width] absolute frame positions of this call's (padded) frames."""
+        return self.frames[:, None] + torch.arange(width, device=self.device)
+
+    def attention_mask(self, width: int, window: int) -> torch.Tensor:
+        """[B, 1, width, window - 1 + width], True = may attend. Keys are the ``window - 1`` carried ones
+        then the new ones; query i sits at key index ``window - 1 + i``."""
+        history = window - 1
+        keys = torch.arange(history + width, device=self.device)
+        offset = torch.arange(width, device=self.device)[:, None] + history - keys  # query minus key position
+        band = (offset >= 0) & (offset < window)
+        exists = keys >= history - self.frames[:, None]  # carried slots before the stream start are empty
+        return band[None, None] & exists[:, None, None, :]
+
+    def extend(self, key: nn.Module, new: torch.Tensor, dim: int) -> torch.Tensor:
+        """History of ``key`` followed by ``new`` along ``dim``; keeps the window ending at each row's
+        last valid position as the next history."""
+        history = self.histories[key]
+        extended = torch.cat((history, new), dim)
+        self.updated[key] = slide_window(extended, self.valid, history.shape[dim], dim)
+        return extended
+
+    # -- convolutions --------------------------------------------------------------------------------------
+
+    def conv(self, conv: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
+        out, self.updated[conv] = conv.forward_stream(x, self.histories[conv], self.valid)
+        return out
+
+    def conv_transpose(self, conv: CausalConvTranspose1d, x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+        """``channels_last``: x and the result are [B, T, C] signals (the state keeps its [C, history] layout)."""
+        if conv.history_size == 0:
+            out = conv.forward_channels_last(x) if channels_last else conv(x)
+        else:
+            history = self.histories[conv]
+            out, last = conv.forward_stream(
+                x, history.transpose(1, 2) if channels_last else history, self.valid, self.starting,
+                channels_last=channels_last,
+            )
+            self.updated[conv] = last.transpose(1, 2) if channels_last else last
+        self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
+        return out
+
+    # -- channels-last convolutions ([B, T, C] signals; the state keeps its [C, history] layout) --------
+
+    def history_channels_last(self, conv: CausalConv1d) -> torch.Tensor:
+        """[B, history_size, C_in]: ``conv``'s carried inputs, copied out of the state rows (a few numbers per
+        channel) so they have the strides of one-shot decoding's zeros (one compiled SnakeBeta graph)."""
+        return self.histories[conv].contiguous().transpose(1, 2)
+
+    def keep_channels_last(self, conv: CausalConv1d, extended: torch.Tensor) -> None:
+        """Next history of ``conv`` from its inputs [B, history_size + W, C_in] (history then new); a copy,
+        so the large ``extended`` is freed (and its memory reused) as soon as the convolution is done."""
+        kept = slide_window(extended, self.valid, conv.history_size, dim=1)
+        self.updated[conv] = (kept.clone() if isinstance(self.valid, int) else kept).transpose(1, 2)
