@@ -37,3 +37,15 @@ def test_make_checkpoint_of_another_family(tmp_path, capsys, q25_ckpt):
     assert "unknown qwen2_5_omni preset 'tiny-gqa'; choose from ['small', 'tiny']" in capsys.readouterr().err
     assert main(["make-checkpoint", str(tmp_path / "y"), "--family", "nope"]) == 2
     assert "unknown model family 'nope'; choose from ['qwen3_omni', 'qwen2_5_omni']" in capsys.readouterr().err
+
+
+def test_make_checkpoint_real_preset_refuses_bad_depths_before_building(tmp_path, capsys):
+    """(Building the released architecture takes GBs: tests/checkpoints/test_real_checkpoint.py runs its writer
+    on a tiny preset.)"""
+    assert main(["make-checkpoint", str(tmp_path / "r"), "--preset", "real", "--depth", "thinker=0"]) == 2
+    assert "depth entries are STACK=N with N >= 1" in capsys.readouterr().err
+    assert main(["make-checkpoint", str(tmp_path / "r"), "--preset", "real", "--family", "qwen2_5_omni"]) == 2
+    assert "preset 'real' is Qwen3-Omni's released architecture" in capsys.readouterr().err
+    assert main(["make-checkpoint", str(tmp_path / "t"), "--depth", "thinker=2"]) == 2
+    assert "--depth applies to --preset real" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "t").exists()
