@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
 from omnistage.checkpoints.presets import (
@@ -46,6 +47,25 @@ def build_state(config: Qwen3OmniMoeConfig, seed: int, dtype: torch.dtype) -> di
 FAMILIES = ("qwen3_omni", "qwen2_5_omni")
 
 
+def write_config_files(out: Path, spec: Preset, thinker_vocab: int | None = None) -> tuple[Tokenizer, dict]:
+    """Everything of a Qwen3-Omni checkpoint but its weights: the tokenizer (trained here), config.json (a Thinker
+    vocabulary of ``thinker_vocab`` rows where larger than the tokenizer's), generation, processor and chat
+    template files. Returns (tokenizer, the config.json contents)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(spec.bpe_vocab_size)
+    ids = tokenizer_ids(tok)
+    save_tokenizer(tok, out)
+    config_dict = build_config_dict(spec, ids)
+    if thinker_vocab is not None:
+        config_dict["thinker_config"]["text_config"]["vocab_size"] = max(thinker_vocab, ids.vocab_size)
+    _write_json(out / "config.json", config_dict)
+    _write_json(out / "generation_config.json", build_generation_config_dict(ids))
+    _write_json(out / "preprocessor_config.json", build_preprocessor_config_dict())
+    _write_json(out / "video_preprocessor_config.json", build_video_preprocessor_config_dict())
+    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    return tok, config_dict
+
+
 def build_checkpoint(
     out_dir: str | Path,
     preset: str | Preset = "tiny",
@@ -70,20 +90,8 @@ def build_checkpoint(
         raise ValueError(f"unknown model family {family!r}; choose from {list(FAMILIES)}")
     spec = preset if isinstance(preset, Preset) else get_preset(preset)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    tok = train_tokenizer(spec.bpe_vocab_size)
-    ids = tokenizer_ids(tok)
-    save_tokenizer(tok, out)
-
-    config_dict = build_config_dict(spec, ids)
+    tok, config_dict = write_config_files(out, spec)
     config = make_hf_config(config_dict)
-    _write_json(out / "config.json", config_dict)
-    _write_json(out / "generation_config.json", build_generation_config_dict(ids))
-    _write_json(out / "preprocessor_config.json", build_preprocessor_config_dict())
-    _write_json(out / "video_preprocessor_config.json", build_video_preprocessor_config_dict())
-    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-
     state = build_state(config, seed, torch.float32)
     shape_weights(state, config_dict, tok)
     write_safetensors({k: v.to(_DTYPES[spec.storage_dtype]) for k, v in state.items()}, out, max_shard_bytes)

@@ -31,18 +31,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.checkpoints.builder import make_hf_config
+from omnistage.checkpoints.builder import make_hf_config, write_config_files
 from omnistage.checkpoints.presets import (
     Code2WavSpec,
     DecoderSpec,
     EncoderSpec,
     Preset,
-    build_config_dict,
-    build_generation_config_dict,
-    build_preprocessor_config_dict,
-    build_video_preprocessor_config_dict,
 )
-from omnistage.checkpoints.tokenizer import CHAT_TEMPLATE, save_tokenizer, tokenizer_ids, train_tokenizer
 from omnistage.checkpoints.weights import _generator, _hub_name, _init_tensor
 
 REAL_VOCAB = 152064
@@ -133,17 +128,7 @@ def build_real_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None =
     ``vocab_size``) as a sharded checkpoint with its tokenizer and processor files; returns the directory."""
     preset = preset or real_preset(depth)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(preset.bpe_vocab_size)
-    ids = tokenizer_ids(tok)
-    save_tokenizer(tok, out)
-    config_dict = build_config_dict(preset, ids)
-    config_dict["thinker_config"]["text_config"]["vocab_size"] = max(vocab_size, ids.vocab_size)
-    for name, data in (("config.json", config_dict), ("generation_config.json", build_generation_config_dict(ids)),
-                       ("preprocessor_config.json", build_preprocessor_config_dict()),
-                       ("video_preprocessor_config.json", build_video_preprocessor_config_dict()),
-                       ("chat_template.json", {"chat_template": CHAT_TEMPLATE})):
-        (out / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    _, config_dict = write_config_files(out, preset, thinker_vocab=vocab_size)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         skeleton = Qwen3OmniMoeForConditionalGeneration(make_hf_config(config_dict))
