@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import os
 import statistics
 import time
@@ -50,6 +51,7 @@ from benchmarks.roofline import (
 from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
+from omnistage.runtime_env import release_free_heap
 
 CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
 
@@ -380,12 +382,37 @@ THROUGHPUT_HEADER = (f"{'config, N':>18} | {'ours tok/s':>10} {'ours aud s/s':>1
                      f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
 
 
+def resident_bytes() -> int:
+    """This process's anonymous resident memory (file pages of the checkpoint, which the kernel can drop, left
+    out); 0 where /proc is unavailable."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return 0
+    line = next((x for x in status.read_text().splitlines() if x.startswith("RssAnon:")), "RssAnon: 0 kB")
+    return int(line.split()[1]) * 1024
+
+
+def memory_line(config: Config, engine) -> str:
+    """Per stage what the engine planned (weights, KV), and the process's resident memory after the load."""
+    plan = engine.memory_plan
+    stages = ", ".join(f"{p.stage} {p.weight_bytes / 1e9:.2f} + {p.kv_bytes / 1e9:.2f}" for p in plan)
+    weights = sum(p.weight_bytes for p in plan)
+    kv = sum(p.kv_bytes for p in plan)
+    rss = resident_bytes()
+    ratio = f"{(rss - kv) / weights:.3f}x the weights with the KV pools counted" if weights and rss else "n/a"
+    return (f"memory, {config}: planned GB weights + KV per stage: {stages}; resident {rss / 1e9:.2f} GB "
+            f"({ratio}; in-process stages only)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
     ap.add_argument("--family", default="qwen3_omni", choices=["qwen3_omni", "qwen2_5_omni"],
                     help="model family of the built --preset checkpoint (a --model dir names its own)")
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="small", help="a builder preset, or 'real' (the released architecture)")
+    ap.add_argument("--depth", default=None,
+                    help="with --preset real: layers per stack (e.g. thinker=2,talker=2,code_predictor=2,code2wav=2,"
+                         "audio=2,vision=2); the checkpoint is built for the run and removed after it")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--configs", type=Config.parse, nargs="+", default=[Config("float32", True)],
                     help="omnistage configurations, each run against the same transformers run: float32 (default), "
@@ -417,7 +444,7 @@ def main() -> None:
     from omnistage.pipeline.engine_args import EngineArgs
 
     fixed_speech = not args.speech_may_end
-    model = resolve_model(args.model, args.preset, args.family)
+    model = resolve_model(args.model, args.preset, args.family, args.depth)
     family = family_for_checkpoint(model).name
     stages = load_pipeline_config(family).order
     backend = args.distributed_executor_backend
@@ -443,16 +470,22 @@ def main() -> None:
             run_omnistage(engine, prompts(n), 4, 8)
         return engine
 
-    engine = build(args.configs[0])
     if family == "qwen2_5_omni":
         from omnistage.testing.qwen2_5_omni.reference import load_hf_reference
 
+        engine = build(args.configs[0])
         hf = load_hf_reference(model)
         reference = functools.partial(run_hf_qwen2_5_omni, hf, engine, fixed_speech)
     else:
+        # transformers runs first and is freed before omnistage loads: at the released widths one float32 copy
+        # of each does not fit a 24 GiB machine at once.
+        engine = None
         hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
-        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), engine.family.eos_token_ids,
+        checkpoint = family_for_checkpoint(model)(model)
+        reference = functools.partial(run_hf, hf, AutoTokenizer.from_pretrained(model), checkpoint.eos_token_ids,
                                       fixed_speech)
+        sample_rate = checkpoint.sample_rate
+    hf_rss = resident_bytes()
     hf_thinker = args.hf_thinker_tokens or args.thinker_tokens
     hf_talker = args.hf_talker_tokens or args.talker_tokens
     # Same requests on both sides: compare answers (equality is the contract in float32; bfloat16 rounds
@@ -470,17 +503,23 @@ def main() -> None:
           f"({'exactly' if fixed_speech else 'at most'}) transformers: "
           f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
           f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
-    print(f"code predictor: {compile_note(engine)}; decode steps: {decode_step_note(engine)}; "
-          f"allocator: {allocator_note()}", flush=True)
     dtypes = list(dict.fromkeys(c.dtype for c in args.configs))
     peaks_before = {d: measure_peaks(getattr(torch, d)) for d in dtypes}
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
     # on the first --hf-requests prompts, and compare every configuration and concurrency against it.
     hf_timers = attach_hf_timers(hf, family)
     with torch.no_grad():
-        theirs = reference(prompts(args.hf_requests), hf_thinker, hf_talker, engine.info.sample_rate)
+        theirs = reference(prompts(args.hf_requests), hf_thinker, hf_talker,
+                           engine.info.sample_rate if engine is not None else sample_rate)
     hf_timers.detach()
-    print(f"transformers: {theirs.wall:.2f} s", flush=True)
+    print(f"transformers: {theirs.wall:.2f} s, resident after its load {hf_rss / 1e9:.2f} GB", flush=True)
+    if engine is None:
+        del hf, reference
+        gc.collect()
+        release_free_heap()
+        engine = build(args.configs[0])
+    print(f"code predictor: {compile_note(engine)}; decode steps: {decode_step_note(engine)}; "
+          f"allocator: {allocator_note()}", flush=True)
 
     # Each row as soon as it is measured (a long run cut short keeps what it had); the breakdowns at the end.
     print(THROUGHPUT_HEADER, flush=True)
@@ -489,6 +528,7 @@ def main() -> None:
         if i:
             engine.shutdown()  # one engine's weights and KV pools (and workers) at a time
             engine = build(config)
+        print(memory_line(config, engine), flush=True)
         # Model timers need the models in this process; stage workers get the trace and transport lines.
         timers = attach_component_timers(engine, getattr(torch, config.dtype)) if engine.workers is None else None
         for n in args.concurrency:

@@ -50,15 +50,19 @@ def run_omnistage(omni, texts, lens) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
-def resolve_model(model: str | None, preset: str, family: str = "qwen3_omni") -> str:
+def resolve_model(model: str | None, preset: str, family: str = "qwen3_omni", depth: str | None = None) -> str:
     """The given checkpoint dir, or the family's preset built into a temp dir (seed 0), removed when the process
-    exits (the small preset is ~0.7 GB: runs must not leave one behind each)."""
+    exits (the small preset is ~0.7 GB, the released widths at 2 layers 5.2 GB: runs must not leave one behind
+    each). ``preset`` "real": the released architecture with ``depth`` (``STACK=N,...``) layers."""
     if model is not None:
         return model
     from omnistage.checkpoints.builder import build_checkpoint
+    from omnistage.checkpoints.real import build_real_checkpoint, parse_depth
 
     root = Path(tempfile.mkdtemp(prefix="omnistage-bench-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
+    if preset == "real":
+        return str(build_real_checkpoint(root / preset, parse_depth(depth)))
     return str(build_checkpoint(root / preset, preset=preset, seed=0, family=family))
 
 
