@@ -87,7 +87,10 @@ def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtyp
         if geometry is not None:
             s = stage.scheduler
             per_block = kv_block_bytes(*geometry, s.block_size, dtype)
-            kv = (s.resolve_num_blocks(per_block) + 1) * per_block  # (+ the scratch block padded rows write)
+            try:
+                kv = (s.resolve_num_blocks(per_block) + 1) * per_block  # (+ the scratch block padded rows write)
+            except ValueError:
+                kv = 0  # a budget that cannot hold one request: the stage itself refuses it as it builds
         plans.append(StageMemory(name, (placement or {}).get(name, device), weights, kv))
     return plans
 
