@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import RotaryEmbedding, rope_theta
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,9 +184,16 @@ def kernel_layer(layer: DecoderLayer) -> cpu_kernels.LayerWeights | None:
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
     """Every layer's ``kernel_layer`` weights, or [] where the decoder kernels cannot serve all of them."""
     if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim):
+        reason = ("not preferred on this CPU" if not cpu_kernels.panels_preferred() else
+                  f"hidden {cfg.hidden_size} (a multiple of {cpu_kernels.DOWN_PANEL}), head_dim {cfg.head_dim}, {dtype}")
+        log.info("decoder kernels do not serve a %d-layer decoder (%s): it runs layer by layer", len(layers), reason)
         return []
     found = [kernel_layer(layer) for layer in layers]
-    return found if found and all(found) else []
+    if found and all(found):
+        return found
+    log.info("decoder kernels do not serve layer(s) %s of a %d-layer decoder (weights not in panels, biases or no "
+             "q/k norms): it runs layer by layer", [i for i, f in enumerate(found) if f is None], len(layers))
+    return []
 
 
 class PagedDecoder(nn.Module):
