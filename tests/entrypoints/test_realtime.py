@@ -254,7 +254,7 @@ def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server):
                                                       "name": "get_weather", "arguments": '{"city": "Paris"}'})
             await conn.conversation.item.create(item={"type": "function_call_output", "call_id": "call_1",
                                                       "output": '{"temp": 21}'})
-            await until(conn, "conversation.item.created")
+            await until(conn, "conversation.item.done")
             await conn.response.create()
             second = await until(conn, "response.done")
             history += [{"role": "assistant", "content": want + "\n" + call_text("get_weather", '{"city": "Paris"}')},

@@ -1,11 +1,12 @@
 """One response of a realtime session: render the conversation, run it on the engine, stream its events.
 
 Events, in order: ``response.created``; for the answer message ``response.output_item.added``,
-``conversation.item.created``, ``response.content_part.added``, then ``response.output_audio.delta`` (base64
+``conversation.item.added``, ``response.content_part.added``, then ``response.output_audio.delta`` (base64
 pcm16, 24 kHz) with ``response.output_audio_transcript.delta`` (audio) or ``response.output_text.delta``
-(text), then the ``.done`` events of the part and item; for each tool call ``response.output_item.added``,
-``conversation.item.created``, ``response.function_call_arguments.delta`` / ``.done``,
-``response.output_item.done``; last ``response.done`` with the status and usage.
+(text), then the ``.done`` events of the part and item and ``conversation.item.done``; for each tool call
+``response.output_item.added``, ``conversation.item.added``, ``response.function_call_arguments.delta`` /
+``.done``, ``response.output_item.done``, ``conversation.item.done``; last ``response.done`` with the status
+and usage (a beta client gets the beta names, see ``events.for_protocol``).
 
 Tool calls (``tools``): with tools active the response still asks for speech from the start, but its audio
 is held back while the text could be opening a call: until the first non-blank text that cannot begin
@@ -280,6 +281,7 @@ class ResponseRun:
         await self.send("response.function_call_arguments.done", arguments=item.arguments, name=item.name, **ids)
         item.status = "completed"
         await self.send("response.output_item.done", response_id=self.id, output_index=index, item=item.to_api())
+        await self.session.item_done(item)
 
     async def _end_of_text(self) -> None:
         if self.scanner is not None:
@@ -371,6 +373,7 @@ class ResponseRun:
             await self.send("response.content_part.done", part=part, **ids)
             await self.send("response.output_item.done", response_id=self.id, output_index=ids["output_index"],
                             item=m.to_api())
+            await self.session.item_done(m)
         if self.error is not None:
             err = self.error
             await self.session.send(RealtimeError(err.message, err.code, err.param, err.type).event())
