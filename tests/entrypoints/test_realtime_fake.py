@@ -30,7 +30,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 class RealtimeFake(FakeOmni):
-    """FakeOmni that renders audio parts (as ``<audio:samples@rate>``), speaks one audio chunk per token (its
+    """FakeOmni that renders audio parts (as ``<audio:samples@rate>``) and an answer prefix (after the prompt), speaks one audio chunk per token (its
     codec "frame"), and answers from a queue of answers."""
 
     def __init__(self) -> None:
@@ -38,7 +38,7 @@ class RealtimeFake(FakeOmni):
         self.info = dataclasses.replace(INFO, samples_per_frame=CHUNK, max_model_len=2000)
         self.answers: list[str] = []
 
-    def render_prompt(self, messages) -> PreparedPrompt:
+    def render_prompt(self, messages, answer_prefix: str = "") -> PreparedPrompt:
         text = ""
         for m in messages:
             content = m["content"]
@@ -46,7 +46,7 @@ class RealtimeFake(FakeOmni):
                 content = "".join(p["text"] if p["type"] == "text" else f"<audio:{len(p['audio'][0])}@{p['audio'][1]}>"
                                   for p in content)
             text += f"<{m['role']}>{content}"
-        return PreparedPrompt([ord(c) for c in text])
+        return PreparedPrompt([ord(c) for c in text + answer_prefix])
 
     async def generate(self, prompt, modalities=("text",), sampling_params=None, speaker=None, request_id=None):
         if self.answers:

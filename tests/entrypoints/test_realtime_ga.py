@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 from realtime_audio import b64_chunks, pcm, speech_like
-from realtime_client import client, of, send_raw, until
+from realtime_client import client, of, send_raw, text_of, until
 from server_thread import ServerThread
 from test_realtime_fake import MODEL, RealtimeFake, prompt_text
 
@@ -128,5 +128,90 @@ def test_beta_clients_get_the_beta_event_names(server, fake):
             assert "response.audio.delta" in types and "response.audio_transcript.done" in types
             assert not [t for t in types if t.startswith("response.output_audio")]
             assert "".join(e.delta for e in of(events, "response.audio_transcript.delta")) == "Hello."
+
+    asyncio.run(scenario())
+
+
+def test_tool_choice_required_and_named_force_the_call_prefix(server, fake):
+    from test_realtime_fake import WEATHER
+
+    clock = {"type": "function", "name": "get_time", "description": "Time in a city",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", "tools": [WEATHER, clock], "tool_choice": "required",
+                                               "audio": {"input": {"turn_detection": None}}})
+            assert (await until(conn, "session.updated"))[-1].session.tool_choice == "required"
+            await conn.conversation.item.create(item=_user("Hi"))
+            # The model continues the forced "<tool_call>\n" (the fake ignores its prompt).
+            fake.answers = ['{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>']
+            await conn.response.create()
+            events = await until(conn, "response.done")
+            assert prompt_text(fake).endswith("<user>Hi<tool_call>\n")
+            assert fake.submitted[-1]["modalities"] == ("text",)  # a forced call is never spoken
+            call = of(events, "response.function_call_arguments.done")[0]
+            assert (call.name, call.arguments) == ("get_time", '{"city": "Oslo"}')
+            done = of(events, "response.done")[0].response
+            assert [o.type for o in done.output] == ["function_call"] and done.output_modalities == ["text"]
+            assert not of(events, "response.output_audio.delta") and not of(events, "response.output_text.delta")
+            # A named function, per response: the prefix holds its name; the model writes the arguments.
+            fake.answers = ['{"city": "Paris"}}\n</tool_call>']
+            await conn.response.create(response={"tool_choice": {"type": "function", "name": "get_weather"}})
+            events = await until(conn, "response.done")
+            assert prompt_text(fake).endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+            call = of(events, "response.function_call_arguments.done")[0]
+            assert (call.name, call.arguments) == ("get_weather", '{"city": "Paris"}')
+            await conn.session.update(session={"tool_choice": {"type": "function", "name": "get_time"}})
+            got = (await until(conn, "session.updated"))[-1].session.tool_choice
+            assert (got.type, got.name) == ("function", "get_time")
+            # Back to "auto": the model decides, nothing is forced.
+            await conn.session.update(session={"tool_choice": "auto"})
+            await until(conn, "session.updated")
+            fake.answers = ["Hello."]
+            await conn.response.create()
+            events = await until(conn, "response.done")
+            # The history holds both calls, written back in the format; no prefix follows them.
+            assert prompt_text(fake).endswith('<assistant><tool_call>\n{"name": "get_time", "arguments": {"city": '
+                                              '"Oslo"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+                                              '"arguments": {"city": "Paris"}}\n</tool_call>')
+            assert text_of(events) == "Hello."
+            assert fake.submitted[-1]["modalities"] == ("text", "audio")
+            for choice, param in [({"type": "function", "name": "nope"}, "session.tool_choice.name"),
+                                  ({"type": "mcp", "server_label": "x"}, "session.tool_choice.type"),
+                                  ("sometimes", "session.tool_choice")]:
+                await send_raw(conn, {"type": "session.update", "session": {"tool_choice": choice}})
+                err = (await until(conn, "error"))[-1].error
+                assert (err.code, err.param) == ("invalid_value", param), err
+            await send_raw(conn, {"type": "session.update", "session": {"tools": [], "tool_choice": "required"}})
+            assert (await until(conn, "error"))[-1].error.param == "session.tool_choice"
+
+    asyncio.run(scenario())
+
+
+def test_instructions_alone_answer_an_empty_conversation_and_inf_reaches_the_context(server, fake):
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session=TEXT_ONLY)
+            assert (await until(conn, "session.updated"))[-1].session.max_output_tokens == "inf"
+            fake.answers = ["Hello, how can I help?"]
+            await conn.response.create(response={"instructions": "Greet the user."})
+            events = await until(conn, "response.done")
+            assert not of(events, "error") and text_of(events) == "Hello, how can I help?"
+            assert prompt_text(fake) == "<system>Greet the user."
+            prompt = fake.submitted[-1]["prompt"].token_ids
+            # "inf": everything the context leaves (not the deployment's 64-token default).
+            assert fake.submitted[-1]["params"]["thinker"].max_tokens == fake.info.max_model_len - len(prompt)
+            await conn.response.create(response={"instructions": "Greet the user.", "max_output_tokens": 5})
+            events = await until(conn, "response.done")
+            assert fake.submitted[-1]["params"]["thinker"].max_tokens == 5 and text_of(events) == "Hello"
+            done = of(events, "response.done")[0].response
+            assert (done.status, done.status_details.reason, done.max_output_tokens) == (
+                "incomplete", "max_output_tokens", 5)
+            # The greetings joined the conversation: the next plain response answers after them.
+            fake.answers = ["Yes?"]
+            await conn.response.create()
+            await until(conn, "response.done")
+            assert prompt_text(fake) == "<assistant>Hello, how can I help?<assistant>Hello"
 
     asyncio.run(scenario())

@@ -3,6 +3,12 @@
 ``session.update`` is applied field by field onto the current ``SessionConfig`` (absent fields keep their
 value; ``turn_detection: null`` switches server VAD off), validated as a whole before anything changes, and
 the full effective configuration is returned in ``session.updated`` (``SessionConfig.to_api``).
+
+``tool_choice``: "auto" (the model decides), "none" (no tools offered), "required" or a named function
+(``{"type": "function", "name": ...}``): the answer is made to begin with the family's call prefix
+(``ToolCallFormat.call_prefix``: Qwen's ``<tool_call>`` tag, for a named function up to its arguments), so it is
+a call; its arguments are the model's (not constrained to the schema: an unparseable call comes back as text, as
+under "auto"). Such a response is text only (a call is never spoken).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from omnistage.pipeline.client import ModelInfo
 
 AUDIO_RATE = 24000  # pcm16 in and out, as the API requires
 TRUNCATION_MODES = ("auto", "disabled")
+TOOL_CHOICES = ("auto", "none", "required", "function")
 THINKER_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "min_tokens", "ignore_eos")
 TALKER_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens")
 MAX_TOOLS = 128
@@ -116,7 +123,8 @@ class SessionConfig:
     output_modalities: tuple[str, ...] = ("audio",)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     tools: tuple[FunctionTool, ...] = ()
-    tool_choice: str = "auto"
+    tool_choice: str = "auto"  # auto | none | required | function (then ``tool_choice_name``)
+    tool_choice_name: str | None = None
     max_output_tokens: int | None = None  # None: "inf" (the deployment's default for the Thinker)
     truncation: str = "auto"
     sampling: Sampling = field(default_factory=Sampling)
@@ -124,8 +132,9 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.output_modalities not in (("audio",), ("text",)):
             raise ValueError(f"output_modalities must be ['audio'] or ['text'], got {list(self.output_modalities)}")
-        if self.tool_choice not in ("auto", "none"):
-            raise ValueError(f"tool_choice must be 'auto' or 'none', got {self.tool_choice!r}")
+        if self.tool_choice not in TOOL_CHOICES or (self.tool_choice == "function") != bool(self.tool_choice_name):
+            raise ValueError(f"tool_choice must be one of {TOOL_CHOICES} (a name with 'function'), got "
+                             f"{self.tool_choice!r}, {self.tool_choice_name!r}")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}")
         if self.max_output_tokens is not None:
@@ -137,7 +146,16 @@ class SessionConfig:
 
     @property
     def active_tools(self) -> tuple[FunctionTool, ...]:
-        return self.tools if self.tool_choice == "auto" else ()
+        return self.tools if self.tool_choice != "none" else ()
+
+    @property
+    def forces_call(self) -> bool:
+        return self.tool_choice in ("required", "function")
+
+    def tool_choice_api(self) -> str | dict[str, str]:
+        if self.tool_choice == "function":
+            return {"type": "function", "name": self.tool_choice_name}
+        return self.tool_choice
 
     def to_api(self, session_id: str, model: str) -> dict[str, Any]:
         fmt = {"type": "audio/pcm", "rate": AUDIO_RATE}
@@ -149,7 +167,7 @@ class SessionConfig:
                           "turn_detection": self.turn_detection.to_api() if self.turn_detection else None},
                 "output": {"format": fmt, "voice": self.voice, "speed": 1.0},
             },
-            "tools": [t.to_api() for t in self.tools], "tool_choice": self.tool_choice,
+            "tools": [t.to_api() for t in self.tools], "tool_choice": self.tool_choice_api(),
             "max_output_tokens": self.max_output_tokens or MAX_TOKENS_INF, "truncation": self.truncation,
             "tracing": None, "prompt": None, "include": None, "expires_at": 0,
         }
@@ -212,11 +230,30 @@ def tools(value: list[FunctionToolParams], param: str) -> tuple[FunctionTool, ..
     return tuple(out)
 
 
-def tool_choice(value: str | dict[str, Any], param: str) -> str:
-    if value in ("auto", "none"):
-        return str(value)
-    raise _unsupported(param, f"tool_choice {value!r} is not supported; 'auto' or 'none' (the model decides; "
-                              "it cannot be forced to call a tool)")
+def tool_choice(value: str | dict[str, Any], param: str) -> dict[str, Any]:
+    """``tool_choice`` as SessionConfig fields."""
+    if isinstance(value, dict):
+        if value.get("type") != "function":
+            raise RealtimeError(f"tool_choice type {value.get('type')!r} is not supported; 'function' (or the "
+                                "strings 'auto', 'none', 'required')", param=f"{param}.type")
+        name = value.get("name")
+        if not isinstance(name, str) or not name:
+            raise RealtimeError("a function tool_choice needs the function's name", param=f"{param}.name")
+        return {"tool_choice": "function", "tool_choice_name": name}
+    if value in ("auto", "none", "required"):
+        return {"tool_choice": value, "tool_choice_name": None}
+    raise RealtimeError(f"Invalid value: {value!r}. Supported values are: 'auto', 'none', 'required' or "
+                        "{'type': 'function', 'name': ...}", param=param)
+
+
+def check_tool_choice(config: SessionConfig, param: str) -> None:
+    """A forced call needs a tool to call (checked on the configuration after an update, as tools and
+    tool_choice may change together)."""
+    if config.tool_choice == "required" and not config.tools:
+        raise RealtimeError("tool_choice 'required' needs at least one tool", param=param)
+    if config.tool_choice == "function" and config.tool_choice_name not in {t.name for t in config.tools}:
+        raise RealtimeError(f"tool_choice names {config.tool_choice_name!r}, which is not one of the tools "
+                            f"{[t.name for t in config.tools]}", param=f"{param}.name")
 
 
 def max_tokens(value: int | str, param: str) -> int | None:
@@ -284,7 +321,9 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
         if s.truncation not in TRUNCATION_MODES:
             raise _unsupported(f"{p}.truncation", f"truncation must be one of {TRUNCATION_MODES}")
         new["truncation"] = s.truncation
-    return dataclasses.replace(config, **new)
+    out = dataclasses.replace(config, **new)
+    check_tool_choice(out, f"{p}.tool_choice")
+    return out
 
 
 def _shared(r: SessionParams | ResponseParams, info: ModelInfo, p: str) -> dict[str, Any]:
@@ -299,7 +338,7 @@ def _shared(r: SessionParams | ResponseParams, info: ModelInfo, p: str) -> dict[
     if r.tools is not None:
         new["tools"] = tools(r.tools, f"{p}.tools")
     if r.tool_choice is not None:
-        new["tool_choice"] = tool_choice(r.tool_choice, f"{p}.tool_choice")
+        new.update(tool_choice(r.tool_choice, f"{p}.tool_choice"))
     if r.sampling is not None:
         new["sampling"] = sampling(r.sampling, f"{p}.sampling")
     return new
@@ -327,4 +366,6 @@ def response_settings(config: SessionConfig, r: ResponseParams | None, info: Mod
         check_format(r.audio.output.format, f"{p}.audio.output.format")
         if r.audio.output.voice is not None:
             new["voice"] = voice(r.audio.output.voice, info, f"{p}.audio.output.voice")
-    return ResponseSettings(dataclasses.replace(config, **new), r.metadata)
+    out = dataclasses.replace(config, **new)
+    check_tool_choice(out, f"{p}.tool_choice")
+    return ResponseSettings(out, r.metadata)

@@ -17,6 +17,11 @@ the Thinker's text has ended, the request is aborted in every stage (the Talker 
 voicing the call). A call after some text cuts the speech where the call starts: the Talker reads one text
 token per codec frame, so the audio of the first ``n`` frames covers the ``n`` tokens before the call.
 
+``tool_choice`` "required" or a named function forces the call: the prompt ends with the format's call prefix
+(``ToolCallFormat.call_prefix``, rendered with the ``answer_prefix`` option), the scanner reads that prefix
+first, and the response is text only (its ``output_modalities`` say so). ``max_output_tokens`` "inf" lets the
+Thinker write up to the context (what the prompt leaves of ``max_model_len``).
+
 Cancellation (``response.cancel``, barge-in, the client leaving) closes the engine stream, which aborts the
 request in every stage. The answer then keeps what was played: the audio sent, capped by the wall time since
 its first chunk (a client plays in real time), converted to codec frames and so to the text tokens the Talker
@@ -56,12 +61,10 @@ logger = logging.getLogger("omnistage.realtime")
 AUDIO_DELTA_SAMPLES = AUDIO_RATE // 2
 
 
-def response_params(info: ModelInfo, config: SessionConfig) -> dict[str, SamplingParams]:
+def response_params(info: ModelInfo, config: SessionConfig, max_tokens: int) -> dict[str, SamplingParams]:
     """Per-stage sampling for a response: the deployment's defaults with the session's overrides, by the
-    HTTP API's rule (``entrypoints.stage_sampling``)."""
-    thinker = dict(config.sampling.thinker)
-    if config.max_output_tokens is not None:
-        thinker["max_tokens"] = config.max_output_tokens
+    HTTP API's rule (``entrypoints.stage_sampling``); the Thinker writes at most ``max_tokens``."""
+    thinker = {**dict(config.sampling.thinker), "max_tokens": max_tokens}
     try:
         return stage_params(info, thinker, dict(config.sampling.talker))
     except SamplingFieldError as exc:
@@ -81,12 +84,17 @@ class ResponseRun:
         self.id = new_id("resp")
         self.speech_end = speech_end  # monotonic time of the VAD stop that triggered it (latency metric)
         self.tools = self.config.active_tools
-        self.wants_audio = self.config.wants_audio
+        self.tool_calls = self.info.tool_calls  # the family's format (rendering refuses tools without one)
+        # A forced call (tool_choice "required" or a function) begins with the format's call prefix and is
+        # never spoken: such a response is text only.
+        forced = self.config.forces_call and self.tool_calls is not None
+        self.prefix = self.tool_calls.call_prefix(self.config.tool_choice_name) if forced else ""
+        self.wants_audio = self.config.wants_audio and not forced
+        self.max_tokens = 0  # the Thinker's limit, once the prompt is known
         self.status, self.reason, self.error = "in_progress", None, None
         self.output: list[AssistantMessage | FunctionCall] = []
         self.message: AssistantMessage | None = None
         self.detok = IncrementalDetokenizer(self.tokenizer)
-        self.tool_calls = self.info.tool_calls  # the family's format (rendering refuses tools without one)
         self.scanner = self.tool_calls.scanner() if self.tools and self.tool_calls else None
         self.decided = not self.tools  # speech may flow (no tool call can open the answer any more)
         self.blank = ""  # leading blank text held until decided
@@ -133,7 +141,7 @@ class ResponseRun:
         return {
             "id": self.id, "object": "realtime.response", "status": self.status, "status_details": details,
             "output": [it.to_api() for it in self.output], "conversation_id": self.session.conversation_id,
-            "output_modalities": list(self.config.output_modalities),
+            "output_modalities": ["audio"] if self.wants_audio else ["text"],
             "max_output_tokens": self.config.max_output_tokens or MAX_TOKENS_INF,
             "audio": {"output": {"format": {"type": "audio/pcm", "rate": AUDIO_RATE}, "voice": self.voice}},
             "metadata": self.settings.metadata, "usage": self._usage() if self.status != "in_progress" else None,
@@ -150,11 +158,14 @@ class ResponseRun:
         metrics = self.session.ctx.metrics
         await self.send("response.created", response=self._api())
         try:
-            self.prompt = await self.session.render_for(self.config)
-            params = response_params(self.info, self.config)
+            self.prompt = await self.session.render_for(self.config, self.prefix)
+            # "inf": up to the context.
+            self.max_tokens = self.config.max_output_tokens or self.info.max_model_len - len(self.prompt.token_ids)
+            params = response_params(self.info, self.config, self.max_tokens)
             modalities = ("text", "audio") if self.wants_audio else ("text",)
             stream = self.session.ctx.omni.generate(self.prompt, modalities, params, self.voice, self.id)
             self.submitted = time.monotonic()
+            await self._text(self.prefix)  # the answer's own beginning, for the call scanner
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     if self.timer is None:
@@ -214,8 +225,7 @@ class ResponseRun:
             elif d.finish_reason == "abort":
                 self.status, self.reason = "cancelled", "aborted"
             return True
-        limit = self.config.max_output_tokens or self.info.stage_sampling[self.info.text_stage].max_tokens
-        if len(self.token_ids) >= limit:
+        if len(self.token_ids) >= self.max_tokens:
             self.text_done = True
         if self.text_done and self.wants_audio and self.scanner is not None and self.scanner.started_call:
             await self._text(self.detok.flush())

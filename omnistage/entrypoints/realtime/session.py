@@ -274,19 +274,20 @@ class RealtimeSession:
         self.conversation.delete(e.item_id)
         await self.send(server_event("conversation.item.deleted", item_id=e.item_id))
 
-    async def render_for(self, config: SessionConfig) -> PreparedPrompt:
-        """The prompt for a response: the conversation as chat messages, rendered in the pool. A prompt that
-        leaves no room for the answer drops its oldest items (``truncation: "auto"``) until it fits."""
+    async def render_for(self, config: SessionConfig, answer_prefix: str = "") -> PreparedPrompt:
+        """The prompt for a response: the conversation as chat messages, rendered in the pool (an empty one:
+        the instructions alone). A prompt that leaves no room for the answer (``max_output_tokens``, or one token
+        for "inf") drops its oldest items (``truncation: "auto"``) until it fits. ``answer_prefix``: the text the
+        answer is made to begin with (a forced tool call's)."""
         info = self.ctx.omni.info
-        max_tokens = config.max_output_tokens or info.stage_sampling[info.text_stage].max_tokens
+        max_tokens = config.max_output_tokens or 1
         tools = config.active_tools
         loop = asyncio.get_running_loop()
         while True:
-            if not self.conversation.items:
-                raise RealtimeError("the conversation is empty: add an item or commit audio first",
-                                    code="conversation_empty")
+            check_not_empty(self.conversation, config)
             messages = self.conversation.messages(config.instructions, tools)
-            prompt, error = await loop.run_in_executor(self.ctx.pool, _render, self.ctx.omni, messages)
+            prompt, error = await loop.run_in_executor(self.ctx.pool, _render, self.ctx.omni, messages,
+                                                       answer_prefix)
             too_long = error is not None and "at most" in str(error)
             if error is None and len(prompt.token_ids) + max_tokens > info.max_model_len:
                 too_long = True
@@ -315,9 +316,7 @@ class RealtimeSession:
             raise RealtimeError(f"Conversation already has an active response in progress: {self.response.id}. "
                                 "Wait until the response is finished before creating a new one.",
                                 code="conversation_already_has_active_response")
-        if not self.conversation.items:
-            raise RealtimeError("the conversation is empty: add an item or commit audio first",
-                                code="conversation_empty")
+        check_not_empty(self.conversation, settings.config)
         self.response = ResponseRun(self, settings, speech_end)
         self.response.start()
 
@@ -341,8 +340,18 @@ class RealtimeSession:
     }
 
 
-def _render(omni: EngineClient, messages: list[dict[str, Any]]) -> tuple[PreparedPrompt | None, Exception | None]:
+def check_not_empty(conversation: Conversation, config: SessionConfig) -> None:
+    """A response needs something to answer: an item, or instructions (a greeting on an empty conversation)."""
+    if not conversation.items and not config.instructions:
+        raise RealtimeError("the conversation is empty: add an item, commit audio or give instructions first",
+                            code="conversation_empty")
+
+
+def _render(omni: EngineClient, messages: list[dict[str, Any]],
+            answer_prefix: str) -> tuple[PreparedPrompt | None, Exception | None]:
     try:
+        if answer_prefix:
+            return omni.render_prompt(messages, answer_prefix=answer_prefix), None
         return omni.render_prompt(messages), None
     except ValueError as exc:
         return None, exc
