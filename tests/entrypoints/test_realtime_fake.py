@@ -157,7 +157,7 @@ MALFORMED = [
      "unsupported_parameter", "session.audio.input.turn_detection.type"),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
      "unsupported_parameter", "session.audio.input.format.type"),
-    ({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}}}, "invalid_voice",
+    ({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}}, "invalid_voice",
      "session.audio.output.voice"),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad",
                                                                                      "threshold": 2}}}}},

@@ -29,6 +29,7 @@ from omnistage.entrypoints.realtime.events import (
     SessionParams,
     TurnDetectionParams,
 )
+from omnistage.entrypoints.voices import UnknownVoice, VoiceMap
 from omnistage.pipeline.client import ModelInfo
 
 AUDIO_RATE = 24000  # pcm16 in and out, as the API requires
@@ -203,12 +204,12 @@ def modalities(value: list[str], info: ModelInfo, param: str) -> tuple[str, ...]
     return mods
 
 
-def voice(name: str | None, info: ModelInfo, param: str) -> str | None:
-    if name is None:
-        return None
-    if name.lower() not in info.voices:
-        raise RealtimeError(f"unknown voice {name!r}; available: {sorted(info.voices)}", param=param,
-                            code="invalid_voice")
+def voice(name: str, voices: VoiceMap, param: str) -> str:
+    """The voice name as the client chose it (echoed), once it resolves to a model voice."""
+    try:
+        voices.resolve(name)
+    except UnknownVoice as exc:
+        raise RealtimeError(str(exc), param=param, code="invalid_voice") from None
     return name.lower()
 
 
@@ -287,7 +288,8 @@ def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | Non
     return dataclasses.replace(base, **fields)
 
 
-def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str) -> SessionConfig:
+def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str,
+                         voices: VoiceMap) -> SessionConfig:
     """The configuration after ``session.update``; raises RealtimeError (and changes nothing) if any field
     is invalid or unsupported."""
     p = "session"
@@ -316,7 +318,7 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
             if a.output.speed not in (None, 1.0):
                 raise _unsupported(f"{p}.audio.output.speed", "speed is not supported (only 1.0)")
             if a.output.voice is not None:
-                new["voice"] = voice(a.output.voice, info, f"{p}.audio.output.voice")
+                new["voice"] = voice(a.output.voice, voices, f"{p}.audio.output.voice")
     if s.truncation is not None:
         if s.truncation not in TRUNCATION_MODES:
             raise _unsupported(f"{p}.truncation", f"truncation must be one of {TRUNCATION_MODES}")
@@ -352,7 +354,8 @@ class ResponseSettings:
     metadata: dict[str, str] | None = None
 
 
-def response_settings(config: SessionConfig, r: ResponseParams | None, info: ModelInfo) -> ResponseSettings:
+def response_settings(config: SessionConfig, r: ResponseParams | None, info: ModelInfo,
+                      voices: VoiceMap) -> ResponseSettings:
     if r is None:
         return ResponseSettings(config)
     p = "response"
@@ -365,7 +368,7 @@ def response_settings(config: SessionConfig, r: ResponseParams | None, info: Mod
     if r.audio is not None and r.audio.output is not None:
         check_format(r.audio.output.format, f"{p}.audio.output.format")
         if r.audio.output.voice is not None:
-            new["voice"] = voice(r.audio.output.voice, info, f"{p}.audio.output.voice")
+            new["voice"] = voice(r.audio.output.voice, voices, f"{p}.audio.output.voice")
     out = dataclasses.replace(config, **new)
     check_tool_choice(out, f"{p}.tool_choice")
     return ResponseSettings(out, r.metadata)

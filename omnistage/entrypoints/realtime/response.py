@@ -149,6 +149,7 @@ class ResponseRun:
 
     @property
     def voice(self) -> str | None:
+        """The voice's name as the client chose it (a model voice or a mapped name)."""
         return self.config.voice or self.info.default_voice if self.wants_audio else None
 
     async def send(self, type: str, **fields: Any) -> None:
@@ -163,7 +164,8 @@ class ResponseRun:
             self.max_tokens = self.config.max_output_tokens or self.info.max_model_len - len(self.prompt.token_ids)
             params = response_params(self.info, self.config, self.max_tokens)
             modalities = ("text", "audio") if self.wants_audio else ("text",)
-            stream = self.session.ctx.omni.generate(self.prompt, modalities, params, self.voice, self.id)
+            speaker = self.session.ctx.voices.resolve(self.voice) if self.voice else None
+            stream = self.session.ctx.omni.generate(self.prompt, modalities, params, speaker, self.id)
             self.submitted = time.monotonic()
             await self._text(self.prefix)  # the answer's own beginning, for the call scanner
             async with contextlib.aclosing(stream):

@@ -24,14 +24,15 @@ from omnistage.entrypoints.realtime.config import RealtimeLimits
 from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClosed
 from omnistage.entrypoints.realtime.events import BETA_HEADER, RealtimeError, wants_beta
 from omnistage.entrypoints.realtime.session import RealtimeSession
+from omnistage.entrypoints.voices import VoiceMap
 from omnistage.pipeline.client import EngineClient
 
 SUBPROTOCOL = "realtime"  # browsers offer it (with the key as a second subprotocol) and need one echoed
 
 
 def realtime_router(omni: EngineClient, model: str, metrics: ServerMetrics, pool: Executor,
-                    limits: RealtimeLimits | None = None) -> APIRouter:
-    ctx = RealtimeContext(omni, model, metrics, pool, limits or RealtimeLimits())
+                    limits: RealtimeLimits, voices: VoiceMap) -> APIRouter:
+    ctx = RealtimeContext(omni, model, metrics, pool, limits, voices)
     router = APIRouter()
 
     @router.websocket("/v1/realtime")

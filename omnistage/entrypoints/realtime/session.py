@@ -55,6 +55,7 @@ from omnistage.entrypoints.realtime.events import (
     RealtimeError,
     ResponseCancel,
     ResponseCreate,
+    ResponseParams,
     SessionUpdate,
     for_protocol,
     new_id,
@@ -137,7 +138,8 @@ class RealtimeSession:
                                           event_id=event_id).event())
 
     async def _session_update(self, e: SessionUpdate) -> None:
-        new = cfg.apply_session_update(self.config, e.session, self.ctx.omni.info, self.ctx.model)
+        new = cfg.apply_session_update(self.config, e.session, self.ctx.omni.info, self.ctx.model,
+                                       self.ctx.voices)
         if new.turn_detection != self.config.turn_detection:
             if new.turn_detection is not None:
                 self.detector.reconfigure(new.turn_detection)
@@ -192,7 +194,7 @@ class RealtimeSession:
             return
         await self._commit_audio(item_id, audio)
         if self.config.turn_detection.create_response:
-            await self._create_response(cfg.response_settings(self.config, None, self.ctx.omni.info), stopped_at)
+            await self._create_response(self._settings(None), stopped_at)
 
     async def _commit(self, _: Any) -> None:
         audio = self.buffer.take()
@@ -309,7 +311,10 @@ class RealtimeSession:
 
     # ---- responses ----------------------------------------------------------------------------------
     async def _response_create(self, e: ResponseCreate) -> None:
-        await self._create_response(cfg.response_settings(self.config, e.response, self.ctx.omni.info), None)
+        await self._create_response(self._settings(e.response), None)
+
+    def _settings(self, r: ResponseParams | None) -> cfg.ResponseSettings:
+        return cfg.response_settings(self.config, r, self.ctx.omni.info, self.ctx.voices)
 
     async def _create_response(self, settings: cfg.ResponseSettings, speech_end: float | None) -> None:
         if self.response is not None and self.response.active:
