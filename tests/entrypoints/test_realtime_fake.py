@@ -154,7 +154,7 @@ MALFORMED = [
     ({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}}, "invalid_value",
      "session.output_modalities"),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}},
-     "unsupported_parameter", "session.audio.input.turn_detection.type"),
+     "invalid_value", "session.audio.input.turn_detection.type"),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
      "unsupported_parameter", "session.audio.input.format.type"),
     ({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}}, "invalid_voice",

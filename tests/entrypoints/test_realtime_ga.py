@@ -215,3 +215,39 @@ def test_instructions_alone_answer_an_empty_conversation_and_inf_reaches_the_con
             assert prompt_text(fake) == "<assistant>Hello, how can I help?<assistant>Hello"
 
     asyncio.run(scenario())
+
+
+UNSUPPORTED_VALUES = [  # values OpenAI's server takes and this one does not: OpenAI's invalid_value refusal
+    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction.type",
+     "Invalid value: 'near_field'. Supported values are: null."),
+    ({"audio": {"input": {"noise_reduction": {"type": "far_field"}}}}, "session.audio.input.noise_reduction.type",
+     "Invalid value: 'far_field'. Supported values are: null."),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}}}},
+     "session.audio.input.turn_detection.type", "Invalid value: 'semantic_vad'. Supported values are: 'server_vad'."),
+    ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, "session.audio.input.transcription",
+     "Invalid value: '{\"model\": \"gpt-4o-transcribe\"}'. Supported values are: null."),
+]
+
+
+def test_unsupported_values_are_refused_as_openai_refuses_them_and_the_session_goes_on(server, fake):
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            for i, (session, param, message) in enumerate(UNSUPPORTED_VALUES):
+                await send_raw(conn, {"type": "session.update", "event_id": f"evt_{i}",
+                                      "session": {"type": "realtime", "instructions": "changed", **session}})
+                err = (await until(conn, "error"))[-1].error
+                assert (err.type, err.code, err.param, err.event_id) == (
+                    "invalid_request_error", "invalid_value", param, f"evt_{i}")
+                assert err.message.startswith(message), err.message
+            # Nothing of those updates was applied, null is accepted, and the session answers as before.
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                               "audio": {"input": {"noise_reduction": None, "transcription": None}}})
+            session = (await until(conn, "session.updated"))[-1].session
+            assert session.instructions == "" and session.audio.input.noise_reduction is None
+            await conn.conversation.item.create(item=_user("Hi"))
+            fake.answers = ["Hello."]
+            await conn.response.create()
+            assert of(await until(conn, "response.done"), "response.done")[0].response.status == "completed"
+
+    asyncio.run(scenario())

@@ -4,6 +4,13 @@
 value; ``turn_detection: null`` switches server VAD off), validated as a whole before anything changes, and
 the full effective configuration is returned in ``session.updated`` (``SessionConfig.to_api``).
 
+Values OpenAI's server takes and this one does not are refused as OpenAI refuses an invalid value (``invalid_value``,
+"Invalid value: ... Supported values are: ...", the field as ``param``, the server's reason after it), and the
+session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here),
+``audio.input.transcription`` other than null (no input transcription), ``turn_detection.type`` "semantic_vad"
+(server VAD only). Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
+...) are ``unsupported_parameter``.
+
 ``tool_choice``: "auto" (the model decides), "none" (no tools offered), "required" or a named function
 (``{"type": "function", "name": ...}``): the answer is made to begin with the family's call prefix
 (``ToolCallFormat.call_prefix``: Qwen's ``<tool_call>`` tag, for a named function up to its arguments), so it is
@@ -179,6 +186,15 @@ class SessionConfig:
 
 
 # ---- applying updates -------------------------------------------------------------------------------
+def invalid_value(param: str, value: Any, supported: list[str], why: str = "") -> RealtimeError:
+    """OpenAI's refusal of a value outside what a field takes (``invalid_value``, its wording), with the
+    server's reason when the value is one OpenAI's server takes but this one does not."""
+    shown = value if isinstance(value, str) else json.dumps(value)[:200]
+    listed = supported[0] if len(supported) == 1 else ", ".join(supported[:-1]) + " and " + supported[-1]
+    return RealtimeError(f"Invalid value: {shown!r}. Supported values are: {listed}." + (f" {why}" if why else ""),
+                         param=param)
+
+
 def _unsupported(param: str, message: str) -> RealtimeError:
     return RealtimeError(message, code="unsupported_parameter", param=param)
 
@@ -243,8 +259,7 @@ def tool_choice(value: str | dict[str, Any], param: str) -> dict[str, Any]:
         return {"tool_choice": "function", "tool_choice_name": name}
     if value in ("auto", "none", "required"):
         return {"tool_choice": value, "tool_choice_name": None}
-    raise RealtimeError(f"Invalid value: {value!r}. Supported values are: 'auto', 'none', 'required' or "
-                        "{'type': 'function', 'name': ...}", param=param)
+    raise invalid_value(param, value, ["'auto'", "'none'", "'required'", "{'type': 'function', 'name': ...}"])
 
 
 def check_tool_choice(config: SessionConfig, param: str) -> None:
@@ -279,7 +294,8 @@ def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | Non
     if td is None:
         return None
     if td.type != "server_vad":
-        raise _unsupported(f"{param}.type", f"turn_detection {td.type!r} is not supported; 'server_vad' or null")
+        raise invalid_value(f"{param}.type", td.type, ["'server_vad'"],
+                            "This server's turn detection is the energy VAD (server_vad), or null for none.")
     if td.idle_timeout_ms is not None:
         raise _unsupported(f"{param}.idle_timeout_ms", "idle_timeout_ms is not supported")
     base = current or TurnDetection()
@@ -307,9 +323,14 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
         if a.input is not None:
             check_format(a.input.format, f"{p}.audio.input.format")
             if a.input.transcription is not None:
-                raise _unsupported(f"{p}.audio.input.transcription", "input transcription is not supported")
+                raise invalid_value(f"{p}.audio.input.transcription", a.input.transcription, ["null"],
+                                    "This server does not transcribe input audio (the model hears it).")
             if a.input.noise_reduction is not None:
-                raise _unsupported(f"{p}.audio.input.noise_reduction", "noise reduction is not supported")
+                nr = a.input.noise_reduction
+                kind = nr.get("type") if isinstance(nr, dict) else nr
+                raise invalid_value(f"{p}.audio.input.noise_reduction" + (".type" if isinstance(nr, dict) else ""),
+                                    kind, ["null"], "This server does no noise reduction ('near_field' and "
+                                                    "'far_field' are not implemented).")
             if "turn_detection" in a.input.model_fields_set:
                 new["turn_detection"] = _turn_detection(a.input.turn_detection, config.turn_detection,
                                                         f"{p}.audio.input.turn_detection")
