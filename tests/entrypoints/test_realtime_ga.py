@@ -1,6 +1,8 @@
 """The Realtime GA protocol from the client's side (the official openai SDK against the engine double of
 ``test_realtime_fake``): item events (``conversation.item.added`` / ``.done``, beta ``created``), client ids
-and ``previous_item_id`` kept, retrieve, OpenAI's error codes for unknown and duplicate ids."""
+and ``previous_item_id`` kept, retrieve, OpenAI's error codes for unknown and duplicate ids; forced
+``tool_choice``; instructions-only and "inf" responses; values refused as OpenAI refuses them; a GA voice-agent
+client's turn with barge-in, truncate and retrieve replayed without an error event."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from realtime_audio import b64_chunks, pcm, speech_like
+from fake_omni import CHUNK
+from realtime_audio import b64_chunks, pcm, silence, speech_like
 from realtime_client import client, of, send_raw, text_of, until
 from server_thread import ServerThread
-from test_realtime_fake import MODEL, RealtimeFake, prompt_text
+from test_realtime_fake import MODEL, WEATHER, RealtimeFake, prompt_text
 
 from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
@@ -133,8 +136,6 @@ def test_beta_clients_get_the_beta_event_names(server, fake):
 
 
 def test_tool_choice_required_and_named_force_the_call_prefix(server, fake):
-    from test_realtime_fake import WEATHER
-
     clock = {"type": "function", "name": "get_time", "description": "Time in a city",
              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
@@ -251,3 +252,76 @@ def test_unsupported_values_are_refused_as_openai_refuses_them_and_the_session_g
             assert of(await until(conn, "response.done"), "response.done")[0].response.status == "completed"
 
     asyncio.run(scenario())
+
+
+def _in_order(types: list[str], expected: list[str]) -> bool:
+    """``expected`` is a subsequence of ``types``."""
+    it = iter(types)
+    return all(t in it for t in expected)
+
+
+def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(server, fake):
+    """The event sequence a GA voice-agent client sends (its session update with a GA voice and server VAD,
+    audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn), replayed."""
+    turn = np.concatenate([silence(0.4), speech_like(1.0), silence(0.9)])
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await until(conn, "session.created")
+            fmt = {"type": "audio/pcm", "rate": 24000}
+            await conn.session.update(session={
+                "type": "realtime", "instructions": "You are a helpful assistant.", "output_modalities": ["audio"],
+                "audio": {"input": {"format": fmt, "noise_reduction": None, "transcription": None,
+                                    "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                                                       "silence_duration_ms": 500, "create_response": True,
+                                                       "interrupt_response": True}},
+                          "output": {"format": fmt, "voice": "alloy"}},
+                "tools": [WEATHER], "tool_choice": "auto"})
+            events = await until(conn, "session.updated")
+            long = "A long answer that keeps going for a while, word after word."
+            fake.answers = [long, "Sure."]
+            for chunk in b64_chunks(turn):
+                await conn.input_audio_buffer.append(audio=chunk)
+            events += await until(conn, "response.output_audio.delta")
+            user_item = of(events, "input_audio_buffer.committed")[0].item_id
+            answer_item = of(events, "response.output_item.added")[0].item.id
+            for chunk in b64_chunks(speech_like(1.0, seed=3)):  # the user speaks over the answer
+                await conn.input_audio_buffer.append(audio=chunk)
+            first = await until(conn, "response.done")
+            events += first
+            assert of(first, "response.done")[0].response.status == "cancelled"
+            # The client truncates the answer to what it played (half of what it got) while the user speaks on.
+            played = sum(pcm(e.delta).size for e in of(events, "response.output_audio.delta")) // 48
+            await conn.conversation.item.truncate(item_id=answer_item, content_index=0, audio_end_ms=played)
+            events += await until(conn, "conversation.item.truncated")
+            for chunk in b64_chunks(silence(0.9)):  # the end of the user's turn
+                await conn.input_audio_buffer.append(audio=chunk)
+            events += await until(conn, "response.done")  # the second turn's answer
+            await conn.conversation.item.retrieve(item_id=user_item)
+            events += await until(conn, "conversation.item.retrieved")
+            types = [e.type for e in events]
+            assert "error" not in types, [e.error for e in of(events, "error")]
+            shown = [t for t in types if not t.endswith(".delta")]
+            assert _in_order(types, [
+                "session.updated", "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
+                "response.created", "response.output_item.added", "conversation.item.added",
+                "response.content_part.added", "response.output_audio.delta",
+                "input_audio_buffer.speech_started",  # barge-in
+                "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+                "response.output_item.done", "conversation.item.done", "response.done",
+                "conversation.item.truncated", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
+                "conversation.item.done", "response.created", "response.done", "conversation.item.retrieved"]), " ".join(shown)
+            done_items = {e.item.id: e.item for e in of(events, "conversation.item.done")}
+            assert done_items[answer_item].status == "incomplete" and done_items[user_item].status == "completed"
+            assert of(events, "conversation.item.retrieved")[0].item.id == user_item
+            assert of(events, "response.done")[-1].response.audio.output.voice == "alloy"
+            assert fake.submitted[-1]["speaker"] == "ethan"  # alloy, by the default map
+            # The next turn heard the answer as far as the client played it (one token per audio chunk here).
+            assert f"<assistant>{long[:played * 24 // CHUNK]}<user><audio:" in prompt_text(fake)
+
+    fake.delay = 0.1  # per token: the first answer streams for seconds, long enough to speak over
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.delay = 0.0

@@ -90,7 +90,7 @@ class ResponseRun:
         forced = self.config.forces_call and self.tool_calls is not None
         self.prefix = self.tool_calls.call_prefix(self.config.tool_choice_name) if forced else ""
         self.wants_audio = self.config.wants_audio and not forced
-        self.max_tokens = 0  # the Thinker's limit, once the prompt is known
+        self.max_tokens = 0  # the Thinker's limit, once the prompt is known ("inf": what the context leaves)
         self.status, self.reason, self.error = "in_progress", None, None
         self.output: list[AssistantMessage | FunctionCall] = []
         self.message: AssistantMessage | None = None
@@ -160,15 +160,14 @@ class ResponseRun:
         await self.send("response.created", response=self._api())
         try:
             self.prompt = await self.session.render_for(self.config, self.prefix)
-            # "inf": up to the context.
             self.max_tokens = self.config.max_output_tokens or self.info.max_model_len - len(self.prompt.token_ids)
             params = response_params(self.info, self.config, self.max_tokens)
             modalities = ("text", "audio") if self.wants_audio else ("text",)
             speaker = self.session.ctx.voices.resolve(self.voice) if self.voice else None
             stream = self.session.ctx.omni.generate(self.prompt, modalities, params, speaker, self.id)
             self.submitted = time.monotonic()
-            await self._text(self.prefix)  # the answer's own beginning, for the call scanner
             async with contextlib.aclosing(stream):
+                await self._text(self.prefix)  # the answer's own beginning, for the call scanner
                 async for delta in stream:
                     if self.timer is None:
                         self.timer = RequestTimer(metrics, len(self.prompt.token_ids), self.submitted)
