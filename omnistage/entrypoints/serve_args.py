@@ -24,6 +24,7 @@ from omnistage.entrypoints.media_input import (
 )
 from omnistage.entrypoints.realtime.config import RealtimeLimits
 from omnistage.entrypoints.server import serve
+from omnistage.entrypoints.voices import parse_voice_map
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help=f"reject (413) larger request bodies (default: {BODY_BYTES_PER_PROMPT_CHAR} bytes per prompt "
                         f"character + {BODY_BYTES_EXTRA >> 20} MiB)")
+    p.add_argument("--voice-map", type=parse_voice_map, default=None, metavar="NAME=VOICE,...",
+                   help="voice names clients may use, mapped to the model's voices, e.g. alloy=ethan,echo=chelsie "
+                        "(default: OpenAI's ten voice names cycle over the model's voices; entries given override)")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help=f"reject prompts with more characters, before tokenizing (default: {PROMPT_CHARS_PER_TOKEN} "
                         "per token of context)")
@@ -101,5 +105,5 @@ def serve_from_args(args: argparse.Namespace) -> int:
                           realtime=realtime)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
-          fast=args.fast)
+          fast=args.fast, voice_map=args.voice_map)
     return 0

@@ -68,8 +68,9 @@ Validation before admission (nothing reaches the engine unless all of it passes)
 - Fields that would change the answer but are not implemented -> 400 ``unsupported_parameter``:
   ``logprobs: true``, ``top_logprobs`` > 0, ``tools``, ``functions``, ``tool_choice`` / ``function_call``
   other than "none", ``tool_calls`` in a message, ``response_format`` other than ``{"type": "text"}``,
-  ``web_search_options``, speech ``instructions``, speech ``speed`` != 1. Unknown voices, audio formats and
-  modalities are 400s too. Other unknown fields change nothing and are ignored (the SDK sends some).
+  ``web_search_options``, speech ``instructions``, speech ``speed`` != 1. Unknown voices (neither the
+  model's nor mapped onto them: ``entrypoints.voices``, ``--voice-map``), audio formats and modalities are 400s
+  too. Other unknown fields change nothing and are ignored (the SDK sends some).
 
 Media input (models with audio / vision towers; ``GET /playground/info`` lists them in ``input_modalities``):
 user messages may hold ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"
@@ -122,7 +123,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -144,6 +145,7 @@ from omnistage.entrypoints.protocol import ModelCard, ModelList
 from omnistage.entrypoints.realtime import realtime_router
 from omnistage.entrypoints.request_run import CLIENT_CLOSED, RequestRun, check_finish, collect, unless_gone
 from omnistage.entrypoints.translation import Translator
+from omnistage.entrypoints.voices import VoiceMap
 from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError
 
@@ -171,15 +173,18 @@ class _GuardedRoute(APIRoute):
 
 
 def create_app(omni: EngineClient, served_model_name: str | None = None,
-               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, limits: ServerLimits | None = None,
+               voice_map: Mapping[str, str] | None = None) -> FastAPI:
     """The FastAPI app serving the engine client ``omni``. Pass ``metrics`` when its ``observe_step`` already
-    listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed."""
+    listens to the engine's steps; otherwise a fresh ``ServerMetrics`` is created and subscribed.
+    ``voice_map``: voice names mapped to the model's voices beyond the default (``entrypoints.voices``)."""
     name = served_model_name or omni.info.name
     limits = limits or ServerLimits()
     if metrics is None:
         metrics = ServerMetrics()
         omni.add_step_listener(metrics.observe_step)
-    tr = Translator(omni, name, limits)
+    voices = VoiceMap(omni.info.voices, voice_map)
+    tr = Translator(omni, name, limits, voices)
     max_body_bytes = limits.body_bytes(omni.info.max_model_len, media=bool(tr.input_kinds))
     rate = omni.info.sample_rate
     pool = ThreadPoolExecutor(limits.preprocess_threads, thread_name_prefix="omnistage-preprocess")
@@ -196,7 +201,7 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
-    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime))  # WS /v1/realtime
+    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime, voices))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -311,7 +316,8 @@ DEFAULT_MODEL_NAME = "omnistage-tiny"
 def serve(model: str | None = None, stage_config: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int | None = None, served_model_name: str | None = None, dtype: str = "float32",
           device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
-          distributed_executor_backend: str | None = None, fast: bool = True) -> None:
+          distributed_executor_backend: str | None = None, fast: bool = True,
+          voice_map: Mapping[str, str] | None = None) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
@@ -322,7 +328,7 @@ def serve(model: str | None = None, stage_config: str | None = None, host: str =
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:
-        app = create_app(omni, served_model_name, metrics, limits)
+        app = create_app(omni, served_model_name, metrics, limits, voice_map)
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         omni.shutdown()

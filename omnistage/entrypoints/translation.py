@@ -23,6 +23,7 @@ from omnistage.entrypoints.protocol import (
     StageSamplingParams,
 )
 from omnistage.entrypoints.stage_sampling import SamplingFieldError, stage_params
+from omnistage.entrypoints.voices import UnknownVoice, VoiceMap
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
 
@@ -55,9 +56,10 @@ class Translator:
     """Turns API request bodies into engine inputs, validating everything that can be checked up front.
     Its entry points (``chat``, ``speech``) run in the preprocessing thread pool."""
 
-    def __init__(self, omni: EngineClient, served_model_name: str, limits: ServerLimits) -> None:
+    def __init__(self, omni: EngineClient, served_model_name: str, limits: ServerLimits, voices: VoiceMap) -> None:
         self.omni = omni
         self.info = omni.info
+        self.voices = voices
         self.served_model_name = served_model_name
         self.max_prompt_chars = limits.prompt_chars(self.info.max_model_len)
         # Token ids a request may name (logit_bias): the text stage's logits, else the tokenizer's.
@@ -74,11 +76,10 @@ class Translator:
         if "audio" not in self.info.output_modalities or not self.info.voices:
             raise APIError(400, "this server has no audio stages; request modalities ['text'] only",
                            param="modalities")
-        name = (voice or self.info.default_voice or "").lower()
-        if name not in self.info.voices:
-            raise APIError(400, f"unknown voice {voice!r}; available: {sorted(self.info.voices)}",
-                           param=param, code="invalid_voice")
-        return name
+        try:
+            return self.voices.resolve(voice or self.info.default_voice or "")
+        except UnknownVoice as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_voice") from None
 
     def prompt(self, messages: list[dict[str, Any]], param: str, **options: Any) -> PreparedPrompt:
         """Render and tokenize; ``options`` go to the model's media processing (``use_audio_in_video``)."""

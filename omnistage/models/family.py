@@ -212,7 +212,10 @@ class ModelFamily(ABC):
 
     @abstractmethod
     def render_prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> PreparedPrompt:
-        """Chat messages -> prompt. Raises ValueError naming what is wrong."""
+        """Chat messages -> prompt. Raises ValueError naming what is wrong. The built-in families take
+        ``answer_prefix``: text the answer is made to begin with, written after the assistant header (the
+        model's tokens continue it; such a prompt is for text output only: a Talker needs the prompt to end
+        with the header)."""
 
     @abstractmethod
     def stage_requests(
@@ -255,9 +258,10 @@ class HFChatFamily(ModelFamily):
             if m.get("role") not in self.roles:
                 raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(self.roles)}")
 
-    def chat_template_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Text-only messages rendered with the checkpoint's chat template, assistant header appended."""
+    def chat_template_ids(self, messages: Sequence[Mapping[str, Any]], answer_prefix: str = "") -> list[int]:
+        """Text-only messages rendered with the checkpoint's chat template, assistant header appended (then
+        ``answer_prefix``, tokenized)."""
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return list(ids)
+        return list(ids) + (self.tokenizer.encode(answer_prefix, add_special_tokens=False) if answer_prefix else [])

@@ -6,7 +6,8 @@ Qwen's format (``QWEN_TOOL_CALLS``; Qwen2.5 / Qwen3 / Qwen3-Omni chat templates,
 these templates write when given ``tools``: the definitions go into the system message after the instructions
 (``# Tools`` ... ``<tools>`` one JSON object per line ``</tools>`` ...); the model answers a call as
 ``<tool_call>\\n{"name": <name>, "arguments": <json object>}\\n</tool_call>`` (possibly several, possibly after
-some text); an earlier call is written back into an assistant turn the same way and its result into a user
+some text; a forced call, ``tool_choice`` "required" or a named function, is the answer made to begin with
+``call_prefix``); an earlier call is written back into an assistant turn the same way and its result into a user
 turn as ``<tool_response>\\n<output>\\n</tool_response>``. The engine renders chat messages only, so the format
 writes that text into the messages itself, exactly as the template would.
 """
@@ -75,6 +76,11 @@ class ToolCallFormat(ABC):
     def parse_call(self, body: str, tools: Sequence[ToolSpec]) -> ParsedCall | None:
         """The call inside one block of the model's text, or None if it is not a call of a known tool."""
 
+    @abstractmethod
+    def call_prefix(self, name: str | None) -> str:
+        """The text an answer that must call a tool is made to begin with (the render option
+        ``answer_prefix``): the open tag, and for a named tool the call up to its arguments."""
+
     def block_text(self, body: str) -> str:
         """A block that is not a call of a known tool, given back as the text the model wrote."""
         return f"{self.open_tag}\n{body}\n{self.close_tag}"
@@ -115,6 +121,11 @@ class QwenToolCalls(ToolCallFormat):
 
     def parse_call(self, body: str, tools: Sequence[ToolSpec]) -> ParsedCall | None:
         return parse_call(body, tools)
+
+    def call_prefix(self, name: str | None) -> str:
+        if name is None:
+            return f"{CALL_OPEN}\n"
+        return f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
 
 
 QWEN_TOOL_CALLS = QwenToolCalls()

@@ -1,6 +1,6 @@
 """The real server on a Qwen2.5-Omni checkpoint (picked from config.json with no other flag), driven by the
 official openai client: chat with audio and /v1/audio/speech equal the offline ``Omni.generate`` result for
-the same greedy, seeded request; an unknown voice is a 400 that lists the checkpoint's voices."""
+the same greedy, seeded request; an unknown voice is a 400 that lists the checkpoint's voices (and OpenAI's names mapped onto them)."""
 
 from __future__ import annotations
 
@@ -77,12 +77,14 @@ def test_speech(client, reference):
 def test_unknown_voice_is_a_400_listing_the_voices(client):
     with pytest.raises(openai.BadRequestError) as chat:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                       modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+                                       modalities=["text", "audio"], audio={"voice": "nobody", "format": "wav"})
     with pytest.raises(openai.BadRequestError) as speech:
-        client.audio.speech.create(model=MODEL, input="Hi", voice="alloy")
+        client.audio.speech.create(model=MODEL, input="Hi", voice="nobody")
     for err, param in ((chat.value, "audio.voice"), (speech.value, "voice")):
         body = err.body if "message" in err.body else err.body["error"]
-        assert body["message"] == "unknown voice 'alloy'; available: ['chelsie', 'ethan']"
+        assert body["message"] == ("unknown voice 'nobody'; available: the model's voices ['chelsie', 'ethan'] and "
+                                   "the names mapped to them ['alloy', 'ash', 'ballad', 'cedar', 'coral', 'echo', "
+                                   "'marin', 'sage', 'shimmer', 'verse']")
         assert body["param"] == param and body["code"] == "invalid_voice"
 
 

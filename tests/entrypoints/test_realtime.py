@@ -254,7 +254,7 @@ def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server):
                                                       "name": "get_weather", "arguments": '{"city": "Paris"}'})
             await conn.conversation.item.create(item={"type": "function_call_output", "call_id": "call_1",
                                                       "output": '{"temp": 21}'})
-            await until(conn, "conversation.item.created")
+            await until(conn, "conversation.item.done")
             await conn.response.create()
             second = await until(conn, "response.done")
             history += [{"role": "assistant", "content": want + "\n" + call_text("get_weather", '{"city": "Paris"}')},
@@ -262,5 +262,45 @@ def test_tools_on_the_real_engine_prompt_and_function_output_round_trip(server):
             want2, want_audio2, _ = await _http_answer(server.url, history)
             assert text_of(second) == want2
             _check_audio(_audio(second), want_audio2)
+
+    asyncio.run(scenario())
+
+
+def test_forced_tool_call_on_the_real_engine_continues_the_call_prefix_after_user_audio(server, engine):
+    omni, _ = engine
+    clip = speech_like(1.0, seed=2)
+
+    async def direct(messages: list[dict], prefix: str) -> str:
+        """The engine's own greedy text for the prompt rendered with the prefix (what the response must see)."""
+        prompt = omni.render_prompt(messages, answer_prefix=prefix)
+        params = {"thinker": omni.info.stage_sampling["thinker"].replace(temperature=0.0, max_tokens=N, min_tokens=N)}
+        ids = [t async for d in omni.generate(prompt, ("text",), params) for t in d.new_token_ids]
+        return omni.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", "tools": [WEATHER], **GREEDY,
+                                               "tool_choice": {"type": "function", "name": "get_weather"},
+                                               "audio": {"input": {"turn_detection": None}}})
+            await until(conn, "session.updated")
+            for chunk in b64_chunks(clip):
+                await conn.input_audio_buffer.append(audio=chunk)
+            await conn.input_audio_buffer.commit()
+            await until(conn, "conversation.item.done")
+            await conn.response.create()
+            events = await until(conn, "response.done")
+            assert not of(events, "error") and not of(events, "response.output_audio.delta")
+            done = of(events, "response.done")[0].response
+            assert done.usage.output_token_details.text_tokens == N and done.output_modalities == ["text"]
+            tool = FunctionTool("get_weather", WEATHER["description"], json.dumps(WEATHER["parameters"]))
+            audio = (clip.astype(np.float32) / 32768.0, 24000)
+            messages = [{"role": "system", "content": system_text("", [tool])},
+                        {"role": "user", "content": [{"type": "audio", "audio": audio}]}]
+            prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
+            want = await direct(messages, prefix)
+            # The tiny random model's N tokens do not close the call: the open call comes back as text (as under
+            # "auto"), the prefix and what the engine wrote after it.
+            assert not of(events, "response.function_call_arguments.done")
+            assert text_of(events) == prefix + want, (text_of(events), want)
 
     asyncio.run(scenario())

@@ -30,7 +30,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 class RealtimeFake(FakeOmni):
-    """FakeOmni that renders audio parts (as ``<audio:samples@rate>``), speaks one audio chunk per token (its
+    """FakeOmni that renders audio parts (as ``<audio:samples@rate>``) and an answer prefix (after the prompt), speaks one audio chunk per token (its
     codec "frame"), and answers from a queue of answers."""
 
     def __init__(self) -> None:
@@ -38,7 +38,7 @@ class RealtimeFake(FakeOmni):
         self.info = dataclasses.replace(INFO, samples_per_frame=CHUNK, max_model_len=2000)
         self.answers: list[str] = []
 
-    def render_prompt(self, messages) -> PreparedPrompt:
+    def render_prompt(self, messages, answer_prefix: str = "") -> PreparedPrompt:
         text = ""
         for m in messages:
             content = m["content"]
@@ -46,7 +46,7 @@ class RealtimeFake(FakeOmni):
                 content = "".join(p["text"] if p["type"] == "text" else f"<audio:{len(p['audio'][0])}@{p['audio'][1]}>"
                                   for p in content)
             text += f"<{m['role']}>{content}"
-        return PreparedPrompt([ord(c) for c in text])
+        return PreparedPrompt([ord(c) for c in text + answer_prefix])
 
     async def generate(self, prompt, modalities=("text",), sampling_params=None, speaker=None, request_id=None):
         if self.answers:
@@ -100,7 +100,7 @@ def test_tool_call_is_detected_before_speech_and_the_session_resumes_on_its_outp
             # The client runs the tool and sends its output; the next response resumes the conversation.
             await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
                                                       "output": '{"temp": 21}'})
-            await until(conn, "conversation.item.created")
+            await until(conn, "conversation.item.done")
             await conn.response.create()
             second = await until(conn, "response.done")
             assert text_of(second) == "It is sunny."
@@ -154,10 +154,10 @@ MALFORMED = [
     ({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}}, "invalid_value",
      "session.output_modalities"),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}},
-     "unsupported_parameter", "session.audio.input.turn_detection.type"),
+     "invalid_value", "session.audio.input.turn_detection.type"),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
      "unsupported_parameter", "session.audio.input.format.type"),
-    ({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}}}, "invalid_voice",
+    ({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}}, "invalid_voice",
      "session.audio.output.voice"),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad",
                                                                                      "threshold": 2}}}}},
@@ -177,8 +177,9 @@ MALFORMED = [
     ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text"}]},
       "previous_item_id": "nope"}, "invalid_value", "item.content.0.text"),
     ({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 0},
-     "item_not_found", "item_id"),
-    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_not_found", "item_id"),
+     "item_truncate_invalid_item_id", "item_id"),
+    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_delete_invalid_item_id", "item_id"),
+    ({"type": "conversation.item.retrieve", "item_id": "nope"}, "item_retrieve_invalid_item_id", "item_id"),
     ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
     ({"type": "response.cancel"}, "response_cancel_not_active", None),
     ({"type": "response.create"}, "conversation_empty", None),
@@ -268,7 +269,7 @@ def test_input_buffer_limit_is_reported_once_and_the_turn_keeps_what_fits(server
             events = await until(conn, "input_audio_buffer.committed")
             errors = of(events, "error")
             assert len(errors) == 1 and errors[0].error.code == "input_audio_buffer_full"
-            await until(conn, "conversation.item.created")
+            await until(conn, "conversation.item.done")
             fake_answer = "Yes."
             fake.answers = [fake_answer]
             await conn.response.create()
@@ -290,8 +291,9 @@ def test_server_vad_turn_is_committed_answered_and_timed(server, fake):
                 await conn.input_audio_buffer.append(audio=chunk)
             events = await until(conn, "response.done")
             kinds = [e.type for e in events if e.type.startswith(("input_audio", "conversation", "response.created"))]
-            assert kinds[:5] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                                 "input_audio_buffer.committed", "conversation.item.created", "response.created"]
+            assert kinds[:6] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                                 "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
+                                 "response.created"]
             start = of(events, "input_audio_buffer.speech_started")[0]
             stop = of(events, "input_audio_buffer.speech_stopped")[0]
             assert start.item_id == stop.item_id == of(events, "input_audio_buffer.committed")[0].item_id

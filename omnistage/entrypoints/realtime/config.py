@@ -3,6 +3,19 @@
 ``session.update`` is applied field by field onto the current ``SessionConfig`` (absent fields keep their
 value; ``turn_detection: null`` switches server VAD off), validated as a whole before anything changes, and
 the full effective configuration is returned in ``session.updated`` (``SessionConfig.to_api``).
+
+Values OpenAI's server takes and this one does not are refused as OpenAI refuses an invalid value (``invalid_value``,
+"Invalid value: ... Supported values are: ...", the field as ``param``, the server's reason after it), and the
+session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here),
+``audio.input.transcription`` other than null (no input transcription), ``turn_detection.type`` "semantic_vad"
+(server VAD only). Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
+...) are ``unsupported_parameter``.
+
+``tool_choice``: "auto" (the model decides), "none" (no tools offered), "required" or a named function
+(``{"type": "function", "name": ...}``): the answer is made to begin with the family's call prefix
+(``ToolCallFormat.call_prefix``: Qwen's ``<tool_call>`` tag, for a named function up to its arguments), so it is
+a call; its arguments are the model's (not constrained to the schema: an unparseable call comes back as text, as
+under "auto"). Such a response is text only (a call is never spoken).
 """
 
 from __future__ import annotations
@@ -23,10 +36,12 @@ from omnistage.entrypoints.realtime.events import (
     SessionParams,
     TurnDetectionParams,
 )
+from omnistage.entrypoints.voices import UnknownVoice, VoiceMap
 from omnistage.pipeline.client import ModelInfo
 
 AUDIO_RATE = 24000  # pcm16 in and out, as the API requires
 TRUNCATION_MODES = ("auto", "disabled")
+TOOL_CHOICES = ("auto", "none", "required", "function")
 THINKER_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "min_tokens", "ignore_eos")
 TALKER_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_tokens", "min_tokens")
 MAX_TOOLS = 128
@@ -116,7 +131,8 @@ class SessionConfig:
     output_modalities: tuple[str, ...] = ("audio",)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     tools: tuple[FunctionTool, ...] = ()
-    tool_choice: str = "auto"
+    tool_choice: str = "auto"  # auto | none | required | function (then ``tool_choice_name``)
+    tool_choice_name: str | None = None
     max_output_tokens: int | None = None  # None: "inf" (the deployment's default for the Thinker)
     truncation: str = "auto"
     sampling: Sampling = field(default_factory=Sampling)
@@ -124,8 +140,9 @@ class SessionConfig:
     def __post_init__(self) -> None:
         if self.output_modalities not in (("audio",), ("text",)):
             raise ValueError(f"output_modalities must be ['audio'] or ['text'], got {list(self.output_modalities)}")
-        if self.tool_choice not in ("auto", "none"):
-            raise ValueError(f"tool_choice must be 'auto' or 'none', got {self.tool_choice!r}")
+        if self.tool_choice not in TOOL_CHOICES or (self.tool_choice == "function") != bool(self.tool_choice_name):
+            raise ValueError(f"tool_choice must be one of {TOOL_CHOICES} (a name with 'function'), got "
+                             f"{self.tool_choice!r}, {self.tool_choice_name!r}")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}")
         if self.max_output_tokens is not None:
@@ -137,7 +154,16 @@ class SessionConfig:
 
     @property
     def active_tools(self) -> tuple[FunctionTool, ...]:
-        return self.tools if self.tool_choice == "auto" else ()
+        return self.tools if self.tool_choice != "none" else ()
+
+    @property
+    def forces_call(self) -> bool:
+        return self.tool_choice in ("required", "function")
+
+    def tool_choice_api(self) -> str | dict[str, str]:
+        if self.tool_choice == "function":
+            return {"type": "function", "name": self.tool_choice_name}
+        return self.tool_choice
 
     def to_api(self, session_id: str, model: str) -> dict[str, Any]:
         fmt = {"type": "audio/pcm", "rate": AUDIO_RATE}
@@ -149,7 +175,7 @@ class SessionConfig:
                           "turn_detection": self.turn_detection.to_api() if self.turn_detection else None},
                 "output": {"format": fmt, "voice": self.voice, "speed": 1.0},
             },
-            "tools": [t.to_api() for t in self.tools], "tool_choice": self.tool_choice,
+            "tools": [t.to_api() for t in self.tools], "tool_choice": self.tool_choice_api(),
             "max_output_tokens": self.max_output_tokens or MAX_TOKENS_INF, "truncation": self.truncation,
             "tracing": None, "prompt": None, "include": None, "expires_at": 0,
         }
@@ -160,6 +186,15 @@ class SessionConfig:
 
 
 # ---- applying updates -------------------------------------------------------------------------------
+def invalid_value(param: str, value: Any, supported: list[str], why: str = "") -> RealtimeError:
+    """OpenAI's refusal of a value outside what a field takes (``invalid_value``, its wording), with the
+    server's reason when the value is one OpenAI's server takes but this one does not."""
+    shown = value if isinstance(value, str) else json.dumps(value)[:200]
+    listed = supported[0] if len(supported) == 1 else ", ".join(supported[:-1]) + " and " + supported[-1]
+    return RealtimeError(f"Invalid value: {shown!r}. Supported values are: {listed}." + (f" {why}" if why else ""),
+                         param=param)
+
+
 def _unsupported(param: str, message: str) -> RealtimeError:
     return RealtimeError(message, code="unsupported_parameter", param=param)
 
@@ -185,12 +220,12 @@ def modalities(value: list[str], info: ModelInfo, param: str) -> tuple[str, ...]
     return mods
 
 
-def voice(name: str | None, info: ModelInfo, param: str) -> str | None:
-    if name is None:
-        return None
-    if name.lower() not in info.voices:
-        raise RealtimeError(f"unknown voice {name!r}; available: {sorted(info.voices)}", param=param,
-                            code="invalid_voice")
+def voice(name: str, voices: VoiceMap, param: str) -> str:
+    """The voice name as the client chose it (echoed), once it resolves to a model voice."""
+    try:
+        voices.resolve(name)
+    except UnknownVoice as exc:
+        raise RealtimeError(str(exc), param=param, code="invalid_voice") from None
     return name.lower()
 
 
@@ -212,11 +247,29 @@ def tools(value: list[FunctionToolParams], param: str) -> tuple[FunctionTool, ..
     return tuple(out)
 
 
-def tool_choice(value: str | dict[str, Any], param: str) -> str:
-    if value in ("auto", "none"):
-        return str(value)
-    raise _unsupported(param, f"tool_choice {value!r} is not supported; 'auto' or 'none' (the model decides; "
-                              "it cannot be forced to call a tool)")
+def tool_choice(value: str | dict[str, Any], param: str) -> dict[str, Any]:
+    """``tool_choice`` as SessionConfig fields."""
+    if isinstance(value, dict):
+        if value.get("type") != "function":
+            raise RealtimeError(f"tool_choice type {value.get('type')!r} is not supported; 'function' (or the "
+                                "strings 'auto', 'none', 'required')", param=f"{param}.type")
+        name = value.get("name")
+        if not isinstance(name, str) or not name:
+            raise RealtimeError("a function tool_choice needs the function's name", param=f"{param}.name")
+        return {"tool_choice": "function", "tool_choice_name": name}
+    if value in ("auto", "none", "required"):
+        return {"tool_choice": value, "tool_choice_name": None}
+    raise invalid_value(param, value, ["'auto'", "'none'", "'required'", "{'type': 'function', 'name': ...}"])
+
+
+def check_tool_choice(config: SessionConfig, param: str) -> None:
+    """A forced call needs a tool to call (checked on the configuration after an update, as tools and
+    tool_choice may change together)."""
+    if config.tool_choice == "required" and not config.tools:
+        raise RealtimeError("tool_choice 'required' needs at least one tool", param=param)
+    if config.tool_choice == "function" and config.tool_choice_name not in {t.name for t in config.tools}:
+        raise RealtimeError(f"tool_choice names {config.tool_choice_name!r}, which is not one of the tools "
+                            f"{[t.name for t in config.tools]}", param=f"{param}.name")
 
 
 def max_tokens(value: int | str, param: str) -> int | None:
@@ -241,7 +294,8 @@ def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | Non
     if td is None:
         return None
     if td.type != "server_vad":
-        raise _unsupported(f"{param}.type", f"turn_detection {td.type!r} is not supported; 'server_vad' or null")
+        raise invalid_value(f"{param}.type", td.type, ["'server_vad'"],
+                            "This server's turn detection is the energy VAD (server_vad), or null for none.")
     if td.idle_timeout_ms is not None:
         raise _unsupported(f"{param}.idle_timeout_ms", "idle_timeout_ms is not supported")
     base = current or TurnDetection()
@@ -250,7 +304,8 @@ def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | Non
     return dataclasses.replace(base, **fields)
 
 
-def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str) -> SessionConfig:
+def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str,
+                         voices: VoiceMap) -> SessionConfig:
     """The configuration after ``session.update``; raises RealtimeError (and changes nothing) if any field
     is invalid or unsupported."""
     p = "session"
@@ -268,9 +323,14 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
         if a.input is not None:
             check_format(a.input.format, f"{p}.audio.input.format")
             if a.input.transcription is not None:
-                raise _unsupported(f"{p}.audio.input.transcription", "input transcription is not supported")
+                raise invalid_value(f"{p}.audio.input.transcription", a.input.transcription, ["null"],
+                                    "This server does not transcribe input audio (the model hears it).")
             if a.input.noise_reduction is not None:
-                raise _unsupported(f"{p}.audio.input.noise_reduction", "noise reduction is not supported")
+                nr = a.input.noise_reduction
+                kind = nr.get("type") if isinstance(nr, dict) else nr
+                raise invalid_value(f"{p}.audio.input.noise_reduction" + (".type" if isinstance(nr, dict) else ""),
+                                    kind, ["null"], "This server does no noise reduction ('near_field' and "
+                                                    "'far_field' are not implemented).")
             if "turn_detection" in a.input.model_fields_set:
                 new["turn_detection"] = _turn_detection(a.input.turn_detection, config.turn_detection,
                                                         f"{p}.audio.input.turn_detection")
@@ -279,12 +339,14 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
             if a.output.speed not in (None, 1.0):
                 raise _unsupported(f"{p}.audio.output.speed", "speed is not supported (only 1.0)")
             if a.output.voice is not None:
-                new["voice"] = voice(a.output.voice, info, f"{p}.audio.output.voice")
+                new["voice"] = voice(a.output.voice, voices, f"{p}.audio.output.voice")
     if s.truncation is not None:
         if s.truncation not in TRUNCATION_MODES:
             raise _unsupported(f"{p}.truncation", f"truncation must be one of {TRUNCATION_MODES}")
         new["truncation"] = s.truncation
-    return dataclasses.replace(config, **new)
+    out = dataclasses.replace(config, **new)
+    check_tool_choice(out, f"{p}.tool_choice")
+    return out
 
 
 def _shared(r: SessionParams | ResponseParams, info: ModelInfo, p: str) -> dict[str, Any]:
@@ -299,7 +361,7 @@ def _shared(r: SessionParams | ResponseParams, info: ModelInfo, p: str) -> dict[
     if r.tools is not None:
         new["tools"] = tools(r.tools, f"{p}.tools")
     if r.tool_choice is not None:
-        new["tool_choice"] = tool_choice(r.tool_choice, f"{p}.tool_choice")
+        new.update(tool_choice(r.tool_choice, f"{p}.tool_choice"))
     if r.sampling is not None:
         new["sampling"] = sampling(r.sampling, f"{p}.sampling")
     return new
@@ -313,7 +375,8 @@ class ResponseSettings:
     metadata: dict[str, str] | None = None
 
 
-def response_settings(config: SessionConfig, r: ResponseParams | None, info: ModelInfo) -> ResponseSettings:
+def response_settings(config: SessionConfig, r: ResponseParams | None, info: ModelInfo,
+                      voices: VoiceMap) -> ResponseSettings:
     if r is None:
         return ResponseSettings(config)
     p = "response"
@@ -326,5 +389,7 @@ def response_settings(config: SessionConfig, r: ResponseParams | None, info: Mod
     if r.audio is not None and r.audio.output is not None:
         check_format(r.audio.output.format, f"{p}.audio.output.format")
         if r.audio.output.voice is not None:
-            new["voice"] = voice(r.audio.output.voice, info, f"{p}.audio.output.voice")
-    return ResponseSettings(dataclasses.replace(config, **new), r.metadata)
+            new["voice"] = voice(r.audio.output.voice, voices, f"{p}.audio.output.voice")
+    out = dataclasses.replace(config, **new)
+    check_tool_choice(out, f"{p}.tool_choice")
+    return ResponseSettings(out, r.metadata)

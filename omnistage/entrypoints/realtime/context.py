@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime.config import RealtimeLimits, SessionConfig
+from omnistage.entrypoints.voices import VoiceMap
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
 
@@ -25,6 +26,7 @@ class RealtimeContext:
     metrics: ServerMetrics
     pool: Executor  # rendering prompts (tokenizer, audio features) runs here, off the event loop
     limits: RealtimeLimits
+    voices: VoiceMap  # the names sessions may ask for (the model's and the mapped ones)
     open_sessions: int = 0
 
 
@@ -43,6 +45,8 @@ class SessionHandle(Protocol):
     async def add_item(self, item: Item, previous_item_id: str | None = None, announce: bool = True) -> str | None:
         ...
 
-    async def render_for(self, config: SessionConfig) -> PreparedPrompt: ...
+    async def item_done(self, item: Item) -> None: ...
+
+    async def render_for(self, config: SessionConfig, answer_prefix: str = "") -> PreparedPrompt: ...
 
     def audio_prompt_tokens(self, prompt: PreparedPrompt | None) -> int: ...

@@ -1,5 +1,12 @@
 """The Realtime API's client events as validated models, server events as plain dicts, and the error event.
 
+Two protocols: GA (the default) and beta, which a client asks for with the ``OpenAI-Beta: realtime=v1``
+header (as OpenAI's server and the SDK's ``client.beta.realtime``). Server events are written once, with their
+GA names; ``for_protocol`` gives a beta client the beta names (``conversation.item.created`` for
+``conversation.item.added``, ``response.audio.delta`` for ``response.output_audio.delta``, ...) and drops the
+events beta has not got (``conversation.item.done``). Only the event names differ: the session's fields are
+GA's under both.
+
 Client events are validated strictly (JSON Schema types, valid Unicode) with unknown fields ignored, as the
 HTTP API does. A malformed event never closes the socket: it becomes an ``error`` event naming the bad field
 (``param``) and echoing the client's ``event_id``. Field names follow the openai SDK's
@@ -38,6 +45,33 @@ class RealtimeError(Exception):
 
 def server_event(type: str, **fields: Any) -> dict[str, Any]:
     return {"type": type, "event_id": new_id("event"), **fields}
+
+
+BETA_HEADER, BETA_VALUE = "openai-beta", "realtime=v1"
+BETA_NAMES = {
+    "conversation.item.added": "conversation.item.created",
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+}
+GA_ONLY = frozenset({"conversation.item.done"})
+
+
+def wants_beta(header: str | None) -> bool:
+    """Whether an ``OpenAI-Beta`` header value asks for the beta realtime protocol."""
+    return BETA_VALUE in [v.strip() for v in (header or "").split(",")]
+
+
+def for_protocol(event: dict[str, Any], beta: bool) -> dict[str, Any] | None:
+    """A server event (GA names) as the client's protocol has it; None: that protocol has no such event."""
+    if not beta:
+        return event
+    if event["type"] in GA_ONLY:
+        return None
+    return {**event, "type": BETA_NAMES.get(event["type"], event["type"])}
 
 
 # ---- client event models ------------------------------------------------------------------------------
@@ -174,7 +208,9 @@ class ItemTruncate(_Model):
     audio_end_ms: int = Field(ge=0)
 
 
-class ItemDelete(_Model):
+class ItemRef(_Model):
+    """``conversation.item.delete`` and ``conversation.item.retrieve``."""
+
     item_id: Text
 
 
@@ -197,7 +233,8 @@ CLIENT_EVENTS: dict[str, type[_Model]] = {
     "input_audio_buffer.clear": Empty,
     "conversation.item.create": ItemCreate,
     "conversation.item.truncate": ItemTruncate,
-    "conversation.item.delete": ItemDelete,
+    "conversation.item.delete": ItemRef,
+    "conversation.item.retrieve": ItemRef,
     "response.create": ResponseCreate,
     "response.cancel": ResponseCancel,
 }

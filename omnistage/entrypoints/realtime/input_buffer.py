@@ -7,6 +7,8 @@ import numpy as np
 
 from omnistage.entrypoints.realtime.config import AUDIO_RATE
 
+MIN_COMMIT_MS = 100  # OpenAI's minimum for a committed buffer (and for an audio part of an item)
+
 
 def ms_to_samples(ms: int) -> int:
     return ms * AUDIO_RATE // 1000

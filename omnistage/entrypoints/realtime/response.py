@@ -1,11 +1,12 @@
 """One response of a realtime session: render the conversation, run it on the engine, stream its events.
 
 Events, in order: ``response.created``; for the answer message ``response.output_item.added``,
-``conversation.item.created``, ``response.content_part.added``, then ``response.output_audio.delta`` (base64
+``conversation.item.added``, ``response.content_part.added``, then ``response.output_audio.delta`` (base64
 pcm16, 24 kHz) with ``response.output_audio_transcript.delta`` (audio) or ``response.output_text.delta``
-(text), then the ``.done`` events of the part and item; for each tool call ``response.output_item.added``,
-``conversation.item.created``, ``response.function_call_arguments.delta`` / ``.done``,
-``response.output_item.done``; last ``response.done`` with the status and usage.
+(text), then the ``.done`` events of the part and item and ``conversation.item.done``; for each tool call
+``response.output_item.added``, ``conversation.item.added``, ``response.function_call_arguments.delta`` /
+``.done``, ``response.output_item.done``, ``conversation.item.done``; last ``response.done`` with the status
+and usage (a beta client gets the beta names, see ``events.for_protocol``).
 
 Tool calls (``tools``): with tools active the response still asks for speech from the start, but its audio
 is held back while the text could be opening a call: until the first non-blank text that cannot begin
@@ -15,6 +16,11 @@ the Thinker and Code2Wav needs a chunk of frames, so in practice nothing waits).
 the Thinker's text has ended, the request is aborted in every stage (the Talker would otherwise go on
 voicing the call). A call after some text cuts the speech where the call starts: the Talker reads one text
 token per codec frame, so the audio of the first ``n`` frames covers the ``n`` tokens before the call.
+
+``tool_choice`` "required" or a named function forces the call: the prompt ends with the format's call prefix
+(``ToolCallFormat.call_prefix``, rendered with the ``answer_prefix`` option), the scanner reads that prefix
+first, and the response is text only (its ``output_modalities`` say so). ``max_output_tokens`` "inf" lets the
+Thinker write up to the context (what the prompt leaves of ``max_model_len``).
 
 Cancellation (``response.cancel``, barge-in, the client leaving) closes the engine stream, which aborts the
 request in every stage. The answer then keeps what was played: the audio sent, capped by the wall time since
@@ -55,12 +61,10 @@ logger = logging.getLogger("omnistage.realtime")
 AUDIO_DELTA_SAMPLES = AUDIO_RATE // 2
 
 
-def response_params(info: ModelInfo, config: SessionConfig) -> dict[str, SamplingParams]:
+def response_params(info: ModelInfo, config: SessionConfig, max_tokens: int) -> dict[str, SamplingParams]:
     """Per-stage sampling for a response: the deployment's defaults with the session's overrides, by the
-    HTTP API's rule (``entrypoints.stage_sampling``)."""
-    thinker = dict(config.sampling.thinker)
-    if config.max_output_tokens is not None:
-        thinker["max_tokens"] = config.max_output_tokens
+    HTTP API's rule (``entrypoints.stage_sampling``); the Thinker writes at most ``max_tokens``."""
+    thinker = {**dict(config.sampling.thinker), "max_tokens": max_tokens}
     try:
         return stage_params(info, thinker, dict(config.sampling.talker))
     except SamplingFieldError as exc:
@@ -80,12 +84,17 @@ class ResponseRun:
         self.id = new_id("resp")
         self.speech_end = speech_end  # monotonic time of the VAD stop that triggered it (latency metric)
         self.tools = self.config.active_tools
-        self.wants_audio = self.config.wants_audio
+        self.tool_calls = self.info.tool_calls  # the family's format (rendering refuses tools without one)
+        # A forced call (tool_choice "required" or a function) begins with the format's call prefix and is
+        # never spoken: such a response is text only.
+        forced = self.config.forces_call and self.tool_calls is not None
+        self.prefix = self.tool_calls.call_prefix(self.config.tool_choice_name) if forced else ""
+        self.wants_audio = self.config.wants_audio and not forced
+        self.max_tokens = 0  # the Thinker's limit, once the prompt is known ("inf": what the context leaves)
         self.status, self.reason, self.error = "in_progress", None, None
         self.output: list[AssistantMessage | FunctionCall] = []
         self.message: AssistantMessage | None = None
         self.detok = IncrementalDetokenizer(self.tokenizer)
-        self.tool_calls = self.info.tool_calls  # the family's format (rendering refuses tools without one)
         self.scanner = self.tool_calls.scanner() if self.tools and self.tool_calls else None
         self.decided = not self.tools  # speech may flow (no tool call can open the answer any more)
         self.blank = ""  # leading blank text held until decided
@@ -132,7 +141,7 @@ class ResponseRun:
         return {
             "id": self.id, "object": "realtime.response", "status": self.status, "status_details": details,
             "output": [it.to_api() for it in self.output], "conversation_id": self.session.conversation_id,
-            "output_modalities": list(self.config.output_modalities),
+            "output_modalities": ["audio"] if self.wants_audio else ["text"],
             "max_output_tokens": self.config.max_output_tokens or MAX_TOKENS_INF,
             "audio": {"output": {"format": {"type": "audio/pcm", "rate": AUDIO_RATE}, "voice": self.voice}},
             "metadata": self.settings.metadata, "usage": self._usage() if self.status != "in_progress" else None,
@@ -140,6 +149,7 @@ class ResponseRun:
 
     @property
     def voice(self) -> str | None:
+        """The voice's name as the client chose it (a model voice or a mapped name)."""
         return self.config.voice or self.info.default_voice if self.wants_audio else None
 
     async def send(self, type: str, **fields: Any) -> None:
@@ -149,12 +159,15 @@ class ResponseRun:
         metrics = self.session.ctx.metrics
         await self.send("response.created", response=self._api())
         try:
-            self.prompt = await self.session.render_for(self.config)
-            params = response_params(self.info, self.config)
+            self.prompt = await self.session.render_for(self.config, self.prefix)
+            self.max_tokens = self.config.max_output_tokens or self.info.max_model_len - len(self.prompt.token_ids)
+            params = response_params(self.info, self.config, self.max_tokens)
             modalities = ("text", "audio") if self.wants_audio else ("text",)
-            stream = self.session.ctx.omni.generate(self.prompt, modalities, params, self.voice, self.id)
+            speaker = self.session.ctx.voices.resolve(self.voice) if self.voice else None
+            stream = self.session.ctx.omni.generate(self.prompt, modalities, params, speaker, self.id)
             self.submitted = time.monotonic()
             async with contextlib.aclosing(stream):
+                await self._text(self.prefix)  # the answer's own beginning, for the call scanner
                 async for delta in stream:
                     if self.timer is None:
                         self.timer = RequestTimer(metrics, len(self.prompt.token_ids), self.submitted)
@@ -213,8 +226,7 @@ class ResponseRun:
             elif d.finish_reason == "abort":
                 self.status, self.reason = "cancelled", "aborted"
             return True
-        limit = self.config.max_output_tokens or self.info.stage_sampling[self.info.text_stage].max_tokens
-        if len(self.token_ids) >= limit:
+        if len(self.token_ids) >= self.max_tokens:
             self.text_done = True
         if self.text_done and self.wants_audio and self.scanner is not None and self.scanner.started_call:
             await self._text(self.detok.flush())
@@ -280,6 +292,7 @@ class ResponseRun:
         await self.send("response.function_call_arguments.done", arguments=item.arguments, name=item.name, **ids)
         item.status = "completed"
         await self.send("response.output_item.done", response_id=self.id, output_index=index, item=item.to_api())
+        await self.session.item_done(item)
 
     async def _end_of_text(self) -> None:
         if self.scanner is not None:
@@ -371,6 +384,7 @@ class ResponseRun:
             await self.send("response.content_part.done", part=part, **ids)
             await self.send("response.output_item.done", response_id=self.id, output_index=ids["output_index"],
                             item=m.to_api())
+            await self.session.item_done(m)
         if self.error is not None:
             err = self.error
             await self.session.send(RealtimeError(err.message, err.code, err.param, err.type).event())

@@ -6,7 +6,8 @@ nothing a client sends closes the socket: malformed or unknown events get an ``e
 than ``RealtimeLimits.max_event_bytes`` is refused the same way; beyond the WebSocket server's own frame limit
 (uvicorn's ``ws_max_size``, 16 MiB) the transport closes the connection. A session that sends nothing for
 ``RealtimeLimits.idle_timeout_s`` while no response runs gets a ``session_idle_timeout`` error event and is
-closed (1000). When the client goes away, its running response is aborted in every stage and the session's
+closed (1000). A client sending ``OpenAI-Beta: realtime=v1`` gets the beta protocol's event names
+(``events.for_protocol``); every other one GA's. When the client goes away, its running response is aborted in every stage and the session's
 state is dropped.
 """
 
@@ -21,16 +22,17 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime.config import RealtimeLimits
 from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClosed
-from omnistage.entrypoints.realtime.events import RealtimeError
+from omnistage.entrypoints.realtime.events import BETA_HEADER, RealtimeError, wants_beta
 from omnistage.entrypoints.realtime.session import RealtimeSession
+from omnistage.entrypoints.voices import VoiceMap
 from omnistage.pipeline.client import EngineClient
 
 SUBPROTOCOL = "realtime"  # browsers offer it (with the key as a second subprotocol) and need one echoed
 
 
 def realtime_router(omni: EngineClient, model: str, metrics: ServerMetrics, pool: Executor,
-                    limits: RealtimeLimits | None = None) -> APIRouter:
-    ctx = RealtimeContext(omni, model, metrics, pool, limits or RealtimeLimits())
+                    limits: RealtimeLimits, voices: VoiceMap) -> APIRouter:
+    ctx = RealtimeContext(omni, model, metrics, pool, limits, voices)
     router = APIRouter()
 
     @router.websocket("/v1/realtime")
@@ -48,7 +50,7 @@ def realtime_router(omni: EngineClient, model: str, metrics: ServerMetrics, pool
                                             "try again later", code="session_limit_reached",
                                             type="rate_limit_error"), 1013)
             return
-        session = RealtimeSession(ctx, ws.send_text)
+        session = RealtimeSession(ctx, ws.send_text, beta=wants_beta(ws.headers.get(BETA_HEADER)))
         ctx.open_sessions += 1
         metrics.realtime_sessions.inc()
         try:

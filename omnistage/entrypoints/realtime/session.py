@@ -4,10 +4,20 @@ response that may be running; handles each client event and sends the server eve
 Turn taking with server VAD: ``input_audio_buffer.speech_started`` when speech begins (and, with
 ``interrupt_response``, the running response is cancelled: barge-in), ``speech_stopped`` after
 ``silence_duration_ms`` of silence, then the speech is committed as a user audio item
-(``input_audio_buffer.committed``, ``conversation.item.created``) and, with ``create_response``, answered.
+(``input_audio_buffer.committed``, ``conversation.item.added``, ``conversation.item.done``) and, with
+``create_response``, answered.
 Without turn detection the client commits (``input_audio_buffer.commit``) and asks (``response.create``).
 A function call's result comes back as a ``function_call_output`` item; the client then asks for the next
 response with ``response.create`` (as with OpenAI's server).
+
+Conversation items: every item added (a committed turn, ``conversation.item.create``, a response's message or
+call) is announced with ``conversation.item.added``, and with ``conversation.item.done`` once complete (at once
+for the client's and the committed ones, after ``response.output_item.done`` for a response's); a beta client
+(``events.for_protocol``) gets one ``conversation.item.created`` instead. Client-chosen item ids and
+``previous_item_id`` (an id, or ``"root"``: first) are kept and echoed; an id already in the conversation is
+refused (``duplicate_item_id``). ``conversation.item.retrieve`` answers ``conversation.item.retrieved`` with the
+item, user audio included (base64 pcm16, 24 kHz); retrieve, truncate and delete of an unknown id get OpenAI's
+``item_<action>_invalid_item_id``.
 
 Input audio is 24 kHz pcm16; the model hears it through its processor, which resamples to 16 kHz with soxr
 (the same path as any audio part of a chat message).
@@ -32,27 +42,27 @@ from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClose
 from omnistage.entrypoints.realtime.conversation import (
     AssistantMessage,
     Conversation,
-    FunctionCall,
-    FunctionCallOutput,
     Item,
     UserMessage,
+    item_from_params,
     new_item_id,
 )
 from omnistage.entrypoints.realtime.events import (
     AudioAppend,
     ItemCreate,
-    ItemDelete,
-    ItemParams,
+    ItemRef,
     ItemTruncate,
     RealtimeError,
     ResponseCancel,
     ResponseCreate,
+    ResponseParams,
     SessionUpdate,
+    for_protocol,
     new_id,
     parse_client_event,
     server_event,
 )
-from omnistage.entrypoints.realtime.input_buffer import InputAudioBuffer, ms_to_samples
+from omnistage.entrypoints.realtime.input_buffer import MIN_COMMIT_MS, InputAudioBuffer, ms_to_samples
 from omnistage.entrypoints.realtime.response import ResponseRun
 from omnistage.entrypoints.realtime.vad import SpeechDetector
 from omnistage.models.family import PreparedPrompt
@@ -60,14 +70,14 @@ from omnistage.pipeline.client import EngineClient
 
 logger = logging.getLogger("omnistage.realtime")
 
-MIN_COMMIT_MS = 100  # OpenAI's minimum for a committed buffer
 IDLE_KEEP_MS = 500  # kept beyond the prefix padding while no speech is going on (the start is decided late)
 
 
 class RealtimeSession:
-    def __init__(self, ctx: RealtimeContext, send: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(self, ctx: RealtimeContext, send: Callable[[str], Awaitable[None]], beta: bool = False) -> None:
         self.ctx = ctx
         self._send = send
+        self.beta = beta  # the client asked for the beta protocol (its event names)
         self._send_lock = asyncio.Lock()
         self.closed = False
         info = ctx.omni.info
@@ -88,6 +98,9 @@ class RealtimeSession:
     async def send(self, event: dict[str, Any]) -> None:
         if self.closed:
             raise SessionClosed()
+        event = for_protocol(event, self.beta)
+        if event is None:
+            return
         text = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
         async with self._send_lock:
             try:
@@ -125,7 +138,8 @@ class RealtimeSession:
                                           event_id=event_id).event())
 
     async def _session_update(self, e: SessionUpdate) -> None:
-        new = cfg.apply_session_update(self.config, e.session, self.ctx.omni.info, self.ctx.model)
+        new = cfg.apply_session_update(self.config, e.session, self.ctx.omni.info, self.ctx.model,
+                                       self.ctx.voices)
         if new.turn_detection != self.config.turn_detection:
             if new.turn_detection is not None:
                 self.detector.reconfigure(new.turn_detection)
@@ -180,7 +194,7 @@ class RealtimeSession:
             return
         await self._commit_audio(item_id, audio)
         if self.config.turn_detection.create_response:
-            await self._create_response(cfg.response_settings(self.config, None, self.ctx.omni.info), stopped_at)
+            await self._create_response(self._settings(None), stopped_at)
 
     async def _commit(self, _: Any) -> None:
         audio = self.buffer.take()
@@ -197,7 +211,7 @@ class RealtimeSession:
         item = UserMessage(item_id, [("audio", audio)])
         prev = await self.add_item(item, announce=False)
         await self.send(server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=prev))
-        await self.send(server_event("conversation.item.created", item=item.to_api(), previous_item_id=prev))
+        await self._announce(item, prev)
 
     async def _clear(self, _: Any) -> None:
         self.buffer.clear()
@@ -208,23 +222,40 @@ class RealtimeSession:
 
     # ---- conversation -------------------------------------------------------------------------------
     async def add_item(self, item: Item, previous_item_id: str | None = None, announce: bool = True) -> str | None:
-        """Add an item (announcing it with ``conversation.item.created``); returns the id before it."""
+        """Add an item (announcing it, see the module docstring); returns the id before it."""
         before = {it.id for it in self.conversation.items}
         prev = self.conversation.add(item, previous_item_id)
         if announce:
-            await self.send(server_event("conversation.item.created", item=item.to_api(), previous_item_id=prev))
+            await self._announce(item, prev)
         for gone in before - {it.id for it in self.conversation.items}:  # dropped by the history bounds
             await self.send(server_event("conversation.item.deleted", item_id=gone))
         return prev
 
+    async def _announce(self, item: Item, prev: str | None) -> None:
+        api = item.to_api()
+        await self.send(server_event("conversation.item.added", item=api, previous_item_id=prev))
+        if api["status"] == "completed":
+            await self.send(server_event("conversation.item.done", item=api, previous_item_id=prev))
+
+    async def item_done(self, item: Item) -> None:
+        """A response's item is complete: ``conversation.item.done`` (unless it has left the conversation)."""
+        if item in self.conversation.items:
+            await self.send(server_event("conversation.item.done", item=item.to_api(),
+                                         previous_item_id=self.conversation.previous_id(item)))
+
+    async def _item_retrieve(self, e: ItemRef) -> None:
+        item = self.conversation.get(e.item_id, "retrieve")
+        await self.send(server_event("conversation.item.retrieved", item=item.to_api(with_audio=True)))
+
     async def _item_create(self, e: ItemCreate) -> None:
-        item = _item(e.item)
+        item = item_from_params(e.item)
         await self.add_item(item, e.previous_item_id)
 
     async def _item_truncate(self, e: ItemTruncate) -> None:
-        item = self.conversation.find(e.item_id)
+        item = self.conversation.get(e.item_id, "truncate")
         if not isinstance(item, AssistantMessage) or not item.audio:
-            raise RealtimeError(f"no assistant audio item with id {e.item_id!r}", param="item_id", code="item_not_found")
+            raise RealtimeError(f"item {e.item_id!r} is not an assistant message with audio: only those can be "
+                                "truncated", param="item_id")
         if self.response is not None and self.response.active and item in self.response.output:
             raise RealtimeError("the item's response is still running; cancel it first", param="item_id")
         if e.content_index != 0:
@@ -241,23 +272,24 @@ class RealtimeSession:
         await self.send(server_event("conversation.item.truncated", item_id=item.id, content_index=0,
                                      audio_end_ms=e.audio_end_ms))
 
-    async def _item_delete(self, e: ItemDelete) -> None:
+    async def _item_delete(self, e: ItemRef) -> None:
         self.conversation.delete(e.item_id)
         await self.send(server_event("conversation.item.deleted", item_id=e.item_id))
 
-    async def render_for(self, config: SessionConfig) -> PreparedPrompt:
-        """The prompt for a response: the conversation as chat messages, rendered in the pool. A prompt that
-        leaves no room for the answer drops its oldest items (``truncation: "auto"``) until it fits."""
+    async def render_for(self, config: SessionConfig, answer_prefix: str = "") -> PreparedPrompt:
+        """The prompt for a response: the conversation as chat messages, rendered in the pool (an empty one:
+        the instructions alone). A prompt that leaves no room for the answer (``max_output_tokens``, or one token
+        for "inf") drops its oldest items (``truncation: "auto"``) until it fits. ``answer_prefix``: the text the
+        answer is made to begin with (a forced tool call's)."""
         info = self.ctx.omni.info
-        max_tokens = config.max_output_tokens or info.stage_sampling[info.text_stage].max_tokens
+        max_tokens = config.max_output_tokens or 1
         tools = config.active_tools
         loop = asyncio.get_running_loop()
         while True:
-            if not self.conversation.items:
-                raise RealtimeError("the conversation is empty: add an item or commit audio first",
-                                    code="conversation_empty")
+            check_not_empty(self.conversation, config)
             messages = self.conversation.messages(config.instructions, tools)
-            prompt, error = await loop.run_in_executor(self.ctx.pool, _render, self.ctx.omni, messages)
+            prompt, error = await loop.run_in_executor(self.ctx.pool, _render, self.ctx.omni, messages,
+                                                       answer_prefix)
             too_long = error is not None and "at most" in str(error)
             if error is None and len(prompt.token_ids) + max_tokens > info.max_model_len:
                 too_long = True
@@ -279,16 +311,17 @@ class RealtimeSession:
 
     # ---- responses ----------------------------------------------------------------------------------
     async def _response_create(self, e: ResponseCreate) -> None:
-        await self._create_response(cfg.response_settings(self.config, e.response, self.ctx.omni.info), None)
+        await self._create_response(self._settings(e.response), None)
+
+    def _settings(self, r: ResponseParams | None) -> cfg.ResponseSettings:
+        return cfg.response_settings(self.config, r, self.ctx.omni.info, self.ctx.voices)
 
     async def _create_response(self, settings: cfg.ResponseSettings, speech_end: float | None) -> None:
         if self.response is not None and self.response.active:
             raise RealtimeError(f"Conversation already has an active response in progress: {self.response.id}. "
                                 "Wait until the response is finished before creating a new one.",
                                 code="conversation_already_has_active_response")
-        if not self.conversation.items:
-            raise RealtimeError("the conversation is empty: add an item or commit audio first",
-                                code="conversation_empty")
+        check_not_empty(self.conversation, settings.config)
         self.response = ResponseRun(self, settings, speech_end)
         self.response.start()
 
@@ -306,13 +339,24 @@ class RealtimeSession:
         "conversation.item.create": _item_create,
         "conversation.item.truncate": _item_truncate,
         "conversation.item.delete": _item_delete,
+        "conversation.item.retrieve": _item_retrieve,
         "response.create": _response_create,
         "response.cancel": _response_cancel,
     }
 
 
-def _render(omni: EngineClient, messages: list[dict[str, Any]]) -> tuple[PreparedPrompt | None, Exception | None]:
+def check_not_empty(conversation: Conversation, config: SessionConfig) -> None:
+    """A response needs something to answer: an item, or instructions (a greeting on an empty conversation)."""
+    if not conversation.items and not config.instructions:
+        raise RealtimeError("the conversation is empty: add an item, commit audio or give instructions first",
+                            code="conversation_empty")
+
+
+def _render(omni: EngineClient, messages: list[dict[str, Any]],
+            answer_prefix: str) -> tuple[PreparedPrompt | None, Exception | None]:
     try:
+        if answer_prefix:
+            return omni.render_prompt(messages, answer_prefix=answer_prefix), None
         return omni.render_prompt(messages), None
     except ValueError as exc:
         return None, exc
@@ -324,58 +368,3 @@ def _audio_pad_id(tokenizer: Any) -> int | None:
         return None
     pad = convert("<|audio_pad|>")
     return pad if isinstance(pad, int) and pad != getattr(tokenizer, "unk_token_id", None) else None
-
-
-def _decode_audio(data: str | None, param: str) -> np.ndarray:
-    try:
-        raw = base64.b64decode(data or "", validate=True)
-    except (binascii.Error, ValueError):
-        raise RealtimeError("audio is not valid base64", param=param) from None
-    if len(raw) % 2 or len(raw) < 2 * ms_to_samples(MIN_COMMIT_MS):
-        raise RealtimeError(f"audio must be pcm16 (24 kHz) of at least {MIN_COMMIT_MS} ms", param=param)
-    return np.frombuffer(raw, dtype="<i2").copy()
-
-
-def _item(p: ItemParams) -> Item:
-    """A conversation item from ``conversation.item.create`` (validated)."""
-    item_id = p.id or new_item_id()
-    if p.type == "message":
-        if p.role not in ("user", "system", "assistant"):
-            raise RealtimeError(f"message role must be user, system or assistant, got {p.role!r}", param="item.role")
-        if not p.content:
-            raise RealtimeError("a message needs content", param="item.content")
-        allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
-                   "assistant": ("output_text", "output_audio", "text")}[p.role]
-        parts: list[tuple[str, Any]] = []
-        for i, c in enumerate(p.content):
-            where = f"item.content.{i}"
-            if c.type not in allowed:
-                raise RealtimeError(f"content type {c.type!r} is not supported in a {p.role} message; supported: "
-                                    f"{list(allowed)}", param=f"{where}.type", code="unsupported_content")
-            if c.type == "input_audio":
-                parts.append(("audio", _decode_audio(c.audio, f"{where}.audio")))
-            elif c.type == "output_audio":
-                if c.transcript is None:
-                    raise RealtimeError("assistant audio is kept as its transcript: give 'transcript'",
-                                        param=f"{where}.transcript")
-                parts.append(("text", c.transcript))
-            else:
-                if c.text is None:
-                    raise RealtimeError(f"content of type {c.type!r} needs 'text'", param=f"{where}.text")
-                parts.append(("text", c.text))
-        if p.role == "assistant":
-            audio = any(c.type == "output_audio" for c in p.content)
-            return AssistantMessage(item_id, text="".join(v for _, v in parts), audio=audio, status="completed")
-        return UserMessage(item_id, parts, role=p.role)
-    if p.type == "function_call":
-        if not p.name:
-            raise RealtimeError("a function_call item needs a name", param="item.name")
-        return FunctionCall(item_id, call_id=p.call_id or new_id("call"), name=p.name, arguments=p.arguments or "{}")
-    if p.type == "function_call_output":
-        if not p.call_id:
-            raise RealtimeError("a function_call_output item needs the call_id it answers", param="item.call_id")
-        if p.output is None:
-            raise RealtimeError("a function_call_output item needs an output", param="item.output")
-        return FunctionCallOutput(item_id, call_id=p.call_id, output=p.output)
-    raise RealtimeError(f"item type {p.type!r} is not supported; message, function_call or function_call_output",
-                        param="item.type", code="unsupported_content")

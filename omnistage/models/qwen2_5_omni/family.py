@@ -124,11 +124,12 @@ class Qwen25OmniFamily(HFChatFamily):
         return int(self.config.thinker_config.text_config.vocab_size)
 
     def render_prompt(
-        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, **kwargs: Any
+        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",
+        **kwargs: Any
     ) -> PreparedPrompt:
         """Messages with string content. A conversation without a system turn gets Qwen2.5-Omni's speech system
         prompt (the model speaks only under it), whether or not this request asks for audio: a request's text
-        then does not depend on its modalities."""
+        then does not depend on its modalities. ``answer_prefix``: see ``ModelFamily``."""
         if kwargs:
             raise ValueError(f"unknown prompt options {sorted(kwargs)}")
         if use_audio_in_video:
@@ -138,7 +139,7 @@ class Qwen25OmniFamily(HFChatFamily):
             if not isinstance(m.get("content"), str):
                 raise ValueError("Qwen2.5-Omni takes text content only here (a string per message); audio, image "
                                  "and video input are not supported")
-        return PreparedPrompt(self.chat_template_ids(with_speech_system_prompt(messages)))
+        return PreparedPrompt(self.chat_template_ids(with_speech_system_prompt(messages), answer_prefix))
 
     def stage_requests(
         self,

@@ -172,10 +172,11 @@ class Qwen3OmniFamily(HFChatFamily):
         return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
 
     def render_prompt(
-        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, **kwargs: Any
+        self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",
+        **kwargs: Any
     ) -> PreparedPrompt:
         """Messages with string content, or lists of text/audio/image/video parts (``use_audio_in_video``:
-        videos bring their audio track, interleaved by time)."""
+        videos bring their audio track, interleaved by time; ``answer_prefix``: see ``ModelFamily``)."""
         if kwargs:
             raise ValueError(f"unknown prompt options {sorted(kwargs)}")
         self.check_roles(messages)
@@ -183,10 +184,10 @@ class Qwen3OmniFamily(HFChatFamily):
             if not isinstance(m.get("content"), (str, list, tuple)):
                 raise ValueError("message content must be a string or a list of content parts")
         if all(isinstance(m["content"], str) for m in messages):
-            return PreparedPrompt(self.chat_template_ids(messages))
+            return PreparedPrompt(self.chat_template_ids(messages, answer_prefix))
         if self.input_processor is None:
             raise ValueError(f"{self.model_dir} has no preprocessor_config.json: content parts are not supported")
-        return self.input_processor(messages, use_audio_in_video=use_audio_in_video)
+        return self.input_processor(messages, use_audio_in_video=use_audio_in_video, answer_prefix=answer_prefix)
 
     def stage_requests(
         self,

@@ -253,9 +253,13 @@ class Qwen3OmniInputProcessor:
         return x.reshape(t * gh * gw, -1).contiguous(), (t, gh, gw)
 
     # ---- the prompt -------------------------------------------------------------------------------
-    def __call__(self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False) -> PreparedPrompt:
+    def __call__(self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False,
+                 answer_prefix: str = "") -> PreparedPrompt:
+        """``answer_prefix``: text after the assistant header that the answer continues (its positions follow
+        the prompt's)."""
         parts = self._parts(messages, use_audio_in_video)
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text += answer_prefix
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not parts:
             return PreparedPrompt(list(ids))
