@@ -524,9 +524,14 @@ def main() -> None:
     # Each row as soon as it is measured (a long run cut short keeps what it had); the breakdowns at the end.
     print(THROUGHPUT_HEADER, flush=True)
     measured = []
+    timers = None
     for i, config in enumerate(args.configs):
         if i:
             engine.shutdown()  # one engine's weights and KV pools (and workers) at a time
+            del engine
+            timers = None  # (they wrap the old engine's modules: they would keep its weights alive)
+            gc.collect()
+            release_free_heap()
             engine = build(config)
         print(memory_line(config, engine), flush=True)
         # Model timers need the models in this process; stage workers get the trace and transport lines.
