@@ -57,13 +57,10 @@ def resolve_model(model: str | None, preset: str, family: str = "qwen3_omni", de
     if model is not None:
         return model
     from omnistage.checkpoints.builder import build_checkpoint
-    from omnistage.checkpoints.real import build_real_checkpoint, parse_depth
 
     root = Path(tempfile.mkdtemp(prefix="omnistage-bench-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    if preset == "real":
-        return str(build_real_checkpoint(root / preset, parse_depth(depth)))
-    return str(build_checkpoint(root / preset, preset=preset, seed=0, family=family))
+    return str(build_checkpoint(root / preset, preset=preset, seed=0, family=family, depth=depth))
 
 
 def hf_inputs(tok, texts):

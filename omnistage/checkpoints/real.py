@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,14 +31,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
-from omnistage.checkpoints.builder import make_hf_config, write_config_files
+from omnistage.checkpoints.config_files import make_hf_config, write_config_files
 from omnistage.checkpoints.presets import (
     Code2WavSpec,
     DecoderSpec,
     EncoderSpec,
     Preset,
 )
-from omnistage.checkpoints.weights import _generator, _hub_name, _init_tensor
+from omnistage.checkpoints.weights import hub_tensors, init_tensors
 
 REAL_VOCAB = 152064
 STACKS = ("thinker", "talker", "code_predictor", "code2wav", "audio", "vision")
@@ -98,29 +98,6 @@ def real_preset(depth: Mapping[str, int] | None = None) -> Preset:
     )
 
 
-def _hub_tensors(model: torch.nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hub name, float32 value) of every checkpoint tensor, one at a time; stacked experts split per expert as
-    the hub stores them (``weights.to_hub_layout``'s rule), each drawn as a whole first (the same values)."""
-    for name, meta in model.state_dict().items():
-        parent, _, attr = name.rpartition(".")
-        module = model.get_submodule(parent)
-        if attr not in module._parameters:
-            raise TypeError(f"persistent buffer {name} has no initialisation rule")
-        value = _init_tensor(name, module, attr, meta.shape, _generator(seed, name))
-        hub = _hub_name(name)
-        if hub.endswith(".mlp.experts.gate_up_proj"):
-            base, inter = hub[: -len("gate_up_proj")], value.shape[1] // 2
-            for e in range(value.shape[0]):
-                yield f"{base}{e}.gate_proj.weight", value[e, :inter]
-                yield f"{base}{e}.up_proj.weight", value[e, inter:]
-        elif hub.endswith(".mlp.experts.down_proj"):
-            base = hub[: -len("down_proj")]
-            for e in range(value.shape[0]):
-                yield f"{base}{e}.down_proj.weight", value[e]
-        else:
-            yield hub, value
-
-
 def build_real_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None = None, seed: int = 0,
                           max_shard_bytes: int = DEFAULT_SHARD_BYTES, preset: Preset | None = None,
                           vocab_size: int = REAL_VOCAB) -> Path:
@@ -142,7 +119,9 @@ def build_real_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None =
         save_file(shard, str(out / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
         shard.clear()
 
-    for hub, value in _hub_tensors(skeleton, seed):
+    # One tensor at a time: a layer's stacked experts are drawn whole, then split as the hub stores them.
+    hubbed = (item for name, value in init_tensors(skeleton, seed) for item in hub_tensors(name, value))
+    for hub, value in hubbed:
         nbytes = value.numel() * dtype.itemsize
         if shard and size + nbytes > max_shard_bytes:
             flush()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -93,19 +94,22 @@ def _init_tensor(name: str, module: nn.Module, attr: str, shape: torch.Size, g: 
     raise TypeError(f"no initialisation rule for {name} ({kind}.{attr}, shape {tuple(shape)})")
 
 
-def init_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded float32 values for every entry of `model.state_dict()` (in-memory names).
+def init_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded float32 values for every entry of `model.state_dict()` (in-memory names), one at a time.
 
     `model` may live on the meta device: only names, shapes and module types are used.
     """
-    out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         parent, _, attr = name.rpartition(".")
         module = model.get_submodule(parent)
         if attr not in module._parameters:
             raise TypeError(f"persistent buffer {name} has no initialisation rule")
-        out[name] = _init_tensor(name, module, attr, tensor.shape, _generator(seed, name))
-    return out
+        yield name, _init_tensor(name, module, attr, tensor.shape, _generator(seed, name))
+
+
+def init_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """``init_tensors`` as one dict."""
+    return dict(init_tensors(model, seed))
 
 
 def _hub_name(name: str) -> str:
@@ -120,29 +124,32 @@ def _hub_name(name: str) -> str:
     return name
 
 
-def to_hub_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename to hub names and split fused MoE experts into per-expert linear weights.
+def hub_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One in-memory tensor as the hub stores it: renamed, and fused MoE experts split into per-expert linear
+    weights.
 
     transformers 5.x fuses `mlp.experts.{e}.{gate,up,down}_proj.weight` on load into
     `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `mlp.experts.down_proj` [E, H, I];
     the hub files hold the per-expert form.
     """
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        hub = _hub_name(name)
-        if hub.endswith(".mlp.experts.gate_up_proj"):
-            base = hub[: -len("gate_up_proj")]
-            inter = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = tensor[e, :inter].clone()
-                out[f"{base}{e}.up_proj.weight"] = tensor[e, inter:].clone()
-        elif hub.endswith(".mlp.experts.down_proj"):
-            base = hub[: -len("down_proj")]
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            out[hub] = tensor.contiguous()
-    return out
+    hub = _hub_name(name)
+    if hub.endswith(".mlp.experts.gate_up_proj"):
+        base = hub[: -len("gate_up_proj")]
+        inter = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            yield f"{base}{e}.gate_proj.weight", tensor[e, :inter].clone()
+            yield f"{base}{e}.up_proj.weight", tensor[e, inter:].clone()
+    elif hub.endswith(".mlp.experts.down_proj"):
+        base = hub[: -len("down_proj")]
+        for e in range(tensor.shape[0]):
+            yield f"{base}{e}.down_proj.weight", tensor[e].clone()
+    else:
+        yield hub, tensor.contiguous()
+
+
+def to_hub_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A whole state dict in the hub's names and layout (``hub_tensors`` of each entry)."""
+    return {hub: t for name, tensor in state.items() for hub, t in hub_tensors(name, tensor)}
 
 
 def write_safetensors(

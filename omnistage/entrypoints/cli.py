@@ -12,19 +12,9 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from omnistage.checkpoints.builder import build_checkpoint
 
     try:
-        if args.preset == "real":  # the released architecture, streamed shard by shard (Qwen3-Omni only)
-            from omnistage.checkpoints.real import DEFAULT_SHARD_BYTES, build_real_checkpoint, parse_depth
-
-            if args.family not in (None, "qwen3_omni"):
-                raise ValueError(f"preset 'real' is Qwen3-Omni's released architecture, not {args.family!r}'s")
-            path = build_real_checkpoint(args.dir, parse_depth(args.depth), args.seed,
-                                         args.max_shard_bytes or DEFAULT_SHARD_BYTES)
-        elif args.depth:
-            raise ValueError("--depth applies to --preset real")
-        else:
-            family = {"family": args.family} if args.family else {}
-            path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed,
-                                    max_shard_bytes=args.max_shard_bytes, **family)
+        family = {"family": args.family} if args.family else {}
+        path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed, max_shard_bytes=args.max_shard_bytes,
+                                depth=args.depth, **family)
     except ValueError as exc:  # an unknown family, or a preset the family does not have
         print(f"omnistage make-checkpoint: error: {exc}", file=sys.stderr)
         return 2
@@ -104,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default=None,
                    help="model family (default: the built-in model's; an unknown name lists the families)")
     p.add_argument("--preset", default="tiny",
-                   help="the family's size preset (an unknown name lists them); 'real': Qwen3-Omni-30B-A3B's released "
-                        "architecture, written in 5 GB bfloat16 shards (70.5 GB at full depth)")
+                   help="the family's size preset (an unknown name lists them); 'real': the released architecture "
+                        "(checkpoints/real.py), written in 5 GB bfloat16 shards (70.5 GB at full depth)")
     p.add_argument("--depth", default=None,
                    help="with --preset real: layers per stack, e.g. thinker=2,talker=2,code_predictor=2,code2wav=2,"
                         "audio=2,vision=2 (unnamed stacks keep their released depth)")
