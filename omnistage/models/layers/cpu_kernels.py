@@ -38,6 +38,7 @@ ms in one call, where its 124 MB of weights take about 5 ms to read).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import mmap
@@ -155,7 +156,12 @@ def panels_preferred() -> bool:
     choice = os.environ.get(PANELS_ENV, "auto").strip().lower()
     if choice in ("0", "false", "no", "off") or not available():
         return False
-    return choice in ("1", "true", "yes", "on") or _library.tile_rows() == 8
+    return choice in ("1", "true", "yes", "on") or _tile_rows() == 8
+
+
+@functools.cache
+def _tile_rows() -> int:
+    return _library.tile_rows()  # (a build's constant; asked once: the vocoder asks per residual unit)
 
 
 def _require() -> None:
