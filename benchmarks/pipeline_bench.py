@@ -51,7 +51,7 @@ from benchmarks.roofline import (
 from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
-from omnistage.runtime_env import release_free_heap
+from omnistage.runtime_env import release_free_heap, resident_bytes
 
 CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
 
@@ -382,26 +382,22 @@ THROUGHPUT_HEADER = (f"{'config, N':>18} | {'ours tok/s':>10} {'ours aud s/s':>1
                      f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
 
 
-def resident_bytes() -> int:
-    """This process's anonymous resident memory (file pages of the checkpoint, which the kernel can drop, left
-    out); 0 where /proc is unavailable."""
-    status = Path("/proc/self/status")
-    if not status.exists():
-        return 0
-    line = next((x for x in status.read_text().splitlines() if x.startswith("RssAnon:")), "RssAnon: 0 kB")
-    return int(line.split()[1]) * 1024
-
-
 def memory_line(config: Config, engine) -> str:
-    """Per stage what the engine planned (weights, KV), and the process's resident memory after the load."""
+    """Per stage what the engine planned (weights, KV) and what its loaded stages hold (weights per component,
+    measured), and the process's resident memory after the load."""
     plan = engine.memory_plan
     stages = ", ".join(f"{p.stage} {p.weight_bytes / 1e9:.2f} + {p.kv_bytes / 1e9:.2f}" for p in plan)
     weights = sum(p.weight_bytes for p in plan)
     kv = sum(p.kv_bytes for p in plan)
     rss = resident_bytes()
     ratio = f"{(rss - kv) / weights:.3f}x the weights with the KV pools counted" if weights and rss else "n/a"
+    held = engine.resource_stats()
+    parts = "; ".join(
+        f"{name}: " + ", ".join(f"{c} {b / 1e9:.3f}" for c, b in sorted(s["weight_bytes"].items(), key=lambda x: -x[1]))
+        + f", KV {s['kv_cache_bytes'] / 1e9:.3f}"
+        for name, s in held.items() if isinstance(s, dict) and "weight_bytes" in s)
     return (f"memory, {config}: planned GB weights + KV per stage: {stages}; resident {rss / 1e9:.2f} GB "
-            f"({ratio}; in-process stages only)")
+            f"({ratio}; in-process stages only)\n  held GB per component: {parts}")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -93,3 +94,13 @@ def release_free_heap() -> bool:
     libc.malloc_trim.restype = ctypes.c_int
     libc.malloc_trim(0)
     return True
+
+
+def resident_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``: weights, KV pools, activations; the checkpoint's
+    file pages, which the kernel can drop, left out); 0 where /proc is unavailable."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return 0
+    line = next((x for x in status.read_text().splitlines() if x.startswith("RssAnon:")), "RssAnon: 0 kB")
+    return int(line.split()[1]) * 1024

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server (its own ``CollectorRegistry``, so several apps can share a process).
 
-Gauges (queue depths, KV usage, per-request records, bridge states and cached encoder outputs per stage) are
+Gauges (queue depths, KV usage, per-request records, bridge states, cached encoder outputs, weight bytes per
+component and KV pool bytes per stage; resident memory of the server and of each stage worker) are
 refreshed from the engine client's ``resource_stats()`` at scrape time; counters and histograms are fed by the
 server per request and by the engine's ``on_step`` hook per stage step (the hook runs on the engine thread;
 prometheus_client is thread-safe).
@@ -13,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from omnistage.runtime_env import resident_bytes
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
@@ -36,6 +39,12 @@ class ServerMetrics:
                                      registry=r)
         self.pending = Gauge("omnistage_pending_payloads", "Upstream payloads queued in a stage, not yet run",
                              ["stage"], registry=r)
+        self.weight_bytes = Gauge("omnistage_stage_weight_bytes", "Bytes of weights a stage holds, per component "
+                                  "(as loaded: packed copies included)", ["stage", "component"], registry=r)
+        self.kv_bytes = Gauge("omnistage_stage_kv_cache_bytes", "Bytes of a stage's paged KV pool", ["stage"],
+                              registry=r)
+        self.resident = Gauge("omnistage_process_resident_bytes", "Anonymous resident memory of the server process "
+                              "and of each stage worker process", ["process"], registry=r)
         self.in_flight = Gauge("omnistage_requests_in_flight", "Requests tracked by the orchestrator", registry=r)
         self.prompt_tokens = Counter("omnistage_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("omnistage_generation_tokens", "Text tokens generated", registry=r)
@@ -91,6 +100,14 @@ class ServerMetrics:
                 self.pending.labels(stage).set(s["pending_chunks"])
             if "encoder_entries" in s:
                 self.encoder_entries.labels(stage).set(s["encoder_entries"])
+            for component, n in s.get("weight_bytes", {}).items():
+                self.weight_bytes.labels(stage, component).set(n)
+            if "kv_cache_bytes" in s:
+                self.kv_bytes.labels(stage).set(s["kv_cache_bytes"])
+            worker = s.get("worker")
+            if isinstance(worker, Mapping) and "resident_bytes" in worker:
+                self.resident.labels(stage).set(worker["resident_bytes"])
+        self.resident.labels("server").set(resident_bytes())
         self.in_flight.set(stats.get("requests", 0))
 
     def render(self) -> bytes:

@@ -130,5 +130,6 @@ class ARStage(BridgedStage):
             "records": len(self.runner.records),
             "batch_size": len(self.runner.batch),
             "bridge_entries": self._bridge_entries(),
+            **self._memory_stats(),
             **self._model_stats(),
         }

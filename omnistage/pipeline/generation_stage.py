@@ -83,4 +83,5 @@ class GenerationStage(BridgedStage):
             "pending_chunks": self.scheduler.num_pending,
             "records": len(self.runner.records),
             "bridge_entries": self._bridge_entries(),
+            **self._memory_stats(),
         }

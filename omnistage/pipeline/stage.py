@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omnistage.models.family import StageRequest
+from omnistage.runner.memory_use import pool_bytes, weight_bytes_by_component
 
 logger = logging.getLogger("omnistage.stage")
 
@@ -91,6 +92,7 @@ class BridgedStage:
         self.bridge = bridge
         self.faults = faults
         self._pending = PendingEvents()
+        self._memory: dict[str, Any] | None = None
 
     def add_request(self, request: StageRequest) -> None:
         self._register(request)
@@ -159,6 +161,14 @@ class BridgedStage:
 
     def _bridge_entries(self) -> int:
         return len(self.bridge) if self.bridge is not None else 0
+
+    def _memory_stats(self) -> dict[str, Any]:
+        """Bytes the stage holds: weights per component and its KV pool (both fixed once loaded: measured
+        on the first query)."""
+        if self._memory is None:
+            self._memory = {"weight_bytes": weight_bytes_by_component(self.runner.model),
+                            "kv_cache_bytes": pool_bytes(getattr(self.runner, "kv_caches", None))}
+        return self._memory
 
     def _model_stats(self) -> dict[str, Any]:
         """What the stage model says it holds (its optional ``resource_stats()``)."""

@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from omnistage.pipeline import wire
+from omnistage.runtime_env import resident_bytes
 
 logger = logging.getLogger("omnistage.worker")
 IDLE_POLL_S = 0.5  # longest sleep between parent checks
@@ -193,7 +194,8 @@ class Worker:
             stage.abort(message.req_id)
         elif isinstance(message, wire.StatsQuery):
             stats = dict(stage.stats())
-            stats["worker"] = {"pid": os.getpid(), "uptime_s": time.monotonic() - self.started, **self.counters}
+            stats["worker"] = {"pid": os.getpid(), "uptime_s": time.monotonic() - self.started,
+                               "resident_bytes": resident_bytes(), **self.counters}
             self.send(wire.StatsReply(message.token, stats))
         else:
             raise RuntimeError(f"unexpected {type(message).__name__} after Init")

@@ -274,7 +274,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_frees_every_stage(se
     assert aborts() == before + 1  # it was aborted, not left to run to its end
 
 
-def test_health_models_metrics(server, client):
+def test_health_models_metrics(server, client, engine):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
     text = httpx.get(server.url + "/metrics").text
@@ -294,3 +294,12 @@ def test_health_models_metrics(server, client):
         assert value(rf'omnistage_stage_step_seconds_count\{{stage="{stage}"\}}') > 0
     for stage in ("thinker", "talker"):
         assert 0 <= value(rf'omnistage_kv_cache_usage_ratio\{{stage="{stage}"\}}') <= 1
+    # Memory per component, as loaded: every stage's weight gauges add up to (at least) its planned weights, the
+    # KV pool gauge is the planned pool, and the server process reports its resident memory.
+    for plan in engine[0].engine.memory_plan:
+        held = [float(v) for v in re.findall(
+            rf'omnistage_stage_weight_bytes\{{component="[a-z0-9_.]+",stage="{plan.stage}"\}} ([0-9.e+]+)', text)]
+        assert plan.weight_bytes <= sum(held) <= 1.10 * plan.weight_bytes + (256 << 10), plan
+        if plan.kv_bytes:
+            assert value(rf'omnistage_stage_kv_cache_bytes\{{stage="{plan.stage}"\}}') == plan.kv_bytes
+    assert value('omnistage_process_resident_bytes{process="server"}') > 50e6

@@ -106,6 +106,10 @@ def test_client_disconnect_frees_every_worker_and_remote_steps_reach_the_metrics
         count = re.search(rf'omnistage_stage_step_seconds_count\{{stage="{stage}"\}} ([0-9.]+)', text)
         assert count and float(count.group(1)) > 0, stage
         assert re.search(rf'omnistage_request_records\{{stage="{stage}"\}} 0\.0', text)
+        # Each worker process reports its own resident memory and what its stage holds.
+        rss = re.search(rf'omnistage_process_resident_bytes\{{process="{stage}"\}} ([0-9.e+]+)', text)
+        assert rss and float(rss.group(1)) > 10e6, stage
+        assert re.search(rf'omnistage_stage_weight_bytes\{{component="{stage}\.[a-z0-9_.]+",stage="{stage}"\}} [1-9]', text)
 
 
 def test_a_worker_killed_mid_request_fails_it_within_seconds_and_the_server_reports_503(server):
