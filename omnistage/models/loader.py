@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -15,6 +15,9 @@ from torch import nn
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Tensors for a module on the meta device are assigned in groups of about this many bytes (one group at a time
+# is held besides the module: a 5 GB bfloat16 shard read whole would hold 10 GB of float32 at once).
+_ASSIGN_BYTES = 256 << 20
 
 
 @contextlib.contextmanager
@@ -81,6 +84,44 @@ def load_weights(
     return out
 
 
+class EmbeddingRows(nn.Module):
+    """A few rows of a checkpoint's embedding table, looked up by their ids in the whole table: a stage that
+    reads only some rows of another stage's table (the Talker: the Thinker's special-token rows) does not hold
+    the table (152064 x 2048 in the released Qwen3-Omni: 1.2 GB in float32)."""
+
+    def __init__(self, ids: Sequence[int], weight: torch.Tensor) -> None:
+        super().__init__()
+        self.ids = tuple(int(i) for i in ids)
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [len(ids), H]
+        self._row = {i: n for n, i in enumerate(self.ids)}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        try:
+            rows = [self._row[int(i)] for i in ids.reshape(-1).tolist()]
+        except KeyError as exc:
+            raise KeyError(f"embedding row {exc.args[0]} was not loaded (rows held: {list(self.ids)})") from None
+        index = torch.tensor(rows, dtype=torch.long, device=self.weight.device)
+        return self.weight[index].reshape(*ids.shape, self.weight.shape[1])
+
+
+def load_embedding_rows(model_dir: str | Path, name: str, ids: Sequence[int], dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> EmbeddingRows:
+    """Rows ``ids`` of the 2-D checkpoint tensor ``name``, read row by row (nothing else of it is read)."""
+    _check_dtype(dtype)
+    path = checkpoint_files(model_dir).get(name)
+    if path is None:
+        raise ValueError(f"{model_dir} has no tensor {name!r}")
+    with safe_open(str(path), framework="pt") as f:
+        view = f.get_slice(name)
+        num_rows = view.get_shape()[0]
+        bad = [i for i in ids if not 0 <= i < num_rows]
+        if bad:
+            raise ValueError(f"rows {bad} are outside {name!r} ({num_rows} rows)")
+        rows = [view[i:i + 1] for i in ids]
+    weight = torch.cat(rows).to(dtype=dtype, device=device) if rows else torch.empty(0, 0, dtype=dtype)
+    return EmbeddingRows(ids, weight)
+
+
 def _skipped(name: str, prefix: str, skip: tuple[str, ...]) -> bool:
     # A skip entry may be written relative to `prefix` ("audio_tower.") or in full ("thinker.audio_tower.").
     return any(name.startswith(s) or (prefix + name).startswith(s) for s in skip)
@@ -103,10 +144,10 @@ def load_into(
 
     Names under a `skip` entry are ignored on both sides (e.g. the thinker's audio/visual towers).
     Raises ValueError naming every missing, unexpected or shape-mismatched tensor; nothing is loaded then
-    (names and shapes come from the safetensors headers, before any data is read). Data is then read one
-    file at a time and copied into the module's own tensors, so a model built directly in its serving
-    dtype and device needs no second full copy of its weights. Parameters on the meta device are replaced
-    by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
+    (names and shapes come from the safetensors headers, before any data is read). Data is then read tensor by
+    tensor and copied into the module's own tensors (cast on the copy), so a model built directly in its
+    serving dtype and device needs no second copy of anything but the tensor being read. Parameters on the
+    meta device are replaced by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
     are); buffers keep their dtype (e.g. float32 rotary frequencies under bfloat16 weights).
     """
     _check_dtype(dtype)
@@ -142,18 +183,24 @@ def load_into(
     on_meta = any(t.is_meta for t in expected.values())
     for path, names in sorted(files.items()):
         with safe_open(str(path), framework="pt") as f:
-            part = {}
+            part: dict[str, torch.Tensor] = {}
+            held = 0
             for name in names:
+                key = name[len(prefix):]
                 tensor = f.get_tensor(name)
+                if not on_meta:  # straight into the module's tensor (copy_ casts): no converted copy
+                    with torch.no_grad():
+                        expected[key].copy_(tensor)
+                    continue
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
-                part[name[len(prefix):]] = tensor
-        if on_meta:
-            module.load_state_dict(part, strict=False, assign=True)
-        else:
-            with torch.no_grad():
-                for key, tensor in part.items():
-                    expected[key].copy_(tensor)
+                part[key] = tensor
+                held += tensor.numel() * tensor.element_size()
+                if held >= _ASSIGN_BYTES:
+                    module.load_state_dict(part, strict=False, assign=True)
+                    part, held = {}, 0
+            if part:
+                module.load_state_dict(part, strict=False, assign=True)
         del part
     if dtype is not None:
         for p in module.parameters():

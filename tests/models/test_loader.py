@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from omnistage.checkpoints.builder import build_checkpoint
-from omnistage.models.loader import load_into, load_weights
+from omnistage.models.loader import load_embedding_rows, load_into, load_weights
 from omnistage.models.qwen3_omni.config import load_config
 
 
@@ -117,3 +117,33 @@ def test_load_config_fills_undeclared_fields(tiny_ckpt, tmp_path):
     assert full.im_end_token_id == raw["im_end_token_id"]
     with pytest.raises(ValueError, match="config.json"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_are_the_tables_rows_and_nothing_else(sharded_ckpt, dtype):
+    """A stage that reads a few rows of another stage's table holds those rows only, looked up by full-table id."""
+    table = load_weights(sharded_ckpt, "thinker.model.embed_tokens.", dtype)["weight"]
+    ids = [5, 0, table.shape[0] - 1]
+    rows = load_embedding_rows(sharded_ckpt, "thinker.model.embed_tokens.weight", ids, dtype)
+    assert rows.weight.shape == (3, table.shape[1]) and rows.weight.dtype == dtype
+    looked_up = rows(torch.tensor([[table.shape[0] - 1, 5], [0, 0]]))
+    assert torch.equal(looked_up, table[torch.tensor([[table.shape[0] - 1, 5], [0, 0]])])
+    with pytest.raises(KeyError, match="embedding row 7 was not loaded"):
+        rows(torch.tensor([7]))
+    with pytest.raises(ValueError, match=r"outside 'thinker.model.embed_tokens.weight'"):
+        load_embedding_rows(sharded_ckpt, "thinker.model.embed_tokens.weight", [table.shape[0]])
+    with pytest.raises(ValueError, match="has no tensor 'nope'"):
+        load_embedding_rows(sharded_ckpt, "nope", [0])
+
+
+def test_loading_casts_tensor_by_tensor_into_the_modules_own_storage(sharded_ckpt):
+    """load_into writes into the module's tensors in place (their storage is the one copy) and casts on the copy:
+    the result equals the stored values cast once."""
+    with torch.device("cpu"):
+        module = nn.Embedding(*load_weights(sharded_ckpt, "thinker.model.embed_tokens.", None)["weight"].shape,
+                              dtype=torch.bfloat16)
+    before = module.weight.data_ptr()
+    load_into(module, sharded_ckpt, "thinker.model.embed_tokens.", torch.bfloat16)
+    stored = load_weights(sharded_ckpt, "thinker.model.embed_tokens.", None)["weight"]
+    assert module.weight.data_ptr() == before
+    assert torch.equal(module.weight, stored.to(torch.bfloat16))

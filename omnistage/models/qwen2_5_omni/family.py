@@ -104,7 +104,8 @@ class Qwen25OmniFamily(HFChatFamily):
         if part == "talker":
             talker = fast_kernels(load_talker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
             # The Talker reads a few rows of the Thinker's embedding table (text specials, speaker bos rows).
-            embed = load_thinker_embedding(self.model_dir, ctx.dtype, ctx.device)
+            ids = [talker.ids.text_eos, talker.ids.text_pad, *(s.bos_token for s in self.speakers.values())]
+            embed = load_thinker_embedding(self.model_dir, ids, ctx.dtype, ctx.device)
             return TalkerStageModel.for_speakers(talker, embed, self.speakers)
         if part == "token2wav":
             return Token2WavStageModel(fast_kernels(load_token2wav(self.model_dir, self.config, ctx.device), ctx.fast))

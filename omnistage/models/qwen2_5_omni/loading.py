@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import Qwen2_5OmniConfig
 
-from omnistage.models.loader import building, load_into, load_weights
+from omnistage.models.loader import EmbeddingRows, building, load_embedding_rows, load_into
 from omnistage.models.qwen2_5_omni.talker import Talker
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
@@ -80,10 +79,11 @@ def load_talker(
     return talker.eval()
 
 
-def load_thinker_embedding(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> nn.Embedding:
-    """The Thinker's token embedding table alone (the Talker reads a few of its rows)."""
-    table = load_weights(model_dir, "thinker.model.embed_tokens.", dtype)["weight"]
-    return nn.Embedding.from_pretrained(table.to(device))
+def load_thinker_embedding(model_dir: str | Path, ids: Sequence[int], dtype: torch.dtype = torch.float32,
+                           device: str = "cpu") -> EmbeddingRows:
+    """Rows ``ids`` of the Thinker's token embedding table (the Talker reads a few of them; the table itself is
+    not loaded)."""
+    return load_embedding_rows(model_dir, "thinker.model.embed_tokens.weight", sorted(set(ids)), dtype, device)
 
 
 def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig, device: str = "cpu") -> Token2Wav:

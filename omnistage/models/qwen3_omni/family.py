@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
 from omnistage.core.sampling_params import SamplingParams
@@ -26,7 +25,7 @@ from omnistage.models.family import (
     no_args,
 )
 from omnistage.models.layers.fast_linear import fast_kernels
-from omnistage.models.loader import building, checkpoint_files, load_into, load_weights
+from omnistage.models.loader import building, checkpoint_files, load_embedding_rows, load_into
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
@@ -128,9 +127,10 @@ class Qwen3OmniFamily(HFChatFamily):
             with building(ctx.dtype, ctx.device):
                 talker = Talker(self.config)
             load_into(talker, self.model_dir, "talker.", ctx.dtype)
-            # The projected tts specials need the Thinker's embedding rows (only that table is read).
-            table = load_weights(self.model_dir, "thinker.model.embed_tokens.", ctx.dtype)["weight"]
-            embed = nn.Embedding.from_pretrained(table.to(ctx.device))
+            # The projected tts specials need three of the Thinker's embedding rows (only those are read).
+            specials_ids = [self.ids.tts_pad, self.ids.tts_bos, self.ids.tts_eos]
+            embed = load_embedding_rows(self.model_dir, "thinker.model.embed_tokens.weight", specials_ids,
+                                        ctx.dtype, ctx.device)
             with torch.inference_mode():
                 specials = text_specials(talker.eval(), embed, self.ids)
             fast_kernels(talker, ctx.fast).code_predictor.warm_up()
