@@ -265,6 +265,78 @@ def attach_hf_timers(hf, family: str) -> StageTimers:
     return timers
 
 
+def depth_factors(engine) -> tuple[dict[str, float], str] | None:
+    """Per component, how its time grows from this checkpoint's depth to the released depth (Thinker 48, Talker
+    20, code predictor 5, Code2Wav 8 layers), assuming each part keeps its measured speed: the share of its work
+    that sits in the layer stacks is scaled by full / measured layers, the rest (embeddings, output heads,
+    Code2Wav's convolutional decoder) stays. Shares: decoders and the code predictor by the weights a step reads
+    (decode batches read their weights once per step), Code2Wav by its flops per frame. Qwen3-Omni in this
+    process only; None otherwise."""
+    from omnistage.checkpoints.real import REAL
+    from omnistage.models.layers.decoder import DecoderConfig
+    from omnistage.models.layers.fast_linear import PackedLinear
+
+    full = {"thinker": REAL.thinker.num_layers, "talker": REAL.talker.num_layers,
+            CODE_PREDICTOR: REAL.code_predictor.num_layers, "code2wav": REAL.code2wav.num_layers}
+    factors, depths = {}, []
+
+    def grow(name: str, layers: int, layer_share: float) -> None:
+        factors[name] = layer_share * full[name] / layers + (1 - layer_share)
+        depths.append(f"{name} {layers}->{full[name]}")
+
+    def stack_and_all_experts(cfg: DecoderConfig) -> float:  # parameters a decode batch reads in its layers
+        shape = DecoderShape.from_config(cfg, torch.float32)
+        return shape.dense_params + shape.sparse_layers * shape.num_experts * shape.expert_params
+
+    for name, stage in engine.orchestrator.stages.items():
+        model = stage.runner.model
+        part = getattr(model, name, None)
+        if name in ("thinker", "talker") and isinstance(getattr(part, "cfg", None), DecoderConfig):
+            stack = stack_and_all_experts(part.cfg)
+            grow(name, part.cfg.num_layers, stack / (stack + part.cfg.hidden_size * part.vocab_size))
+            predictor = getattr(part, "code_predictor", None)
+            if predictor is not None:
+                cp = predictor.cfg.decoder
+                stack = stack_and_all_experts(cp)
+                grow(CODE_PREDICTOR, cp.num_layers, stack / (stack + cp.hidden_size * predictor.cfg.vocab_size))
+        elif name == "code2wav" and hasattr(model, "code2wav"):
+            c2w = model.code2wav
+            cfg = c2w.config
+            probe = torch.zeros(1, cfg.num_quantizers, 50, dtype=torch.long, device=c2w.code_embedding.weight.device)
+            counted = count_flops(c2w, probe) / 50  # packed linears (the fast option) are not counted by torch
+            h = cfg.hidden_size
+            stack = 2 * cfg.num_hidden_layers * (4 * h * h + 3 * h * cfg.intermediate_size)  # per frame row
+            packed = any(isinstance(m, PackedLinear) for m in c2w.pre_transformer.modules())
+            grow(name, cfg.num_hidden_layers, stack / (counted + (stack if packed else 0)))
+    if not factors:
+        return None
+    return factors, ", ".join(depths)
+
+
+def projection_lines(depth: tuple[dict[str, float], str], config: Config, n: int, wall: float, audio: float,
+                     ours: dict[str, Component], hf_wall: float, hf: dict[str, Component], hf_scale: float,
+                     hf_audio: float) -> list[str]:
+    """Ours and transformers' measured component times scaled to the released depth (``depth_factors``); the
+    rest of each wall time (sampling, bridges, overhead) is kept as measured."""
+    factors, depths = depth
+    lines = [f"projection to the released depth ({depths} layers), {config} N={n}: a projection from the measured "
+             "per-component times, not a measurement",
+             f"    {'component':<16} {'factor':>6} {'ours s':>8} {'proj s':>8} | {'hf s':>8} {'proj s':>8}"]
+    ours_wall, hf_total = wall, hf_wall * hf_scale
+    for name, factor in factors.items():
+        c, theirs = ours.get(name), hf.get(name)
+        mine = c.seconds if c else 0.0
+        their = theirs.seconds * hf_scale if theirs else 0.0
+        ours_wall += mine * (factor - 1)
+        hf_total += their * (factor - 1)
+        lines.append(f"    {name:<16} {factor:>6.2f} {mine:>8.2f} {mine * factor:>8.2f} | {their:>8.2f} "
+                     f"{their * factor:>8.2f}")
+    ours_rate, hf_rate = audio / ours_wall, hf_audio * hf_scale / hf_total
+    lines.append(f"    projected wall: ours {ours_wall:.2f} s ({ours_rate:.3f} audio-s/s), transformers {hf_total:.2f} s "
+                 f"for {n} requests one by one ({hf_rate:.3f} audio-s/s): {ours_rate / hf_rate:.2f}x")
+    return lines
+
+
 def compile_note(engine) -> str:
     """How the code predictor's frame ran: its passes in the CPU decoder-pass kernel, compiled (and how long the
     compiling first call took) or eager."""
@@ -532,6 +604,7 @@ def main() -> None:
         print(memory_line(config, engine), flush=True)
         # Model timers need the models in this process; stage workers get the trace and transport lines.
         timers = attach_component_timers(engine, getattr(torch, config.dtype)) if engine.workers is None else None
+        depth = depth_factors(engine) if timers is not None and family == "qwen3_omni" else None
         for n in args.concurrency:
             best = None
             for _ in range(args.repeats):
@@ -552,7 +625,7 @@ def main() -> None:
                 print("\n".join(details), flush=True)
             if workers is not None:
                 print("\n".join(workers), flush=True)
-            measured.append((config, n, ours.wall, comps, steps))
+            measured.append((config, n, ours, comps, steps, depth))
         if timers is not None:
             timers.detach()
     engine.shutdown()
@@ -564,13 +637,17 @@ def main() -> None:
         lines.append(f"peaks ({dtype_name}, {args.threads} threads, better of before/after the runs): GEMM "
                      f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
                      f"bound = max(GFLOP / GEMM peak, GB / read peak)")
-        for config, n, wall, comps, steps in measured:
+        for config, n, ours, comps, steps, depth in measured:
             if config.dtype != dtype_name or comps is None:
                 continue
+            wall, scale = ours.wall, n / args.hf_requests
             lines += [f"where the time went, {config} N={n} (wall {wall:.2f} s): ours for all {n} requests; "
                       f"transformers' time per part over {args.hf_requests} requests, scaled to {n}",
                       *stage_table(wall, steps),
-                      *component_table(wall, comps, theirs.wall, hf_timers.components, n / args.hf_requests, peaks)]
+                      *component_table(wall, comps, theirs.wall, hf_timers.components, scale, peaks)]
+            if depth is not None and any(f != 1 for f in depth[0].values()):
+                lines += projection_lines(depth, config, n, wall, ours.audio_s, comps, theirs.wall,
+                                          hf_timers.components, scale, theirs.audio_s)
     lines.append(f"load_avg_1m at the end {os.getloadavg()[0]:.1f}")
     print("\n".join(lines))
 

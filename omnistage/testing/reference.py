@@ -8,15 +8,16 @@ from pathlib import Path
 import torch
 
 
-@functools.cache
-def _load(path: str):
+def load_hf_model(path: str | Path):
+    """`Qwen3OmniMoeForConditionalGeneration` in float32, eval mode, not cached (the caller owns it: e.g. a
+    released-width model freed before the engine under test loads)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # mrope keys draw a spurious rope_parameters warning
     try:
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(level)
     return model.eval()
@@ -30,4 +31,7 @@ def load_hf_reference(path: str | Path):
     thinker_do_sample=False, talker_do_sample=False, talker_repetition_penalty=1.0, speaker="ethan",
     talker_max_new_tokens=m)`.
     """
-    return _load(str(Path(path).resolve()))
+    return _cached(str(Path(path).resolve()))
+
+
+_cached = functools.cache(load_hf_model)

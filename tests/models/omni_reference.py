@@ -7,8 +7,10 @@ from the same checkpoint directory.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,7 @@ def checkpoint_dir(preset: str) -> Path:
     from omnistage.checkpoints.builder import build_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix=f"omnistage-h2-{preset}-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # (tests used to leave one behind per run)
     return build_checkpoint(root, preset=preset, seed=0)
 
 
