@@ -201,7 +201,8 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
-    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime, voices))  # WS /v1/realtime
+    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime, voices,
+                                       limits.max_transcript_tokens))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)

@@ -225,8 +225,6 @@ UNSUPPORTED_VALUES = [  # values OpenAI's server takes and this one does not: Op
      "Invalid value: 'far_field'. Supported values are: null."),
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}}}},
      "session.audio.input.turn_detection.type", "Invalid value: 'semantic_vad'. Supported values are: 'server_vad'."),
-    ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, "session.audio.input.transcription",
-     "Invalid value: '{\"model\": \"gpt-4o-transcribe\"}'. Supported values are: null."),
 ]
 
 
@@ -252,6 +250,94 @@ def test_unsupported_values_are_refused_as_openai_refuses_them_and_the_session_g
             assert of(await until(conn, "response.done"), "response.done")[0].response.status == "completed"
 
     asyncio.run(scenario())
+
+
+TRANSCRIBED = "conversation.item.input_audio_transcription"
+
+
+async def _until_all(conn, *types: str) -> list:
+    """Every event until one of each of ``types`` has come."""
+    events: list = []
+    while not all(of(events, t) for t in types):
+        events += await until(conn, *[t for t in types if not of(events, t)])
+    return events
+
+
+def test_committed_turns_are_transcribed_after_their_answer_started_and_the_transcript_joins_the_item(server, fake):
+    turn = np.concatenate([silence(0.3), speech_like(0.8), silence(0.8)])
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={
+                "type": "realtime", "output_modalities": ["text"],
+                "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe", "language": "en",
+                                                      "prompt": "weather"},
+                                    "turn_detection": {"type": "server_vad"}}}})
+            got = (await until(conn, "session.updated"))[-1].session.audio.input.transcription
+            assert (got.model, got.language, got.prompt) == ("gpt-4o-transcribe", "en", "weather")
+            # A slow transcription: the answer does not wait for it.
+            fake.transcripts, fake.transcript_delay, fake.answers = ["What is the weather"], 0.05, ["Sunny."]
+            for chunk in b64_chunks(turn):
+                await conn.input_audio_buffer.append(audio=chunk)
+            events = await _until_all(conn, "response.done", f"{TRANSCRIBED}.completed")
+            types = [e.type for e in events]
+            assert "error" not in types
+            item = of(events, "input_audio_buffer.committed")[0].item_id
+            deltas = of(events, f"{TRANSCRIBED}.delta")
+            done = of(events, f"{TRANSCRIBED}.completed")[0]
+            assert len(deltas) == len("What is the weather") and all(
+                (d.item_id, d.content_index) == (item, 0) for d in deltas + [done])
+            assert "".join(d.delta for d in deltas) == done.transcript == "What is the weather"
+            assert types.index("response.done") < types.index(f"{TRANSCRIBED}.completed")
+            assert types.index("input_audio_buffer.committed") < types.index(f"{TRANSCRIBED}.delta")
+            assert done.usage.type == "tokens" and done.usage.output_tokens == len(done.transcript)
+            # The answer went to the engine first; the transcription is a text-only request on the turn's audio.
+            answer, transcription = fake.submitted[-2], fake.submitted[-1]
+            assert prompt_text(fake, -2).startswith("<user><audio:") and answer["modalities"] == ("text",)
+            assert transcription["modalities"] == ("text",) and transcription["params"]["thinker"].temperature == 0
+            assert prompt_text(fake) == (f"<user><audio:{_committed_samples(fake, -2)}@24000>Transcribe the audio "
+                                         "into text. The speech is in English. Context: weather")
+            await conn.conversation.item.retrieve(item_id=item)
+            part = (await until(conn, "conversation.item.retrieved"))[-1].item.content[0]
+            assert (part.type, part.transcript) == ("input_audio", "What is the weather")
+            # A manual commit is transcribed at once; the engine's failure is the transcription's own event.
+            fake.transcript_delay = 0.0
+            await conn.session.update(session={"audio": {"input": {"turn_detection": None}}})
+            await until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64_chunks(speech_like(0.3), ms=300)[0])
+            fake.fail_with = "error"
+            try:
+                await conn.input_audio_buffer.commit()
+                events = await until(conn, f"{TRANSCRIBED}.failed", f"{TRANSCRIBED}.completed")
+            finally:
+                fake.fail_with = None
+            failed = events[-1]
+            assert failed.type == f"{TRANSCRIBED}.failed" and not of(events, "error")
+            assert (failed.item_id, failed.content_index, failed.error.code) == (
+                of(events, "input_audio_buffer.committed")[0].item_id, 0, "request_failed")
+            # Switched off: a commit is not transcribed.
+            await conn.session.update(session={"audio": {"input": {"transcription": None}}})
+            assert (await until(conn, "session.updated"))[-1].session.audio.input.transcription is None
+            n = len(fake.submitted)
+            await conn.input_audio_buffer.append(audio=b64_chunks(speech_like(0.3), ms=300)[0])
+            await conn.input_audio_buffer.commit()
+            await conn.conversation.item.retrieve(item_id="nope")  # a round trip: anything sent came first
+            events = await until(conn, "error")
+            assert not [e for e in events if e.type.startswith(TRANSCRIBED)] and len(fake.submitted) == n
+            for field, value, code in (("model", "gpt-4o-transcribe-diarize", "invalid_value"),
+                                       ("model", "nope", "model_not_found"), ("language", "english", "invalid_value")):
+                await send_raw(conn, {"type": "session.update", "session": {
+                    "audio": {"input": {"transcription": {"model": "whisper-1", field: value}}}}})
+                err = (await until(conn, "error"))[-1].error
+                assert (err.code, err.param) == (code, f"session.audio.input.transcription.{field}"), err
+
+    asyncio.run(scenario())
+
+
+def _committed_samples(fake, i: int) -> int:
+    """The samples of the audio in the ``i``-th submitted prompt (``<audio:N@24000>``)."""
+    text = prompt_text(fake, i)
+    return int(text[text.rindex("<audio:") + 7:].split("@")[0])
 
 
 def _in_order(types: list[str], expected: list[str]) -> bool:

@@ -7,8 +7,9 @@ the full effective configuration is returned in ``session.updated`` (``SessionCo
 Values OpenAI's server takes and this one does not are refused as OpenAI refuses an invalid value (``invalid_value``,
 "Invalid value: ... Supported values are: ...", the field as ``param``, the server's reason after it), and the
 session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here),
-``audio.input.transcription`` other than null (no input transcription), ``turn_detection.type`` "semantic_vad"
-(server VAD only). Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
+``turn_detection.type`` "semantic_vad" (server VAD only). ``audio.input.transcription`` (``model``,
+``language``, ``prompt``) transcribes each committed turn with the served model (``realtime.transcription``);
+OpenAI's transcription model names map to it (``entrypoints.speech_to_text``), diarization is refused. Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
 ...) are ``unsupported_parameter``.
 
 ``tool_choice``: "auto" (the model decides), "none" (no tools offered), "required" or a named function
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.core.validation import check_positive_int
+from omnistage.entrypoints import speech_to_text as stt
 from omnistage.entrypoints.realtime.events import (
     MAX_TOKENS_INF,
     AudioFormat,
@@ -34,6 +36,7 @@ from omnistage.entrypoints.realtime.events import (
     ResponseParams,
     SamplingParamsExt,
     SessionParams,
+    TranscriptionParams,
     TurnDetectionParams,
 )
 from omnistage.entrypoints.voices import UnknownVoice, VoiceMap
@@ -98,6 +101,23 @@ class TurnDetection:
 
 
 @dataclass(frozen=True)
+class Transcription:
+    """Input audio transcription (``audio.input.transcription``): each committed user turn is transcribed by the
+    served model (``entrypoints.speech_to_text``; ``model`` is the name the client gave, echoed)."""
+
+    model: str
+    language: str | None = None
+    prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        stt.check_language(self.language)
+        stt.check_prompt(self.prompt)
+
+    def to_api(self) -> dict[str, Any]:
+        return {"model": self.model, "language": self.language, "prompt": self.prompt or ""}
+
+
+@dataclass(frozen=True)
 class FunctionTool:
     name: str
     description: str = ""
@@ -130,6 +150,7 @@ class SessionConfig:
     voice: str | None = None
     output_modalities: tuple[str, ...] = ("audio",)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    transcription: Transcription | None = None
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: str = "auto"  # auto | none | required | function (then ``tool_choice_name``)
     tool_choice_name: str | None = None
@@ -171,7 +192,8 @@ class SessionConfig:
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
             "output_modalities": list(self.output_modalities), "instructions": self.instructions,
             "audio": {
-                "input": {"format": fmt, "transcription": None, "noise_reduction": None,
+                "input": {"format": fmt, "noise_reduction": None,
+                          "transcription": self.transcription.to_api() if self.transcription else None,
                           "turn_detection": self.turn_detection.to_api() if self.turn_detection else None},
                 "output": {"format": fmt, "voice": self.voice, "speed": 1.0},
             },
@@ -304,6 +326,17 @@ def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | Non
     return dataclasses.replace(base, **fields)
 
 
+def _transcription(t: TranscriptionParams | None, served: str, param: str) -> Transcription | None:
+    if t is None:
+        return None
+    model = t.model or served
+    try:
+        stt.check_model(model, served)
+        return Transcription(model, t.language, t.prompt)
+    except stt.TranscriptionFieldError as exc:
+        raise RealtimeError(str(exc), code=exc.code, param=f"{param}.{exc.param}") from None
+
+
 def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str,
                          voices: VoiceMap) -> SessionConfig:
     """The configuration after ``session.update``; raises RealtimeError (and changes nothing) if any field
@@ -322,9 +355,8 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
         a = s.audio
         if a.input is not None:
             check_format(a.input.format, f"{p}.audio.input.format")
-            if a.input.transcription is not None:
-                raise invalid_value(f"{p}.audio.input.transcription", a.input.transcription, ["null"],
-                                    "This server does not transcribe input audio (the model hears it).")
+            if "transcription" in a.input.model_fields_set:
+                new["transcription"] = _transcription(a.input.transcription, model, f"{p}.audio.input.transcription")
             if a.input.noise_reduction is not None:
                 nr = a.input.noise_reduction
                 kind = nr.get("type") if isinstance(nr, dict) else nr

@@ -110,6 +110,7 @@ class ResponseRun:
         self.timer: RequestTimer | None = None
         self.submitted: float | None = None  # when the request went to the engine (latency metrics count from it)
         self.finish_reason: str | None = None
+        self.first_output = asyncio.Event()  # set at the first engine output or the end (transcriptions wait)
         specials = getattr(self.tokenizer, "all_special_ids", None) or [self.tokenizer.eos_token_id]
         self.special_ids = frozenset(int(t) for t in specials if t is not None)
         self.task: asyncio.Task | None = None
@@ -169,6 +170,7 @@ class ResponseRun:
             async with contextlib.aclosing(stream):
                 await self._text(self.prefix)  # the answer's own beginning, for the call scanner
                 async for delta in stream:
+                    self.first_output.set()
                     if self.timer is None:
                         self.timer = RequestTimer(metrics, len(self.prompt.token_ids), self.submitted)
                     if await self._delta(delta):
@@ -191,6 +193,7 @@ class ResponseRun:
             logger.exception("realtime response %s failed", self.id)
             self._fail(RealtimeError(f"internal error: {exc!r}", code="internal_error", type="server_error"))
         finally:
+            self.first_output.set()
             with contextlib.suppress(SessionClosed):
                 await self._finish()
 

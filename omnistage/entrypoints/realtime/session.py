@@ -19,6 +19,9 @@ refused (``duplicate_item_id``). ``conversation.item.retrieve`` answers ``conver
 item, user audio included (base64 pcm16, 24 kHz); retrieve, truncate and delete of an unknown id get OpenAI's
 ``item_<action>_invalid_item_id``.
 
+With ``audio.input.transcription`` each committed turn is also transcribed by the model, after the answer it
+starts is under way (``transcription``: ``conversation.item.input_audio_transcription.delta`` / ``.completed``).
+
 Input audio is 24 kHz pcm16; the model hears it through its processor, which resamples to 16 kHz with soxr
 (the same path as any audio part of a chat message).
 """
@@ -64,6 +67,7 @@ from omnistage.entrypoints.realtime.events import (
 )
 from omnistage.entrypoints.realtime.input_buffer import MIN_COMMIT_MS, InputAudioBuffer, ms_to_samples
 from omnistage.entrypoints.realtime.response import ResponseRun
+from omnistage.entrypoints.realtime.transcription import TranscriptionRun
 from omnistage.entrypoints.realtime.vad import SpeechDetector
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
@@ -91,6 +95,7 @@ class RealtimeSession:
         self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE,
                                          info.tool_calls)
         self.response: ResponseRun | None = None
+        self.transcriptions: list[TranscriptionRun] = []  # running (and recently finished) input transcriptions
         self.speech: tuple[str, int] | None = None  # (item id, audio_start_ms) of the speech in progress
         self.overflow_reported = False
 
@@ -117,6 +122,8 @@ class RealtimeSession:
         self.closed = True
         if self.response is not None:
             await self.response.cancel("client_gone")
+        for run in self.transcriptions:
+            await run.cancel()
         self.buffer.clear()
         self.conversation.items.clear()
 
@@ -192,9 +199,12 @@ class RealtimeSession:
         self.overflow_reported = False
         if not audio.size:
             return
-        await self._commit_audio(item_id, audio)
-        if self.config.turn_detection.create_response:
-            await self._create_response(self._settings(None), stopped_at)
+        item = await self._commit_audio(item_id, audio)
+        try:
+            if self.config.turn_detection.create_response:
+                await self._create_response(self._settings(None), stopped_at)
+        finally:  # after the answer it starts (see ``transcription``)
+            self._transcribe(item, self.response.first_output if self.response is not None else None)
 
     async def _commit(self, _: Any) -> None:
         audio = self.buffer.take()
@@ -205,13 +215,23 @@ class RealtimeSession:
         if audio.shape[0] < ms_to_samples(MIN_COMMIT_MS):
             raise RealtimeError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, got "
                                 f"{audio.shape[0] * 1000 // AUDIO_RATE} ms", code="input_audio_buffer_commit_empty")
-        await self._commit_audio(item_id, audio)
+        self._transcribe(await self._commit_audio(item_id, audio))
 
-    async def _commit_audio(self, item_id: str, audio: np.ndarray) -> None:
+    async def _commit_audio(self, item_id: str, audio: np.ndarray) -> UserMessage:
         item = UserMessage(item_id, [("audio", audio)])
         prev = await self.add_item(item, announce=False)
         await self.send(server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=prev))
         await self._announce(item, prev)
+        return item
+
+    def _transcribe(self, item: UserMessage, after: asyncio.Event | None = None) -> None:
+        """Transcribe a committed turn if the session asks for it (``transcription``)."""
+        if self.config.transcription is None:
+            return
+        self.transcriptions = [t for t in self.transcriptions if not t.done]
+        run = TranscriptionRun(self, item, 0, self.config.transcription, after)
+        self.transcriptions.append(run)
+        run.start()
 
     async def _clear(self, _: Any) -> None:
         self.buffer.clear()
