@@ -90,3 +90,13 @@ def sampling(info: ModelInfo, max_tokens: int, temperature: float | None = None)
         return stage_params(info, {"temperature": temperature or 0.0, "max_tokens": max_tokens, "min_tokens": 0}, {})
     except SamplingFieldError as exc:
         raise TranscriptionFieldError(str(exc), exc.param or "temperature") from exc
+
+
+def audio_tokens(tokenizer: Any, token_ids: list[int]) -> int:
+    """How many of a prompt's tokens are audio rows (the model's ``<|audio_pad|>`` placeholders; 0 if it has
+    none)."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    pad = convert("<|audio_pad|>") if convert is not None else None
+    if not isinstance(pad, int) or pad == getattr(tokenizer, "unk_token_id", None):
+        return 0
+    return sum(1 for t in token_ids if t == pad)

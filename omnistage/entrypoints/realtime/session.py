@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from omnistage.entrypoints import speech_to_text as stt
 from omnistage.entrypoints.realtime import config as cfg
 from omnistage.entrypoints.realtime.config import AUDIO_RATE, SessionConfig
 from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClosed
@@ -324,10 +325,7 @@ class RealtimeSession:
             await self.send(server_event("conversation.item.deleted", item_id=gone.id))
 
     def audio_prompt_tokens(self, prompt: PreparedPrompt | None) -> int:
-        pad = _audio_pad_id(self.ctx.omni.tokenizer)
-        if prompt is None or pad is None:
-            return 0
-        return sum(1 for t in prompt.token_ids if t == pad)
+        return 0 if prompt is None else stt.audio_tokens(self.ctx.omni.tokenizer, prompt.token_ids)
 
     # ---- responses ----------------------------------------------------------------------------------
     async def _response_create(self, e: ResponseCreate) -> None:
@@ -381,10 +379,3 @@ def _render(omni: EngineClient, messages: list[dict[str, Any]],
     except ValueError as exc:
         return None, exc
 
-
-def _audio_pad_id(tokenizer: Any) -> int | None:
-    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
-    if convert is None:
-        return None
-    pad = convert("<|audio_pad|>")
-    return pad if isinstance(pad, int) and pad != getattr(tokenizer, "unk_token_id", None) else None
