@@ -73,6 +73,10 @@ def test_items_are_added_then_done_with_client_ids_and_previous_item_ids_kept(se
             assert (added.item.id, added.previous_item_id, added.item.status) == (answer, "item_b", "in_progress")
             assert (done.item.id, done.previous_item_id, done.item.status) == (answer, "item_b", "completed")
             assert done.item.content[0].text == "Hi."
+            # The context left after this response, as OpenAI's servers follow response.done with the limits.
+            limits = (await until(conn, "rate_limits.updated"))[-1].rate_limits
+            used = len(fake.submitted[-1]["prompt"].token_ids) + len("Hi.")
+            assert [(r.name, r.limit, r.remaining) for r in limits] == [("tokens", 2000, 2000 - used)]
             # An id already in the conversation is refused; the conversation is unchanged.
             await send_raw(conn, {"type": "conversation.item.create", "item": _user("again", id="item_a"),
                                   "event_id": "evt_dup"})
@@ -382,7 +386,7 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             events += await until(conn, "conversation.item.truncated")
             for chunk in b64_chunks(silence(0.9)):  # the end of the user's turn
                 await conn.input_audio_buffer.append(audio=chunk)
-            events += await until(conn, "response.done")  # the second turn's answer
+            events += await until(conn, "rate_limits.updated")  # the second turn's answer
             await conn.conversation.item.retrieve(item_id=user_item)
             events += await until(conn, "conversation.item.retrieved")
             types = [e.type for e in events]
@@ -395,9 +399,10 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
                 "response.content_part.added", "response.output_audio.delta",
                 "input_audio_buffer.speech_started",  # barge-in
                 "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
-                "response.output_item.done", "conversation.item.done", "response.done",
+                "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
                 "conversation.item.truncated", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
-                "conversation.item.done", "response.created", "response.done", "conversation.item.retrieved"]), " ".join(shown)
+                "conversation.item.done", "response.created", "response.done", "rate_limits.updated",
+                "conversation.item.retrieved"]), " ".join(shown)
             done_items = {e.item.id: e.item for e in of(events, "conversation.item.done")}
             assert done_items[answer_item].status == "incomplete" and done_items[user_item].status == "completed"
             assert of(events, "conversation.item.retrieved")[0].item.id == user_item

@@ -6,7 +6,9 @@ pcm16, 24 kHz) with ``response.output_audio_transcript.delta`` (audio) or ``resp
 (text), then the ``.done`` events of the part and item and ``conversation.item.done``; for each tool call
 ``response.output_item.added``, ``conversation.item.added``, ``response.function_call_arguments.delta`` /
 ``.done``, ``response.output_item.done``, ``conversation.item.done``; last ``response.done`` with the status
-and usage (a beta client gets the beta names, see ``events.for_protocol``).
+and usage, then ``rate_limits.updated`` (a beta client gets the beta names, see ``events.for_protocol``).
+``output_audio_buffer.started`` / ``.stopped`` / ``.cleared`` are not sent: OpenAI sends them over WebRTC and SIP
+only (its server plays the audio there); over a WebSocket the client owns playback, as here.
 
 Tool calls (``tools``): with tools active the response still asks for speech from the start, but its audio
 is held back while the text could be opening a call: until the first non-blank text that cannot begin
@@ -392,6 +394,12 @@ class ResponseRun:
             err = self.error
             await self.session.send(RealtimeError(err.message, err.code, err.param, err.type).event())
         await self.send("response.done", response=self._api())
+        # OpenAI's servers follow response.done with the session's limits. This server has no rate limits; the
+        # limit a conversation runs into is the context: what this response's prompt and answer left of it.
+        usage = self._usage()
+        await self.send("rate_limits.updated", rate_limits=[{
+            "name": "tokens", "limit": self.info.max_model_len, "reset_seconds": 0.0,
+            "remaining": max(0, self.info.max_model_len - usage["input_tokens"] - len(self.token_ids))}])
 
     def _usage(self) -> dict[str, Any]:
         n_in = len(self.prompt.token_ids) if self.prompt is not None else 0
