@@ -19,6 +19,7 @@ from test_realtime_fake import MODEL, WEATHER, RealtimeFake, prompt_text
 from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
 from omnistage.entrypoints.server import create_app
+from omnistage.testing.speech_turns import phrase
 
 TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}
 
@@ -227,8 +228,9 @@ UNSUPPORTED_VALUES = [  # values OpenAI's server takes and this one does not: Op
      "Invalid value: 'near_field'. Supported values are: null."),
     ({"audio": {"input": {"noise_reduction": {"type": "far_field"}}}}, "session.audio.input.noise_reduction.type",
      "Invalid value: 'far_field'. Supported values are: null."),
-    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}}}},
-     "session.audio.input.turn_detection.type", "Invalid value: 'semantic_vad'. Supported values are: 'server_vad'."),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
+     "session.audio.input.turn_detection.eagerness",
+     "Invalid value: 'eager'. Supported values are: 'low', 'medium', 'high' and 'auto'."),
 ]
 
 
@@ -351,9 +353,10 @@ def _in_order(types: list[str], expected: list[str]) -> bool:
 
 
 def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(server, fake):
-    """The event sequence a GA voice-agent client sends (its session update with a GA voice and server VAD,
-    audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn), replayed."""
-    turn = np.concatenate([silence(0.4), speech_like(1.0), silence(0.9)])
+    """The event sequence a GA voice-agent client sends (its session update with input transcription, semantic
+    VAD and a GA voice; audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn),
+    replayed. The turns trail off at their end, as speakers do (semantic VAD's cue)."""
+    turn = np.concatenate([silence(0.4), phrase(1.0, 0, trailing=True), silence(0.9)])
 
     async def scenario():
         async with client(server.url).realtime.connect(model=MODEL) as conn:
@@ -361,21 +364,21 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             fmt = {"type": "audio/pcm", "rate": 24000}
             await conn.session.update(session={
                 "type": "realtime", "instructions": "You are a helpful assistant.", "output_modalities": ["audio"],
-                "audio": {"input": {"format": fmt, "noise_reduction": None, "transcription": None,
-                                    "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                                                       "silence_duration_ms": 500, "create_response": True,
-                                                       "interrupt_response": True}},
+                "audio": {"input": {"format": fmt, "noise_reduction": None,
+                                    "transcription": {"model": "gpt-4o-transcribe"},
+                                    "turn_detection": {"type": "semantic_vad", "eagerness": "auto",
+                                                       "create_response": True, "interrupt_response": True}},
                           "output": {"format": fmt, "voice": "alloy"}},
                 "tools": [WEATHER], "tool_choice": "auto"})
             events = await until(conn, "session.updated")
             long = "A long answer that keeps going for a while, word after word."
-            fake.answers = [long, "Sure."]
+            fake.answers, fake.transcripts = [long, "Sure."], ["What is the weather", "No, wait"]
             for chunk in b64_chunks(turn):
                 await conn.input_audio_buffer.append(audio=chunk)
             events += await until(conn, "response.output_audio.delta")
             user_item = of(events, "input_audio_buffer.committed")[0].item_id
             answer_item = of(events, "response.output_item.added")[0].item.id
-            for chunk in b64_chunks(speech_like(1.0, seed=3)):  # the user speaks over the answer
+            for chunk in b64_chunks(phrase(1.0, 3, trailing=True)):  # the user speaks over the answer
                 await conn.input_audio_buffer.append(audio=chunk)
             first = await until(conn, "response.done")
             events += first
@@ -387,6 +390,8 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             for chunk in b64_chunks(silence(0.9)):  # the end of the user's turn
                 await conn.input_audio_buffer.append(audio=chunk)
             events += await until(conn, "rate_limits.updated")  # the second turn's answer
+            while len(of(events, f"{TRANSCRIBED}.completed")) < 2:
+                events += await until(conn, f"{TRANSCRIBED}.completed")
             await conn.conversation.item.retrieve(item_id=user_item)
             events += await until(conn, "conversation.item.retrieved")
             types = [e.type for e in events]
@@ -406,10 +411,18 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             done_items = {e.item.id: e.item for e in of(events, "conversation.item.done")}
             assert done_items[answer_item].status == "incomplete" and done_items[user_item].status == "completed"
             assert of(events, "conversation.item.retrieved")[0].item.id == user_item
+            assert of(events, "conversation.item.retrieved")[0].item.content[0].transcript == "What is the weather"
+            turns = [e.item_id for e in of(events, "input_audio_buffer.committed")]
+            assert [(e.item_id, e.transcript) for e in of(events, f"{TRANSCRIBED}.completed")] == list(
+                zip(turns, ["What is the weather", "No, wait"]))
+            assert types.index(f"{TRANSCRIBED}.delta") > types.index("response.output_item.added")
+            td = of(events, "session.updated")[0].session.audio.input.turn_detection
+            assert (td.type, td.eagerness) == ("semantic_vad", "auto")
             assert of(events, "response.done")[-1].response.audio.output.voice == "alloy"
-            assert fake.submitted[-1]["speaker"] == "ethan"  # alloy, by the default map
+            last = max(i for i, r in enumerate(fake.submitted) if "audio" in r["modalities"])  # the last answer
+            assert fake.submitted[last]["speaker"] == "ethan"  # alloy, by the default map
             # The next turn heard the answer as far as the client played it (one token per audio chunk here).
-            assert f"<assistant>{long[:played * 24 // CHUNK]}<user><audio:" in prompt_text(fake)
+            assert f"<assistant>{long[:played * 24 // CHUNK]}<user><audio:" in prompt_text(fake, last)
 
     fake.delay = 0.1  # per token: the first answer streams for seconds, long enough to speak over
     try:

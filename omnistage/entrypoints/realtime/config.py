@@ -6,8 +6,9 @@ the full effective configuration is returned in ``session.updated`` (``SessionCo
 
 Values OpenAI's server takes and this one does not are refused as OpenAI refuses an invalid value (``invalid_value``,
 "Invalid value: ... Supported values are: ...", the field as ``param``, the server's reason after it), and the
-session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here),
-``turn_detection.type`` "semantic_vad" (server VAD only). ``audio.input.transcription`` (``model``,
+session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here).
+``turn_detection`` is ``server_vad`` or ``semantic_vad`` (``eagerness``: the end-of-turn rule of ``vad``).
+``audio.input.transcription`` (``model``,
 ``language``, ``prompt``) transcribes each committed turn with the served model (``realtime.transcription``);
 OpenAI's transcription model names map to it (``entrypoints.speech_to_text``), diarization is refused. Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
 ...) are ``unsupported_parameter``.
@@ -72,29 +73,51 @@ class RealtimeLimits:
             raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {self.idle_timeout_s!r}")
 
 
+TURN_DETECTION_TYPES = ("server_vad", "semantic_vad")
+EAGERNESS = ("low", "medium", "high", "auto")
+# semantic_vad: the silence (ms) that ends a turn, by eagerness, after speech that (held) stops at full level or
+# (trailing) trails off; "auto" is "medium", as OpenAI's. See ``vad``.
+SEMANTIC_SILENCE_MS = {"low": (2000, 800), "medium": (1200, 400), "high": (600, 200)}
+
+
 @dataclass(frozen=True)
 class TurnDetection:
-    """Server VAD settings (the API's ``server_vad`` fields). ``threshold`` in [0, 1] picks the WebRTC VAD's
-    aggressiveness: [0, .25) -> 0, [.25, .5) -> 1, [.5, .75) -> 2, [.75, 1] -> 3 (higher = needs clearer
-    speech)."""
+    """Turn detection settings: ``server_vad`` (the API's fields) or ``semantic_vad`` (``eagerness``; the
+    energy VAD with the end-of-turn rule of ``vad``, its threshold and padding at their defaults).
+    ``threshold`` in [0, 1] picks the WebRTC VAD's aggressiveness: [0, .25) -> 0, [.25, .5) -> 1,
+    [.5, .75) -> 2, [.75, 1] -> 3 (higher = needs clearer speech)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    type: str = "server_vad"
+    eagerness: str = "auto"  # semantic_vad only
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.prefix_padding_ms < 0 or self.silence_duration_ms < 20:
             raise ValueError("prefix_padding_ms must be >= 0 and silence_duration_ms >= 20")
+        if self.type not in TURN_DETECTION_TYPES or self.eagerness not in EAGERNESS:
+            raise ValueError(f"type must be one of {TURN_DETECTION_TYPES} and eagerness one of {EAGERNESS}")
 
     @property
     def aggressiveness(self) -> int:
         return min(3, int(self.threshold * 4))
 
+    def silence_ms(self, trailing: bool) -> int:
+        """The silence that ends a turn; ``trailing``: the speech before it trailed off."""
+        if self.type == "server_vad":
+            return self.silence_duration_ms
+        held, trail = SEMANTIC_SILENCE_MS["medium" if self.eagerness == "auto" else self.eagerness]
+        return trail if trailing else held
+
     def to_api(self) -> dict[str, Any]:
+        if self.type == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
                 "interrupt_response": self.interrupt_response, "idle_timeout_ms": None}
@@ -315,14 +338,21 @@ def sampling(value: SamplingParamsExt, param: str) -> Sampling:
 def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | None, param: str) -> TurnDetection | None:
     if td is None:
         return None
-    if td.type != "server_vad":
-        raise invalid_value(f"{param}.type", td.type, ["'server_vad'"],
-                            "This server's turn detection is the energy VAD (server_vad), or null for none.")
+    if td.type not in TURN_DETECTION_TYPES:
+        raise invalid_value(f"{param}.type", td.type, [f"'{t}'" for t in TURN_DETECTION_TYPES])
     if td.idle_timeout_ms is not None:
         raise _unsupported(f"{param}.idle_timeout_ms", "idle_timeout_ms is not supported")
     base = current or TurnDetection()
-    fields = {k: getattr(td, k) for k in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-                                          "interrupt_response") if getattr(td, k) is not None}
+    fields: dict[str, Any] = {"type": td.type}
+    if td.type == "semantic_vad":  # OpenAI's semantic_vad has no threshold, padding or silence: the defaults
+        if td.eagerness is not None and td.eagerness not in EAGERNESS:
+            raise invalid_value(f"{param}.eagerness", td.eagerness, [f"'{e}'" for e in EAGERNESS])
+        base = TurnDetection(create_response=base.create_response, interrupt_response=base.interrupt_response)
+        fields["eagerness"] = td.eagerness or "auto"
+        names: tuple[str, ...] = ("create_response", "interrupt_response")
+    else:
+        names = ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response")
+    fields.update({k: getattr(td, k) for k in names if getattr(td, k) is not None})
     return dataclasses.replace(base, **fields)
 
 

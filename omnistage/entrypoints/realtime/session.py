@@ -1,7 +1,7 @@
 """One realtime session: its configuration, input audio buffer with server VAD, conversation, and the one
 response that may be running; handles each client event and sends the server events.
 
-Turn taking with server VAD: ``input_audio_buffer.speech_started`` when speech begins (and, with
+Turn taking with server VAD (or semantic VAD: the same events, its end-of-turn rule in ``vad``): ``input_audio_buffer.speech_started`` when speech begins (and, with
 ``interrupt_response``, the running response is cancelled: barge-in), ``speech_stopped`` after
 ``silence_duration_ms`` of silence, then the speech is committed as a user audio item
 (``input_audio_buffer.committed``, ``conversation.item.added``, ``conversation.item.done``) and, with
