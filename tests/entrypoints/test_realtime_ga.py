@@ -18,8 +18,9 @@ from test_realtime_fake import MODEL, WEATHER, RealtimeFake, prompt_text
 
 from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
+from omnistage.entrypoints.realtime.noise import DELAY, NoiseReducer
 from omnistage.entrypoints.server import create_app
-from omnistage.testing.speech_turns import phrase
+from omnistage.testing.speech_turns import phrase, snr_db, with_noise
 
 TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}
 
@@ -223,11 +224,9 @@ def test_instructions_alone_answer_an_empty_conversation_and_inf_reaches_the_con
     asyncio.run(scenario())
 
 
-UNSUPPORTED_VALUES = [  # values OpenAI's server takes and this one does not: OpenAI's invalid_value refusal
-    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction.type",
-     "Invalid value: 'near_field'. Supported values are: null."),
-    ({"audio": {"input": {"noise_reduction": {"type": "far_field"}}}}, "session.audio.input.noise_reduction.type",
-     "Invalid value: 'far_field'. Supported values are: null."),
+UNSUPPORTED_VALUES = [  # values outside what a field takes: OpenAI's invalid_value refusal
+    ({"audio": {"input": {"noise_reduction": {"type": "studio"}}}}, "session.audio.input.noise_reduction.type",
+     "Invalid value: 'studio'. Supported values are: 'near_field', 'far_field' and null."),
     ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
      "session.audio.input.turn_detection.eagerness",
      "Invalid value: 'eager'. Supported values are: 'low', 'medium', 'high' and 'auto'."),
@@ -340,6 +339,32 @@ def test_committed_turns_are_transcribed_after_their_answer_started_and_the_tran
     asyncio.run(scenario())
 
 
+def test_noise_reduction_filters_the_stream_the_vad_and_the_model_get(server, fake):
+    noisy = with_noise(speech_like(0.8), 10.0, seed=4)
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={**TEXT_ONLY, "audio": {"input": {
+                "turn_detection": None, "noise_reduction": {"type": "far_field"}}}})
+            got = (await until(conn, "session.updated"))[-1].session.audio.input.noise_reduction
+            assert got.type == "far_field"
+            chunks = b64_chunks(noisy, ms=70)
+            for chunk in chunks:
+                await conn.input_audio_buffer.append(audio=chunk)
+            await conn.input_audio_buffer.commit()
+            item = of(await until(conn, "conversation.item.done"), "input_audio_buffer.committed")[0].item_id
+            await conn.conversation.item.retrieve(item_id=item)
+            heard = pcm((await until(conn, "conversation.item.retrieved"))[-1].item.content[0].audio)
+            offline = NoiseReducer("far_field")
+            want = np.concatenate([offline.process(pcm(c)) for c in chunks])
+            np.testing.assert_array_equal(heard, want)  # the filtered stream, 10.7 ms behind (what is complete)
+            assert snr_db(noisy[:want.size - DELAY], want[DELAY:]) < 30  # it did change the audio
+            await conn.session.update(session={"audio": {"input": {"noise_reduction": None}}})
+            assert (await until(conn, "session.updated"))[-1].session.audio.input.noise_reduction is None
+
+    asyncio.run(scenario())
+
+
 def _committed_samples(fake, i: int) -> int:
     """The samples of the audio in the ``i``-th submitted prompt (``<audio:N@24000>``)."""
     text = prompt_text(fake, i)
@@ -354,7 +379,7 @@ def _in_order(types: list[str], expected: list[str]) -> bool:
 
 def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(server, fake):
     """The event sequence a GA voice-agent client sends (its session update with input transcription, semantic
-    VAD and a GA voice; audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn),
+    VAD, noise reduction and a GA voice; audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn),
     replayed. The turns trail off at their end, as speakers do (semantic VAD's cue)."""
     turn = np.concatenate([silence(0.4), phrase(1.0, 0, trailing=True), silence(0.9)])
 
@@ -364,7 +389,7 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             fmt = {"type": "audio/pcm", "rate": 24000}
             await conn.session.update(session={
                 "type": "realtime", "instructions": "You are a helpful assistant.", "output_modalities": ["audio"],
-                "audio": {"input": {"format": fmt, "noise_reduction": None,
+                "audio": {"input": {"format": fmt, "noise_reduction": {"type": "near_field"},
                                     "transcription": {"model": "gpt-4o-transcribe"},
                                     "turn_detection": {"type": "semantic_vad", "eagerness": "auto",
                                                        "create_response": True, "interrupt_response": True}},

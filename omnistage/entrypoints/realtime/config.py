@@ -4,14 +4,14 @@
 value; ``turn_detection: null`` switches server VAD off), validated as a whole before anything changes, and
 the full effective configuration is returned in ``session.updated`` (``SessionConfig.to_api``).
 
-Values OpenAI's server takes and this one does not are refused as OpenAI refuses an invalid value (``invalid_value``,
-"Invalid value: ... Supported values are: ...", the field as ``param``, the server's reason after it), and the
-session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here).
-``turn_detection`` is ``server_vad`` or ``semantic_vad`` (``eagerness``: the end-of-turn rule of ``vad``).
-``audio.input.transcription`` (``model``,
-``language``, ``prompt``) transcribes each committed turn with the served model (``realtime.transcription``);
-OpenAI's transcription model names map to it (``entrypoints.speech_to_text``), diarization is refused. Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
-...) are ``unsupported_parameter``.
+Input audio: ``audio.input.noise_reduction`` ``{"type": "near_field" | "far_field"}`` filters it before the
+VAD and the model (``noise``); ``turn_detection`` is ``server_vad`` or ``semantic_vad`` (``eagerness``: the
+end-of-turn rule of ``vad``); ``transcription`` (``model``, ``language``, ``prompt``) transcribes each committed
+turn with the served model (``realtime.transcription``; OpenAI's transcription model names map to it,
+diarization is refused). A value outside what a field takes is refused as OpenAI refuses it (``invalid_value``,
+"Invalid value: ... Supported values are: ...", the field as ``param``) and the session goes on unchanged.
+Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``, ...) are
+``unsupported_parameter``.
 
 ``tool_choice``: "auto" (the model decides), "none" (no tools offered), "required" or a named function
 (``{"type": "function", "name": ...}``): the answer is made to begin with the family's call prefix
@@ -74,6 +74,7 @@ class RealtimeLimits:
 
 
 TURN_DETECTION_TYPES = ("server_vad", "semantic_vad")
+NOISE_REDUCTION_TYPES = ("near_field", "far_field")  # ``noise.PROFILES``
 EAGERNESS = ("low", "medium", "high", "auto")
 # semantic_vad: the silence (ms) that ends a turn, by eagerness, after speech that (held) stops at full level or
 # (trailing) trails off; "auto" is "medium", as OpenAI's. See ``vad``.
@@ -174,6 +175,7 @@ class SessionConfig:
     output_modalities: tuple[str, ...] = ("audio",)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     transcription: Transcription | None = None
+    noise_reduction: str | None = None  # near_field | far_field (``noise``)
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: str = "auto"  # auto | none | required | function (then ``tool_choice_name``)
     tool_choice_name: str | None = None
@@ -215,7 +217,8 @@ class SessionConfig:
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
             "output_modalities": list(self.output_modalities), "instructions": self.instructions,
             "audio": {
-                "input": {"format": fmt, "noise_reduction": None,
+                "input": {"format": fmt,
+                          "noise_reduction": {"type": self.noise_reduction} if self.noise_reduction else None,
                           "transcription": self.transcription.to_api() if self.transcription else None,
                           "turn_detection": self.turn_detection.to_api() if self.turn_detection else None},
                 "output": {"format": fmt, "voice": self.voice, "speed": 1.0},
@@ -356,6 +359,16 @@ def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | Non
     return dataclasses.replace(base, **fields)
 
 
+def _noise_reduction(value: Any, param: str) -> str | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else value
+    if kind not in NOISE_REDUCTION_TYPES:
+        raise invalid_value(param + (".type" if isinstance(value, dict) else ""), kind,
+                            [f"'{k}'" for k in NOISE_REDUCTION_TYPES] + ["null"])
+    return kind
+
+
 def _transcription(t: TranscriptionParams | None, served: str, param: str) -> Transcription | None:
     if t is None:
         return None
@@ -387,12 +400,8 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
             check_format(a.input.format, f"{p}.audio.input.format")
             if "transcription" in a.input.model_fields_set:
                 new["transcription"] = _transcription(a.input.transcription, model, f"{p}.audio.input.transcription")
-            if a.input.noise_reduction is not None:
-                nr = a.input.noise_reduction
-                kind = nr.get("type") if isinstance(nr, dict) else nr
-                raise invalid_value(f"{p}.audio.input.noise_reduction" + (".type" if isinstance(nr, dict) else ""),
-                                    kind, ["null"], "This server does no noise reduction ('near_field' and "
-                                                    "'far_field' are not implemented).")
+            if "noise_reduction" in a.input.model_fields_set:
+                new["noise_reduction"] = _noise_reduction(a.input.noise_reduction, f"{p}.audio.input.noise_reduction")
             if "turn_detection" in a.input.model_fields_set:
                 new["turn_detection"] = _turn_detection(a.input.turn_detection, config.turn_detection,
                                                         f"{p}.audio.input.turn_detection")
