@@ -27,8 +27,8 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import create_form_parser
 
 from omnistage.entrypoints import speech_to_text as stt
-from omnistage.entrypoints.encoders import sse
-from omnistage.entrypoints.errors import APIError, submit_error, unsupported
+from omnistage.entrypoints.encoders import run_sse
+from omnistage.entrypoints.errors import APIError, unsupported
 from omnistage.entrypoints.media_input import MediaBytes, MediaRejection
 from omnistage.entrypoints.request_run import RequestRun
 from omnistage.entrypoints.translation import EngineJob, Translator
@@ -168,16 +168,11 @@ def transcription_body(req: TranscriptionRequest, text: str, usage: dict[str, An
     return {"text": text, "usage": usage}
 
 
-async def transcription_sse(run: RequestRun, audio_tokens: int) -> AsyncIterator[str]:
-    try:
-        async for kind, value in run.events():
-            if kind == "text":
-                yield sse({"type": "transcript.text.delta", "delta": value, "logprobs": None})
-    except Exception as exc:
-        yield sse(submit_error(exc).body())
-        return
-    if run.finish_reason == "error":
-        yield sse(run.failure().body())
-        return
-    yield sse({"type": "transcript.text.done", "text": run.text, "logprobs": None, "usage": usage(run, audio_tokens)})
+def transcription_sse(run: RequestRun, audio_tokens: int) -> AsyncIterator[str]:
+    def event(kind: str, value: Any) -> dict[str, Any] | None:
+        return {"type": "transcript.text.delta", "delta": value, "logprobs": None} if kind == "text" else None
 
+    def done() -> dict[str, Any]:
+        return {"type": "transcript.text.done", "text": run.text, "logprobs": None, "usage": usage(run, audio_tokens)}
+
+    return run_sse(run, event, done)
