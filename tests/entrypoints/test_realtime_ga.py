@@ -7,6 +7,7 @@ client's turn with barge-in, truncate and retrieve replayed without an error eve
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -337,6 +338,28 @@ def test_committed_turns_are_transcribed_after_their_answer_started_and_the_tran
                 assert (err.code, err.param) == (code, f"session.audio.input.transcription.{field}"), err
 
     asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_mid_transcription_aborts_it(server, fake):
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={**TEXT_ONLY, "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "whisper-1"}}}})
+            await until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64_chunks(speech_like(0.3), ms=300)[0])
+            await conn.input_audio_buffer.commit()
+            await until(conn, f"{TRANSCRIBED}.delta")  # under way, and slow
+        deadline = time.monotonic() + 10
+        while fake.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    fake.transcripts, fake.transcript_delay = ["a very slow transcript indeed"], 0.5
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.transcript_delay = 0.0
+    assert not fake.active and fake.submitted[-1]["request_id"] in fake.aborted
+    assert fake.submitted[-1]["modalities"] == ("text",)
 
 
 def test_noise_reduction_filters_the_stream_the_vad_and_the_model_get(server, fake):
