@@ -8,7 +8,7 @@ import base64
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -83,21 +83,36 @@ async def speech_pcm(run: RequestRun) -> AsyncIterator[bytes]:
             yield audio_format.pcm16_bytes(audio_format.to_int16(value))
 
 
-async def speech_sse(run: RequestRun) -> AsyncIterator[str]:
+async def run_sse(run: RequestRun, event: Callable[[str, Any], dict[str, Any] | None],
+                  done: Callable[[], dict[str, Any]]) -> AsyncIterator[str]:
+    """A run's events as SSE: ``event`` maps each (kind, value) to an event (None: not sent), ``done()`` gives
+    the last one; a failure ends the stream with OpenAI's error body instead."""
     try:
         async for kind, value in run.events():
-            if kind == "audio":
-                data = b64(audio_format.pcm16_bytes(audio_format.to_int16(value)))
-                yield sse({"type": "speech.audio.delta", "audio": data})
+            body = event(kind, value)
+            if body is not None:
+                yield sse(body)
     except Exception as exc:
         yield sse(submit_error(exc).body())
         return
     if run.finish_reason == "error":
         yield sse(run.failure().body())
         return
-    n_in, n_out = run.job.num_prompt_tokens, run.num_tokens
-    yield sse({"type": "speech.audio.done",
-                "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}})
+    yield sse(done())
+
+
+def speech_sse(run: RequestRun) -> AsyncIterator[str]:
+    def event(kind: str, value: Any) -> dict[str, Any] | None:
+        if kind != "audio":
+            return None
+        return {"type": "speech.audio.delta", "audio": b64(audio_format.pcm16_bytes(audio_format.to_int16(value)))}
+
+    def done() -> dict[str, Any]:
+        n_in, n_out = run.job.num_prompt_tokens, run.num_tokens
+        return {"type": "speech.audio.done",
+                "usage": {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}}
+
+    return run_sse(run, event, done)
 
 
 def encode_audio(chunks: list[torch.Tensor], fmt: str, sample_rate: int) -> bytes:

@@ -1,5 +1,5 @@
 """ServerLimits: what a request may cost before it is admitted (body bytes, prompt characters, media, realtime
-sessions) and how many preprocessing threads do the work off the event loop."""
+sessions, transcripts) and how many preprocessing threads do the work off the event loop."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from omnistage.core.validation import check_positive_int
 from omnistage.entrypoints.media_input import MediaLimits
 from omnistage.entrypoints.realtime.config import RealtimeLimits
+from omnistage.entrypoints.speech_to_text import DEFAULT_MAX_TOKENS
 
 PROMPT_CHARS_PER_TOKEN = 16  # default character budget per token of context (real text averages ~4)
 BODY_BYTES_PER_PROMPT_CHAR = 12  # an astral character JSON-escaped as a surrogate pair (12 bytes)
@@ -27,9 +28,11 @@ class ServerLimits:
     preprocess_threads: int = 2  # parse / validate / decode media / tokenize / encode off the event loop
     media: MediaLimits = MediaLimits()
     realtime: RealtimeLimits = RealtimeLimits()  # WS /v1/realtime sessions
+    max_transcript_tokens: int = DEFAULT_MAX_TOKENS  # one transcript's tokens (/v1/audio/transcriptions, realtime)
 
     def __post_init__(self) -> None:
         check_positive_int(self.preprocess_threads, "preprocess_threads")
+        check_positive_int(self.max_transcript_tokens, "max_transcript_tokens")
         for name in ("max_body_bytes", "max_prompt_chars"):
             if getattr(self, name) is not None:
                 check_positive_int(getattr(self, name), name)

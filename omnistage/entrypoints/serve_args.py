@@ -24,6 +24,7 @@ from omnistage.entrypoints.media_input import (
 )
 from omnistage.entrypoints.realtime.config import RealtimeLimits
 from omnistage.entrypoints.server import serve
+from omnistage.entrypoints.speech_to_text import DEFAULT_MAX_TOKENS
 from omnistage.entrypoints.voices import parse_voice_map
 
 
@@ -46,6 +47,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help=f"reject prompts with more characters, before tokenizing (default: {PROMPT_CHARS_PER_TOKEN} "
                         "per token of context)")
+    p.add_argument("--max-transcript-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens of one transcript (/v1/audio/transcriptions, realtime input transcription) "
+                        "(default: %(default)s)")
     m = p.add_argument_group("media input (per request)")
     m.add_argument("--allowed-media-dir", default=None,
                    help="let media parts name local files (paths or file:// URLs) inside this directory "
@@ -102,7 +106,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
                               max_event_bytes=args.realtime_max_event_bytes,
                               idle_timeout_s=args.realtime_idle_timeout_s)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars, media=media,
-                          realtime=realtime)
+                          realtime=realtime, max_transcript_tokens=args.max_transcript_tokens)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
           fast=args.fast, voice_map=args.voice_map)

@@ -1,11 +1,12 @@
 """OpenAI-compatible HTTP server over ``AsyncOmni``: the app and its routes. The rooms it calls: ``errors`` (the
 error type and bodies), ``body`` (reading, limits, validation), ``translation`` (API requests into engine
-requests), ``request_run`` (one running request), ``encoders`` (SSE chunks, PCM, audio files), ``limits``;
+requests), ``request_run`` (one running request), ``encoders`` (SSE chunks, PCM, audio files), ``transcriptions`` (the
+speech-to-text endpoint's form, job and answers), ``limits``;
 ``serve_args`` holds the CLI's arguments.
 
 Endpoints: ``POST /v1/chat/completions`` (text, audio, images and video in; text, or text + audio out),
 ``POST /v1/audio/speech``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
+``POST /v1/audio/transcriptions`` (speech to text by the served model: ``transcriptions``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Choices worth knowing as a client:
 - ``model`` must be the served model name; anything else is 404 ``model_not_found`` (as OpenAI does).
@@ -129,12 +130,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from omnistage.entrypoints import audio_format
+from omnistage.entrypoints import speech_to_text as stt
 from omnistage.entrypoints.body import read_body, run_translator
 from omnistage.entrypoints.encoders import chat_completion, chat_stream, encode_audio, speech_pcm, speech_sse
 from omnistage.entrypoints.errors import APIError, error_response, schema_error
@@ -144,6 +146,12 @@ from omnistage.entrypoints.playground import router as playground_router
 from omnistage.entrypoints.protocol import ModelCard, ModelList
 from omnistage.entrypoints.realtime import realtime_router
 from omnistage.entrypoints.request_run import CLIENT_CLOSED, RequestRun, check_finish, collect, unless_gone
+from omnistage.entrypoints.transcriptions import (
+    transcription_body,
+    transcription_job,
+    transcription_sse,
+    usage,
+)
 from omnistage.entrypoints.translation import Translator
 from omnistage.entrypoints.voices import VoiceMap
 from omnistage.pipeline.client import EngineClient
@@ -201,7 +209,8 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
     app.include_router(playground_router)  # GET / (the browser playground) and /playground/*
     # What chat messages may hold (the playground shows its media controls from this).
     app.state.input_modalities = ("text", *sorted(tr.input_kinds))
-    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime, voices))  # WS /v1/realtime
+    app.include_router(realtime_router(omni, name, metrics, pool, limits.realtime, voices,
+                                       limits.max_transcript_tokens))  # WS /v1/realtime
 
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -292,6 +301,24 @@ def create_app(omni: EngineClient, served_model_name: str | None = None,
         check_finish(run)
         audio = [v for kind, v in events if kind == "audio"]
         return Response(await off_loop(encode_audio, audio, fmt, rate), media_type=audio_format.MEDIA_TYPES[fmt])
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(raw: Request) -> Response:
+        rid = _request_id(raw, "transcribe")
+        content_type = raw.headers.get("content-type", "")
+        req, job = await translate(
+            lambda body: transcription_job(tr, body, content_type, limits.max_transcript_tokens), raw)
+        run = RequestRun(omni, job, rid, metrics)
+        if not await unless_gone(run.start(), raw):
+            return Response(status_code=CLIENT_CLOSED)
+        audio_tokens = stt.audio_tokens(omni.tokenizer, job.prompt.token_ids)
+        if req.stream:
+            return StreamingResponse(transcription_sse(run, audio_tokens), media_type="text/event-stream")
+        if not await unless_gone(collect(run, []), raw):
+            return Response(status_code=CLIENT_CLOSED)
+        check_finish(run)
+        body = transcription_body(req, run.text, usage(run, audio_tokens))
+        return PlainTextResponse(body) if isinstance(body, str) else JSONResponse(body)
 
     return app
 

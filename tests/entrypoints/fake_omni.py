@@ -93,13 +93,14 @@ class FakeOmni:
         params = sampling_params["thinker"]
         stop_ids = set(params.stop_token_ids)
         stall = STALL in "".join(chr(t) for t in prompt.token_ids)
+        answer, delay = self.answer_for(prompt)
         try:
-            tokens = [ord(c) for c in self.answer][: params.max_tokens]
-            reason = self.fail_with or ("length" if len(tokens) < len(self.answer) else "stop")
+            tokens = [ord(c) for c in answer][: params.max_tokens]
+            reason = self.fail_with or ("length" if len(tokens) < len(answer) else "stop")
             for i, tok in enumerate(tokens):
                 if stall and i == 2:
                     await asyncio.Event().wait()  # only an abort (closing this generator) ends it
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(delay)
                 audio = chunk_audio(tok) if "audio" in modalities else None
                 yield RequestDelta(request_id, new_token_ids=[tok], audio=audio)
                 if tok in stop_ids:
@@ -112,6 +113,10 @@ class FakeOmni:
             self.active.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
+
+    def answer_for(self, prompt: PreparedPrompt) -> tuple[str, float]:
+        """The answer to ``prompt`` and the delay before each of its tokens."""
+        return self.answer, self.delay
 
     async def abort(self, request_id: str) -> bool:
         return False

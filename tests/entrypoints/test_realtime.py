@@ -19,9 +19,11 @@ from server_thread import ServerThread
 from test_server import _idle
 
 from omnistage.entrypoints.audio_format import encode_wav
+from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.realtime.config import FunctionTool
 from omnistage.entrypoints.server import create_app
+from omnistage.entrypoints.speech_to_text import instruction
 from omnistage.models.tool_calls import call_text, response_text, system_text
 from omnistage.pipeline.omni import AsyncOmni
 
@@ -34,6 +36,7 @@ GREEDY = {"max_output_tokens": N, "sampling": {"temperature": 0, "min_tokens": N
 # An answer that cannot end early: thousands of steps in every stage (min_tokens = max_tokens, no EOS).
 LONG = {"max_output_tokens": 2000, "sampling": {"temperature": 0, "min_tokens": 2000, "ignore_eos": True, "talker": {
     "temperature": 0, "repetition_penalty": 1.0, "max_tokens": 2000, "min_tokens": 2000}}}
+TRANSCRIPT_TOKENS = 12  # a transcript's limit on this server
 MAX_INT16_DIFF = 4  # as the HTTP tests: 1e-4 of full scale
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -50,7 +53,7 @@ def engine(tiny_ckpt):
 @pytest.fixture(scope="module")
 def server(engine):
     omni, metrics = engine
-    with ServerThread(create_app(omni, MODEL, metrics)) as srv:
+    with ServerThread(create_app(omni, MODEL, metrics, limits=ServerLimits(max_transcript_tokens=TRANSCRIPT_TOKENS))) as srv:
         yield srv
 
 
@@ -153,6 +156,52 @@ def test_spoken_turn_with_server_vad_is_answered_as_http_chat_answers_that_audio
             done = _check_done(events, "incomplete")
             assert done.usage.input_token_details.audio_tokens > 0
             _check_audio(_audio(events), want_audio)
+
+    asyncio.run(scenario())
+
+
+async def _http_transcript(url: str, clip: np.ndarray, language: str | None) -> tuple[str, dict]:
+    """The Thinker alone on the same prompt (the clip, then the transcription instruction), greedy."""
+    body = {"model": MODEL, "temperature": 0, "max_tokens": TRANSCRIPT_TOKENS, "modalities": ["text"],
+            "messages": [{"role": "user", "content": [_input_audio(clip),
+                                                      {"type": "text", "text": instruction(language)}]}]}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]["content"], resp.json()["usage"]
+
+
+def test_input_transcription_is_the_thinkers_own_and_the_answer_beside_it_is_unchanged(server, engine):
+    sent = np.concatenate([silence(0.6), speech_like(1.2, seed=1), silence(0.9)])
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={"type": "realtime", **GREEDY, "audio": {"input": {
+                "transcription": {"model": "whisper-1", "language": "en"}}}})
+            await until(conn, "session.updated")
+            for chunk in b64_chunks(sent):
+                await conn.input_audio_buffer.append(audio=chunk)
+            events = await until(conn, "response.done")
+            if not of(events, "conversation.item.input_audio_transcription.completed"):
+                events += await until(conn, "conversation.item.input_audio_transcription.completed")
+            assert not of(events, "error") and not of(events, "conversation.item.input_audio_transcription.failed")
+            start = of(events, "input_audio_buffer.speech_started")[0]
+            stop = of(events, "input_audio_buffer.speech_stopped")[0]
+            clip = sent[start.audio_start_ms * 24:stop.audio_end_ms * 24]
+            done = of(events, "conversation.item.input_audio_transcription.completed")[0]
+            deltas = of(events, "conversation.item.input_audio_transcription.delta")
+            assert done.item_id == start.item_id and {d.item_id for d in deltas} == {start.item_id}
+            want, usage = await _http_transcript(server.url, clip, "en")
+            assert done.transcript == "".join(d.delta for d in deltas) == want and want
+            assert (done.usage.input_tokens, done.usage.output_tokens) == (usage["prompt_tokens"],
+                                                                          usage["completion_tokens"])
+            # The answer, computed beside the transcription, is the same as without it.
+            answer, answer_audio, _ = await _http_answer(server.url, [{"role": "user", "content": [_input_audio(clip)]}])
+            assert text_of(events) == answer
+            _check_audio(_audio(events), answer_audio)
+            await conn.conversation.item.retrieve(item_id=start.item_id)
+            assert (await until(conn, "conversation.item.retrieved"))[-1].item.content[0].transcript == want
+        await _wait_idle(engine[0])
 
     asyncio.run(scenario())
 

@@ -20,6 +20,7 @@ from server_thread import ServerThread
 from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
 from omnistage.entrypoints.server import create_app
+from omnistage.entrypoints.speech_to_text import INSTRUCTION
 from omnistage.models.family import PreparedPrompt
 from omnistage.models.tool_calls import system_text
 
@@ -37,6 +38,8 @@ class RealtimeFake(FakeOmni):
         super().__init__(delay=0.0)
         self.info = dataclasses.replace(INFO, samples_per_frame=CHUNK, max_model_len=2000)
         self.answers: list[str] = []
+        self.transcripts: list[str] = []
+        self.transcript_delay = 0.0
 
     def render_prompt(self, messages, answer_prefix: str = "") -> PreparedPrompt:
         text = ""
@@ -48,11 +51,13 @@ class RealtimeFake(FakeOmni):
             text += f"<{m['role']}>{content}"
         return PreparedPrompt([ord(c) for c in text + answer_prefix])
 
-    async def generate(self, prompt, modalities=("text",), sampling_params=None, speaker=None, request_id=None):
+    def answer_for(self, prompt: PreparedPrompt) -> tuple[str, float]:
+        """Transcriptions (their prompt holds the instruction) from ``transcripts``, answers from ``answers``."""
+        if INSTRUCTION in "".join(chr(t) for t in prompt.token_ids):
+            return (self.transcripts.pop(0) if self.transcripts else "(inaudible)"), self.transcript_delay
         if self.answers:
             self.answer = self.answers.pop(0)
-        async for d in super().generate(prompt, modalities, sampling_params, speaker, request_id):
-            yield d
+        return self.answer, self.delay
 
 
 def prompt_text(fake: RealtimeFake, i: int = -1) -> str:
@@ -153,8 +158,11 @@ MALFORMED = [
      "session.output_modalities"),
     ({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}}, "invalid_value",
      "session.output_modalities"),
-    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}},
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "push_to_talk"}}}}},
      "invalid_value", "session.audio.input.turn_detection.type"),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad",
+                                                                                     "eagerness": "eager"}}}}},
+     "invalid_value", "session.audio.input.turn_detection.eagerness"),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
      "unsupported_parameter", "session.audio.input.format.type"),
     ({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}}, "invalid_voice",

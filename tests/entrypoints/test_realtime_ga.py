@@ -7,6 +7,7 @@ client's turn with barge-in, truncate and retrieve replayed without an error eve
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,9 @@ from test_realtime_fake import MODEL, WEATHER, RealtimeFake, prompt_text
 
 from omnistage.entrypoints.limits import ServerLimits
 from omnistage.entrypoints.realtime import RealtimeLimits
+from omnistage.entrypoints.realtime.noise import DELAY, NoiseReducer
 from omnistage.entrypoints.server import create_app
+from omnistage.testing.speech_turns import phrase, snr_db, with_noise
 
 TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}}
 
@@ -73,6 +76,10 @@ def test_items_are_added_then_done_with_client_ids_and_previous_item_ids_kept(se
             assert (added.item.id, added.previous_item_id, added.item.status) == (answer, "item_b", "in_progress")
             assert (done.item.id, done.previous_item_id, done.item.status) == (answer, "item_b", "completed")
             assert done.item.content[0].text == "Hi."
+            # The context left after this response, as OpenAI's servers follow response.done with the limits.
+            limits = (await until(conn, "rate_limits.updated"))[-1].rate_limits
+            used = len(fake.submitted[-1]["prompt"].token_ids) + len("Hi.")
+            assert [(r.name, r.limit, r.remaining) for r in limits] == [("tokens", 2000, 2000 - used)]
             # An id already in the conversation is refused; the conversation is unchanged.
             await send_raw(conn, {"type": "conversation.item.create", "item": _user("again", id="item_a"),
                                   "event_id": "evt_dup"})
@@ -218,15 +225,12 @@ def test_instructions_alone_answer_an_empty_conversation_and_inf_reaches_the_con
     asyncio.run(scenario())
 
 
-UNSUPPORTED_VALUES = [  # values OpenAI's server takes and this one does not: OpenAI's invalid_value refusal
-    ({"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction.type",
-     "Invalid value: 'near_field'. Supported values are: null."),
-    ({"audio": {"input": {"noise_reduction": {"type": "far_field"}}}}, "session.audio.input.noise_reduction.type",
-     "Invalid value: 'far_field'. Supported values are: null."),
-    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}}}},
-     "session.audio.input.turn_detection.type", "Invalid value: 'semantic_vad'. Supported values are: 'server_vad'."),
-    ({"audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}, "session.audio.input.transcription",
-     "Invalid value: '{\"model\": \"gpt-4o-transcribe\"}'. Supported values are: null."),
+UNSUPPORTED_VALUES = [  # values outside what a field takes: OpenAI's invalid_value refusal
+    ({"audio": {"input": {"noise_reduction": {"type": "studio"}}}}, "session.audio.input.noise_reduction.type",
+     "Invalid value: 'studio'. Supported values are: 'near_field', 'far_field' and null."),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
+     "session.audio.input.turn_detection.eagerness",
+     "Invalid value: 'eager'. Supported values are: 'low', 'medium', 'high' and 'auto'."),
 ]
 
 
@@ -254,6 +258,142 @@ def test_unsupported_values_are_refused_as_openai_refuses_them_and_the_session_g
     asyncio.run(scenario())
 
 
+TRANSCRIBED = "conversation.item.input_audio_transcription"
+
+
+async def _until_all(conn, *types: str) -> list:
+    """Every event until one of each of ``types`` has come."""
+    events: list = []
+    while not all(of(events, t) for t in types):
+        events += await until(conn, *[t for t in types if not of(events, t)])
+    return events
+
+
+def test_committed_turns_are_transcribed_after_their_answer_started_and_the_transcript_joins_the_item(server, fake):
+    turn = np.concatenate([silence(0.3), speech_like(0.8), silence(0.8)])
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={
+                "type": "realtime", "output_modalities": ["text"],
+                "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe", "language": "en",
+                                                      "prompt": "weather"},
+                                    "turn_detection": {"type": "server_vad"}}}})
+            got = (await until(conn, "session.updated"))[-1].session.audio.input.transcription
+            assert (got.model, got.language, got.prompt) == ("gpt-4o-transcribe", "en", "weather")
+            # A slow transcription: the answer does not wait for it.
+            fake.transcripts, fake.transcript_delay, fake.answers = ["What is the weather"], 0.05, ["Sunny."]
+            for chunk in b64_chunks(turn):
+                await conn.input_audio_buffer.append(audio=chunk)
+            events = await _until_all(conn, "response.done", f"{TRANSCRIBED}.completed")
+            types = [e.type for e in events]
+            assert "error" not in types
+            item = of(events, "input_audio_buffer.committed")[0].item_id
+            deltas = of(events, f"{TRANSCRIBED}.delta")
+            done = of(events, f"{TRANSCRIBED}.completed")[0]
+            assert len(deltas) == len("What is the weather") and all(
+                (d.item_id, d.content_index) == (item, 0) for d in deltas + [done])
+            assert "".join(d.delta for d in deltas) == done.transcript == "What is the weather"
+            assert types.index("response.done") < types.index(f"{TRANSCRIBED}.completed")
+            assert types.index("input_audio_buffer.committed") < types.index(f"{TRANSCRIBED}.delta")
+            assert done.usage.type == "tokens" and done.usage.output_tokens == len(done.transcript)
+            # The answer went to the engine first; the transcription is a text-only request on the turn's audio.
+            answer, transcription = fake.submitted[-2], fake.submitted[-1]
+            assert prompt_text(fake, -2).startswith("<user><audio:") and answer["modalities"] == ("text",)
+            assert transcription["modalities"] == ("text",) and transcription["params"]["thinker"].temperature == 0
+            assert prompt_text(fake) == (f"<user><audio:{_committed_samples(fake, -2)}@24000>Transcribe the audio "
+                                         "into text. The speech is in English. Context: weather")
+            await conn.conversation.item.retrieve(item_id=item)
+            part = (await until(conn, "conversation.item.retrieved"))[-1].item.content[0]
+            assert (part.type, part.transcript) == ("input_audio", "What is the weather")
+            # A manual commit is transcribed at once; the engine's failure is the transcription's own event.
+            fake.transcript_delay = 0.0
+            await conn.session.update(session={"audio": {"input": {"turn_detection": None}}})
+            await until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64_chunks(speech_like(0.3), ms=300)[0])
+            fake.fail_with = "error"
+            try:
+                await conn.input_audio_buffer.commit()
+                events = await until(conn, f"{TRANSCRIBED}.failed", f"{TRANSCRIBED}.completed")
+            finally:
+                fake.fail_with = None
+            failed = events[-1]
+            assert failed.type == f"{TRANSCRIBED}.failed" and not of(events, "error")
+            assert (failed.item_id, failed.content_index, failed.error.code) == (
+                of(events, "input_audio_buffer.committed")[0].item_id, 0, "request_failed")
+            # Switched off: a commit is not transcribed.
+            await conn.session.update(session={"audio": {"input": {"transcription": None}}})
+            assert (await until(conn, "session.updated"))[-1].session.audio.input.transcription is None
+            n = len(fake.submitted)
+            await conn.input_audio_buffer.append(audio=b64_chunks(speech_like(0.3), ms=300)[0])
+            await conn.input_audio_buffer.commit()
+            await conn.conversation.item.retrieve(item_id="nope")  # a round trip: anything sent came first
+            events = await until(conn, "error")
+            assert not [e for e in events if e.type.startswith(TRANSCRIBED)] and len(fake.submitted) == n
+            for field, value, code in (("model", "gpt-4o-transcribe-diarize", "invalid_value"),
+                                       ("model", "nope", "model_not_found"), ("language", "english", "invalid_value")):
+                await send_raw(conn, {"type": "session.update", "session": {
+                    "audio": {"input": {"transcription": {"model": "whisper-1", field: value}}}}})
+                err = (await until(conn, "error"))[-1].error
+                assert (err.code, err.param) == (code, f"session.audio.input.transcription.{field}"), err
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_mid_transcription_aborts_it(server, fake):
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={**TEXT_ONLY, "audio": {"input": {
+                "turn_detection": None, "transcription": {"model": "whisper-1"}}}})
+            await until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64_chunks(speech_like(0.3), ms=300)[0])
+            await conn.input_audio_buffer.commit()
+            await until(conn, f"{TRANSCRIBED}.delta")  # under way, and slow
+        deadline = time.monotonic() + 10
+        while fake.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    fake.transcripts, fake.transcript_delay = ["a very slow transcript indeed"], 0.5
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.transcript_delay = 0.0
+    assert not fake.active and fake.submitted[-1]["request_id"] in fake.aborted
+    assert fake.submitted[-1]["modalities"] == ("text",)
+
+
+def test_noise_reduction_filters_the_stream_the_vad_and_the_model_get(server, fake):
+    noisy = with_noise(speech_like(0.8), 10.0, seed=4)
+
+    async def scenario():
+        async with client(server.url).realtime.connect(model=MODEL) as conn:
+            await conn.session.update(session={**TEXT_ONLY, "audio": {"input": {
+                "turn_detection": None, "noise_reduction": {"type": "far_field"}}}})
+            got = (await until(conn, "session.updated"))[-1].session.audio.input.noise_reduction
+            assert got.type == "far_field"
+            chunks = b64_chunks(noisy, ms=70)
+            for chunk in chunks:
+                await conn.input_audio_buffer.append(audio=chunk)
+            await conn.input_audio_buffer.commit()
+            item = of(await until(conn, "conversation.item.done"), "input_audio_buffer.committed")[0].item_id
+            await conn.conversation.item.retrieve(item_id=item)
+            heard = pcm((await until(conn, "conversation.item.retrieved"))[-1].item.content[0].audio)
+            offline = NoiseReducer("far_field")
+            want = np.concatenate([offline.process(pcm(c)) for c in chunks])
+            np.testing.assert_array_equal(heard, want)  # the filtered stream, 10.7 ms behind (what is complete)
+            assert snr_db(noisy[:want.size - DELAY], want[DELAY:]) < 30  # it did change the audio
+            await conn.session.update(session={"audio": {"input": {"noise_reduction": None}}})
+            assert (await until(conn, "session.updated"))[-1].session.audio.input.noise_reduction is None
+
+    asyncio.run(scenario())
+
+
+def _committed_samples(fake, i: int) -> int:
+    """The samples of the audio in the ``i``-th submitted prompt (``<audio:N@24000>``)."""
+    text = prompt_text(fake, i)
+    return int(text[text.rindex("<audio:") + 7:].split("@")[0])
+
+
 def _in_order(types: list[str], expected: list[str]) -> bool:
     """``expected`` is a subsequence of ``types``."""
     it = iter(types)
@@ -261,9 +401,10 @@ def _in_order(types: list[str], expected: list[str]) -> bool:
 
 
 def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(server, fake):
-    """The event sequence a GA voice-agent client sends (its session update with a GA voice and server VAD,
-    audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn), replayed."""
-    turn = np.concatenate([silence(0.4), speech_like(1.0), silence(0.9)])
+    """The event sequence a GA voice-agent client sends (its session update with input transcription, semantic
+    VAD, noise reduction and a GA voice; audio turns, barge-in, truncate of the interrupted answer, retrieve of the user's turn),
+    replayed. The turns trail off at their end, as speakers do (semantic VAD's cue)."""
+    turn = np.concatenate([silence(0.4), phrase(1.0, 0, trailing=True), silence(0.9)])
 
     async def scenario():
         async with client(server.url).realtime.connect(model=MODEL) as conn:
@@ -271,21 +412,21 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             fmt = {"type": "audio/pcm", "rate": 24000}
             await conn.session.update(session={
                 "type": "realtime", "instructions": "You are a helpful assistant.", "output_modalities": ["audio"],
-                "audio": {"input": {"format": fmt, "noise_reduction": None, "transcription": None,
-                                    "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                                                       "silence_duration_ms": 500, "create_response": True,
-                                                       "interrupt_response": True}},
+                "audio": {"input": {"format": fmt, "noise_reduction": {"type": "near_field"},
+                                    "transcription": {"model": "gpt-4o-transcribe"},
+                                    "turn_detection": {"type": "semantic_vad", "eagerness": "auto",
+                                                       "create_response": True, "interrupt_response": True}},
                           "output": {"format": fmt, "voice": "alloy"}},
                 "tools": [WEATHER], "tool_choice": "auto"})
             events = await until(conn, "session.updated")
             long = "A long answer that keeps going for a while, word after word."
-            fake.answers = [long, "Sure."]
+            fake.answers, fake.transcripts = [long, "Sure."], ["What is the weather", "No, wait"]
             for chunk in b64_chunks(turn):
                 await conn.input_audio_buffer.append(audio=chunk)
             events += await until(conn, "response.output_audio.delta")
             user_item = of(events, "input_audio_buffer.committed")[0].item_id
             answer_item = of(events, "response.output_item.added")[0].item.id
-            for chunk in b64_chunks(speech_like(1.0, seed=3)):  # the user speaks over the answer
+            for chunk in b64_chunks(phrase(1.0, 3, trailing=True)):  # the user speaks over the answer
                 await conn.input_audio_buffer.append(audio=chunk)
             first = await until(conn, "response.done")
             events += first
@@ -296,7 +437,9 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
             events += await until(conn, "conversation.item.truncated")
             for chunk in b64_chunks(silence(0.9)):  # the end of the user's turn
                 await conn.input_audio_buffer.append(audio=chunk)
-            events += await until(conn, "response.done")  # the second turn's answer
+            events += await until(conn, "rate_limits.updated")  # the second turn's answer
+            while len(of(events, f"{TRANSCRIBED}.completed")) < 2:
+                events += await until(conn, f"{TRANSCRIBED}.completed")
             await conn.conversation.item.retrieve(item_id=user_item)
             events += await until(conn, "conversation.item.retrieved")
             types = [e.type for e in events]
@@ -309,16 +452,25 @@ def test_a_ga_voice_agent_turn_with_barge_in_truncate_and_retrieve_has_no_error(
                 "response.content_part.added", "response.output_audio.delta",
                 "input_audio_buffer.speech_started",  # barge-in
                 "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
-                "response.output_item.done", "conversation.item.done", "response.done",
+                "response.output_item.done", "conversation.item.done", "response.done", "rate_limits.updated",
                 "conversation.item.truncated", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
-                "conversation.item.done", "response.created", "response.done", "conversation.item.retrieved"]), " ".join(shown)
+                "conversation.item.done", "response.created", "response.done", "rate_limits.updated",
+                "conversation.item.retrieved"]), " ".join(shown)
             done_items = {e.item.id: e.item for e in of(events, "conversation.item.done")}
             assert done_items[answer_item].status == "incomplete" and done_items[user_item].status == "completed"
             assert of(events, "conversation.item.retrieved")[0].item.id == user_item
+            assert of(events, "conversation.item.retrieved")[0].item.content[0].transcript == "What is the weather"
+            turns = [e.item_id for e in of(events, "input_audio_buffer.committed")]
+            assert [(e.item_id, e.transcript) for e in of(events, f"{TRANSCRIBED}.completed")] == list(
+                zip(turns, ["What is the weather", "No, wait"]))
+            assert types.index(f"{TRANSCRIBED}.delta") > types.index("response.output_item.added")
+            td = of(events, "session.updated")[0].session.audio.input.turn_detection
+            assert (td.type, td.eagerness) == ("semantic_vad", "auto")
             assert of(events, "response.done")[-1].response.audio.output.voice == "alloy"
-            assert fake.submitted[-1]["speaker"] == "ethan"  # alloy, by the default map
+            last = max(i for i, r in enumerate(fake.submitted) if "audio" in r["modalities"])  # the last answer
+            assert fake.submitted[last]["speaker"] == "ethan"  # alloy, by the default map
             # The next turn heard the answer as far as the client played it (one token per audio chunk here).
-            assert f"<assistant>{long[:played * 24 // CHUNK]}<user><audio:" in prompt_text(fake)
+            assert f"<assistant>{long[:played * 24 // CHUNK]}<user><audio:" in prompt_text(fake, last)
 
     fake.delay = 0.1  # per token: the first answer streams for seconds, long enough to speak over
     try:

@@ -18,8 +18,10 @@ from omnistage.entrypoints.realtime.conversation import (
     UserMessage,
 )
 from omnistage.entrypoints.realtime.input_buffer import InputAudioBuffer
+from omnistage.entrypoints.realtime.noise import DELAY, NoiseReducer
 from omnistage.entrypoints.realtime.vad import SpeechDetector
 from omnistage.models.tool_calls import QWEN_TOOL_CALLS, ToolCallScanner, parse_call
+from omnistage.testing.speech_turns import Turn, measure, snr_db, turns, with_noise
 
 
 def _events(samples: np.ndarray, config: TurnDetection, chunk: int = 2400):
@@ -59,6 +61,64 @@ def test_vad_threshold_sets_aggressiveness_and_level_floor():
     assert _events(quiet, TurnDetection(threshold=0.9)) == []  # floor -33 dBFS: too quiet
     with pytest.raises(ValueError):
         TurnDetection(threshold=1.5)
+
+
+def test_semantic_vad_waits_out_hesitations_and_ends_trailing_speech_sooner_than_server_vad():
+    """On synthetic turns (hesitation pauses of 300-1000 ms held at full level, the last phrase trailing off):
+    semantic VAD ends no turn at a hesitation and ends them sooner than the server VAD that also waits them out
+    (1000 ms); the default server VAD (500 ms) cuts most of them. ``benchmarks/turn_detection.py`` has the table."""
+    data = turns(16, seed=1)
+
+    def stats(**kw):
+        return measure(lambda: SpeechDetector(TurnDetection(**kw)), data)
+
+    server, patient = stats(), stats(silence_duration_ms=1000)
+    assert server.false_ends >= len(data) // 2 and patient.false_ends == 0
+    by = {e: stats(type="semantic_vad", eagerness=e) for e in ("low", "medium", "high", "auto")}
+    assert by["medium"].false_ends == by["low"].false_ends == 0 and by["medium"].missed == 0
+    assert by["medium"].mean_latency_ms <= patient.mean_latency_ms - 400
+    assert by["high"].mean_latency_ms < by["medium"].mean_latency_ms < by["low"].mean_latency_ms
+    assert by["auto"] == by["medium"]
+    # A single held phrase ends after the long silence of its eagerness (1200 ms for medium), not the short one.
+    held = np.concatenate([silence(0.5), speech_like(1.0), silence(2.0)])
+    (_, t0), (_, t1) = _events(held, TurnDetection(type="semantic_vad", eagerness="medium"))
+    assert 1500 + 1200 <= t1 <= 1500 + 1200 + 100
+    assert TurnDetection(type="semantic_vad").to_api() == {"type": "semantic_vad", "eagerness": "auto",
+                                                           "create_response": True, "interrupt_response": True}
+
+
+def _denoised(kind: str, audio: np.ndarray, chunk: int = 2400) -> np.ndarray:
+    nr = NoiseReducer(kind)
+    return np.concatenate([nr.process(audio[i:i + chunk]) for i in range(0, audio.size, chunk)])
+
+
+@pytest.mark.parametrize("kind,gain_db", [("near_field", 4.5), ("far_field", 4.0)])
+def test_noise_reduction_raises_the_snr_of_noisy_speech_and_leaves_clean_speech_alone(kind, gain_db):
+    clean = np.concatenate([t.audio for t in turns(2, seed=2, tail_s=0.5)])
+    noisy = with_noise(clean, 5.0, seed=1)
+    out = _denoised(kind, noisy)
+    n = out.size - DELAY  # the output lags by DELAY samples
+    assert snr_db(clean[:n], out[DELAY:]) >= snr_db(clean[:n], noisy[:n]) + gain_db
+    assert snr_db(clean[:n], _denoised(kind, clean)[DELAY:]) >= 40  # no noise: (almost) untouched
+    # Streaming: the chunking of the input does not change the output.
+    other = _denoised(kind, noisy, chunk=777)
+    m = min(other.size, out.size)
+    np.testing.assert_array_equal(other[:m], out[:m])
+
+
+def test_noise_reduction_lets_the_vad_end_turns_spoken_over_noise():
+    class Denoised:
+        def __init__(self) -> None:
+            self.nr, self.vad = NoiseReducer("near_field"), SpeechDetector(TurnDetection(silence_duration_ms=1000))
+
+        def feed(self, samples):
+            return self.vad.feed(self.nr.process(samples))
+
+    data = [Turn(with_noise(t.audio, 5.0, seed=i), t.speech_end_ms, t.pauses_ms) for i, t in enumerate(turns(6, 3))]
+    raw = measure(lambda: SpeechDetector(TurnDetection(silence_duration_ms=1000)), data)
+    assert raw.missed == len(data)  # the noise keeps the VAD in speech: no turn ever ends
+    filtered = measure(Denoised, data)
+    assert filtered.missed == filtered.false_ends == 0 and filtered.max_latency_ms <= 2500
 
 
 def test_input_buffer_takes_exact_ranges_and_drops_beyond_its_limit():

@@ -4,12 +4,14 @@
 value; ``turn_detection: null`` switches server VAD off), validated as a whole before anything changes, and
 the full effective configuration is returned in ``session.updated`` (``SessionConfig.to_api``).
 
-Values OpenAI's server takes and this one does not are refused as OpenAI refuses an invalid value (``invalid_value``,
-"Invalid value: ... Supported values are: ...", the field as ``param``, the server's reason after it), and the
-session goes on unchanged: ``audio.input.noise_reduction`` other than null (no noise reduction here),
-``audio.input.transcription`` other than null (no input transcription), ``turn_detection.type`` "semantic_vad"
-(server VAD only). Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``,
-...) are ``unsupported_parameter``.
+Input audio: ``audio.input.noise_reduction`` ``{"type": "near_field" | "far_field"}`` filters it before the
+VAD and the model (``noise``); ``turn_detection`` is ``server_vad`` or ``semantic_vad`` (``eagerness``: the
+end-of-turn rule of ``vad``); ``transcription`` (``model``, ``language``, ``prompt``) transcribes each committed
+turn with the served model (``realtime.transcription``; OpenAI's transcription model names map to it,
+diarization is refused). A value outside what a field takes is refused as OpenAI refuses it (``invalid_value``,
+"Invalid value: ... Supported values are: ...", the field as ``param``) and the session goes on unchanged.
+Fields this server does not implement at all (``prompt``, ``tracing``, ``idle_timeout_ms``, ...) are
+``unsupported_parameter``.
 
 ``tool_choice``: "auto" (the model decides), "none" (no tools offered), "required" or a named function
 (``{"type": "function", "name": ...}``): the answer is made to begin with the family's call prefix
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.core.validation import check_positive_int
+from omnistage.entrypoints import speech_to_text as stt
 from omnistage.entrypoints.realtime.events import (
     MAX_TOKENS_INF,
     AudioFormat,
@@ -34,6 +37,7 @@ from omnistage.entrypoints.realtime.events import (
     ResponseParams,
     SamplingParamsExt,
     SessionParams,
+    TranscriptionParams,
     TurnDetectionParams,
 )
 from omnistage.entrypoints.voices import UnknownVoice, VoiceMap
@@ -69,32 +73,72 @@ class RealtimeLimits:
             raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {self.idle_timeout_s!r}")
 
 
+TURN_DETECTION_TYPES = ("server_vad", "semantic_vad")
+NOISE_REDUCTION_TYPES = ("near_field", "far_field")  # ``noise.PROFILES``
+EAGERNESS = ("low", "medium", "high", "auto")
+# semantic_vad: the silence (ms) that ends a turn, by eagerness, after speech that (held) stops at full level or
+# (trailing) trails off; "auto" is "medium", as OpenAI's. See ``vad``.
+SEMANTIC_SILENCE_MS = {"low": (2000, 800), "medium": (1200, 400), "high": (600, 200)}
+
+
 @dataclass(frozen=True)
 class TurnDetection:
-    """Server VAD settings (the API's ``server_vad`` fields). ``threshold`` in [0, 1] picks the WebRTC VAD's
-    aggressiveness: [0, .25) -> 0, [.25, .5) -> 1, [.5, .75) -> 2, [.75, 1] -> 3 (higher = needs clearer
-    speech)."""
+    """Turn detection settings: ``server_vad`` (the API's fields) or ``semantic_vad`` (``eagerness``; the
+    energy VAD with the end-of-turn rule of ``vad``, its threshold and padding at their defaults).
+    ``threshold`` in [0, 1] picks the WebRTC VAD's aggressiveness: [0, .25) -> 0, [.25, .5) -> 1,
+    [.5, .75) -> 2, [.75, 1] -> 3 (higher = needs clearer speech)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    type: str = "server_vad"
+    eagerness: str = "auto"  # semantic_vad only
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.prefix_padding_ms < 0 or self.silence_duration_ms < 20:
             raise ValueError("prefix_padding_ms must be >= 0 and silence_duration_ms >= 20")
+        if self.type not in TURN_DETECTION_TYPES or self.eagerness not in EAGERNESS:
+            raise ValueError(f"type must be one of {TURN_DETECTION_TYPES} and eagerness one of {EAGERNESS}")
 
     @property
     def aggressiveness(self) -> int:
         return min(3, int(self.threshold * 4))
 
+    def silence_ms(self, trailing: bool) -> int:
+        """The silence that ends a turn; ``trailing``: the speech before it trailed off."""
+        if self.type == "server_vad":
+            return self.silence_duration_ms
+        held, trail = SEMANTIC_SILENCE_MS["medium" if self.eagerness == "auto" else self.eagerness]
+        return trail if trailing else held
+
     def to_api(self) -> dict[str, Any]:
+        if self.type == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
                 "interrupt_response": self.interrupt_response, "idle_timeout_ms": None}
+
+
+@dataclass(frozen=True)
+class Transcription:
+    """Input audio transcription (``audio.input.transcription``): each committed user turn is transcribed by the
+    served model (``entrypoints.speech_to_text``; ``model`` is the name the client gave, echoed)."""
+
+    model: str
+    language: str | None = None
+    prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        stt.check_language(self.language)
+        stt.check_prompt(self.prompt)
+
+    def to_api(self) -> dict[str, Any]:
+        return {"model": self.model, "language": self.language, "prompt": self.prompt or ""}
 
 
 @dataclass(frozen=True)
@@ -130,6 +174,8 @@ class SessionConfig:
     voice: str | None = None
     output_modalities: tuple[str, ...] = ("audio",)
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    transcription: Transcription | None = None
+    noise_reduction: str | None = None  # near_field | far_field (``noise``)
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: str = "auto"  # auto | none | required | function (then ``tool_choice_name``)
     tool_choice_name: str | None = None
@@ -171,7 +217,9 @@ class SessionConfig:
             "type": "realtime", "object": "realtime.session", "id": session_id, "model": model,
             "output_modalities": list(self.output_modalities), "instructions": self.instructions,
             "audio": {
-                "input": {"format": fmt, "transcription": None, "noise_reduction": None,
+                "input": {"format": fmt,
+                          "noise_reduction": {"type": self.noise_reduction} if self.noise_reduction else None,
+                          "transcription": self.transcription.to_api() if self.transcription else None,
                           "turn_detection": self.turn_detection.to_api() if self.turn_detection else None},
                 "output": {"format": fmt, "voice": self.voice, "speed": 1.0},
             },
@@ -293,15 +341,43 @@ def sampling(value: SamplingParamsExt, param: str) -> Sampling:
 def _turn_detection(td: TurnDetectionParams | None, current: TurnDetection | None, param: str) -> TurnDetection | None:
     if td is None:
         return None
-    if td.type != "server_vad":
-        raise invalid_value(f"{param}.type", td.type, ["'server_vad'"],
-                            "This server's turn detection is the energy VAD (server_vad), or null for none.")
+    if td.type not in TURN_DETECTION_TYPES:
+        raise invalid_value(f"{param}.type", td.type, [f"'{t}'" for t in TURN_DETECTION_TYPES])
     if td.idle_timeout_ms is not None:
         raise _unsupported(f"{param}.idle_timeout_ms", "idle_timeout_ms is not supported")
     base = current or TurnDetection()
-    fields = {k: getattr(td, k) for k in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
-                                          "interrupt_response") if getattr(td, k) is not None}
+    fields: dict[str, Any] = {"type": td.type}
+    if td.type == "semantic_vad":  # OpenAI's semantic_vad has no threshold, padding or silence: the defaults
+        if td.eagerness is not None and td.eagerness not in EAGERNESS:
+            raise invalid_value(f"{param}.eagerness", td.eagerness, [f"'{e}'" for e in EAGERNESS])
+        base = TurnDetection(create_response=base.create_response, interrupt_response=base.interrupt_response)
+        fields["eagerness"] = td.eagerness or "auto"
+        names: tuple[str, ...] = ("create_response", "interrupt_response")
+    else:
+        names = ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response")
+    fields.update({k: getattr(td, k) for k in names if getattr(td, k) is not None})
     return dataclasses.replace(base, **fields)
+
+
+def _noise_reduction(value: Any, param: str) -> str | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else value
+    if kind not in NOISE_REDUCTION_TYPES:
+        raise invalid_value(param + (".type" if isinstance(value, dict) else ""), kind,
+                            [f"'{k}'" for k in NOISE_REDUCTION_TYPES] + ["null"])
+    return kind
+
+
+def _transcription(t: TranscriptionParams | None, served: str, param: str) -> Transcription | None:
+    if t is None:
+        return None
+    model = t.model or served
+    try:
+        stt.check_model(model, served)
+        return Transcription(model, t.language, t.prompt)
+    except stt.TranscriptionFieldError as exc:
+        raise RealtimeError(str(exc), code=exc.code, param=f"{param}.{exc.param}") from None
 
 
 def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInfo, model: str,
@@ -322,15 +398,10 @@ def apply_session_update(config: SessionConfig, s: SessionParams, info: ModelInf
         a = s.audio
         if a.input is not None:
             check_format(a.input.format, f"{p}.audio.input.format")
-            if a.input.transcription is not None:
-                raise invalid_value(f"{p}.audio.input.transcription", a.input.transcription, ["null"],
-                                    "This server does not transcribe input audio (the model hears it).")
-            if a.input.noise_reduction is not None:
-                nr = a.input.noise_reduction
-                kind = nr.get("type") if isinstance(nr, dict) else nr
-                raise invalid_value(f"{p}.audio.input.noise_reduction" + (".type" if isinstance(nr, dict) else ""),
-                                    kind, ["null"], "This server does no noise reduction ('near_field' and "
-                                                    "'far_field' are not implemented).")
+            if "transcription" in a.input.model_fields_set:
+                new["transcription"] = _transcription(a.input.transcription, model, f"{p}.audio.input.transcription")
+            if "noise_reduction" in a.input.model_fields_set:
+                new["noise_reduction"] = _noise_reduction(a.input.noise_reduction, f"{p}.audio.input.noise_reduction")
             if "turn_detection" in a.input.model_fields_set:
                 new["turn_detection"] = _turn_detection(a.input.turn_detection, config.turn_detection,
                                                         f"{p}.audio.input.turn_detection")

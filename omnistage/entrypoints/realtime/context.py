@@ -27,6 +27,7 @@ class RealtimeContext:
     pool: Executor  # rendering prompts (tokenizer, audio features) runs here, off the event loop
     limits: RealtimeLimits
     voices: VoiceMap  # the names sessions may ask for (the model's and the mapped ones)
+    transcript_tokens: int  # one input transcription's limit (ServerLimits.max_transcript_tokens)
     open_sessions: int = 0
 
 

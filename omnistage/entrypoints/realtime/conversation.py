@@ -44,6 +44,7 @@ class Item:
 class UserMessage(Item):
     parts: list[tuple[str, Any]] = field(default_factory=list)  # ("text", str) | ("audio", int16 24 kHz)
     role: str = "user"  # user | system
+    transcripts: dict[int, str] = field(default_factory=dict)  # by part index: input audio transcription's
 
     @property
     def audio_samples(self) -> int:
@@ -51,9 +52,9 @@ class UserMessage(Item):
 
     def to_api(self, with_audio: bool = False) -> dict[str, Any]:
         content = [{"type": "input_text", "text": v} if k == "text" else
-                   {"type": "input_audio", "transcript": None,
+                   {"type": "input_audio", "transcript": self.transcripts.get(i),
                     "audio": base64.b64encode(v.astype("<i2").tobytes()).decode("ascii") if with_audio else None}
-                   for k, v in self.parts]
+                   for i, (k, v) in enumerate(self.parts)]
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
                 "status": "completed", "content": content}
 

@@ -95,10 +95,16 @@ class TurnDetectionParams(_Model):
     eagerness: Text | None = None
 
 
+class TranscriptionParams(_Model):
+    model: Text | None = None
+    language: Text | None = None
+    prompt: Text | None = None
+
+
 class AudioInputParams(_Model):
     format: AudioFormat | None = None
     turn_detection: TurnDetectionParams | None = None  # null switches it off (``model_fields_set`` tells)
-    transcription: Any = None
+    transcription: TranscriptionParams | None = None  # null switches it off
     noise_reduction: Any = None
 
 

@@ -6,7 +6,9 @@ pcm16, 24 kHz) with ``response.output_audio_transcript.delta`` (audio) or ``resp
 (text), then the ``.done`` events of the part and item and ``conversation.item.done``; for each tool call
 ``response.output_item.added``, ``conversation.item.added``, ``response.function_call_arguments.delta`` /
 ``.done``, ``response.output_item.done``, ``conversation.item.done``; last ``response.done`` with the status
-and usage (a beta client gets the beta names, see ``events.for_protocol``).
+and usage, then ``rate_limits.updated`` (a beta client gets the beta names, see ``events.for_protocol``).
+``output_audio_buffer.started`` / ``.stopped`` / ``.cleared`` are not sent: OpenAI sends them over WebRTC and SIP
+only (its server plays the audio there); over a WebSocket the client owns playback, as here.
 
 Tool calls (``tools``): with tools active the response still asks for speech from the start, but its audio
 is held back while the text could be opening a call: until the first non-blank text that cannot begin
@@ -110,6 +112,7 @@ class ResponseRun:
         self.timer: RequestTimer | None = None
         self.submitted: float | None = None  # when the request went to the engine (latency metrics count from it)
         self.finish_reason: str | None = None
+        self.first_output = asyncio.Event()  # set at the first engine output or the end (transcriptions wait)
         specials = getattr(self.tokenizer, "all_special_ids", None) or [self.tokenizer.eos_token_id]
         self.special_ids = frozenset(int(t) for t in specials if t is not None)
         self.task: asyncio.Task | None = None
@@ -169,6 +172,7 @@ class ResponseRun:
             async with contextlib.aclosing(stream):
                 await self._text(self.prefix)  # the answer's own beginning, for the call scanner
                 async for delta in stream:
+                    self.first_output.set()
                     if self.timer is None:
                         self.timer = RequestTimer(metrics, len(self.prompt.token_ids), self.submitted)
                     if await self._delta(delta):
@@ -191,6 +195,7 @@ class ResponseRun:
             logger.exception("realtime response %s failed", self.id)
             self._fail(RealtimeError(f"internal error: {exc!r}", code="internal_error", type="server_error"))
         finally:
+            self.first_output.set()
             with contextlib.suppress(SessionClosed):
                 await self._finish()
 
@@ -389,6 +394,12 @@ class ResponseRun:
             err = self.error
             await self.session.send(RealtimeError(err.message, err.code, err.param, err.type).event())
         await self.send("response.done", response=self._api())
+        # OpenAI's servers follow response.done with the session's limits. This server has no rate limits; the
+        # limit a conversation runs into is the context: what this response's prompt and answer left of it.
+        usage = self._usage()
+        await self.send("rate_limits.updated", rate_limits=[{
+            "name": "tokens", "limit": self.info.max_model_len, "reset_seconds": 0.0,
+            "remaining": max(0, self.info.max_model_len - usage["input_tokens"] - len(self.token_ids))}])
 
     def _usage(self) -> dict[str, Any]:
         n_in = len(self.prompt.token_ids) if self.prompt is not None else 0

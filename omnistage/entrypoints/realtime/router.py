@@ -31,8 +31,8 @@ SUBPROTOCOL = "realtime"  # browsers offer it (with the key as a second subproto
 
 
 def realtime_router(omni: EngineClient, model: str, metrics: ServerMetrics, pool: Executor,
-                    limits: RealtimeLimits, voices: VoiceMap) -> APIRouter:
-    ctx = RealtimeContext(omni, model, metrics, pool, limits, voices)
+                    limits: RealtimeLimits, voices: VoiceMap, transcript_tokens: int) -> APIRouter:
+    ctx = RealtimeContext(omni, model, metrics, pool, limits, voices, transcript_tokens)
     router = APIRouter()
 
     @router.websocket("/v1/realtime")

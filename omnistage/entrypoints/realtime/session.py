@@ -1,7 +1,7 @@
 """One realtime session: its configuration, input audio buffer with server VAD, conversation, and the one
 response that may be running; handles each client event and sends the server events.
 
-Turn taking with server VAD: ``input_audio_buffer.speech_started`` when speech begins (and, with
+Turn taking with server VAD (or semantic VAD: the same events, its end-of-turn rule in ``vad``): ``input_audio_buffer.speech_started`` when speech begins (and, with
 ``interrupt_response``, the running response is cancelled: barge-in), ``speech_stopped`` after
 ``silence_duration_ms`` of silence, then the speech is committed as a user audio item
 (``input_audio_buffer.committed``, ``conversation.item.added``, ``conversation.item.done``) and, with
@@ -18,6 +18,11 @@ for the client's and the committed ones, after ``response.output_item.done`` for
 refused (``duplicate_item_id``). ``conversation.item.retrieve`` answers ``conversation.item.retrieved`` with the
 item, user audio included (base64 pcm16, 24 kHz); retrieve, truncate and delete of an unknown id get OpenAI's
 ``item_<action>_invalid_item_id``.
+
+With ``audio.input.transcription`` each committed turn is also transcribed by the model, after the answer it
+starts is under way (``transcription``: ``conversation.item.input_audio_transcription.delta`` / ``.completed``).
+
+With ``audio.input.noise_reduction`` the appended audio is filtered first (``noise``: it lags by 10.7 ms).
 
 Input audio is 24 kHz pcm16; the model hears it through its processor, which resamples to 16 kHz with soxr
 (the same path as any audio part of a chat message).
@@ -36,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from omnistage.entrypoints import speech_to_text as stt
 from omnistage.entrypoints.realtime import config as cfg
 from omnistage.entrypoints.realtime.config import AUDIO_RATE, SessionConfig
 from omnistage.entrypoints.realtime.context import RealtimeContext, SessionClosed
@@ -63,7 +69,9 @@ from omnistage.entrypoints.realtime.events import (
     server_event,
 )
 from omnistage.entrypoints.realtime.input_buffer import MIN_COMMIT_MS, InputAudioBuffer, ms_to_samples
+from omnistage.entrypoints.realtime.noise import NoiseReducer
 from omnistage.entrypoints.realtime.response import ResponseRun
+from omnistage.entrypoints.realtime.transcription import TranscriptionRun
 from omnistage.entrypoints.realtime.vad import SpeechDetector
 from omnistage.models.family import PreparedPrompt
 from omnistage.pipeline.client import EngineClient
@@ -91,6 +99,8 @@ class RealtimeSession:
         self.conversation = Conversation(limits.max_history_items, limits.max_history_audio_s * AUDIO_RATE,
                                          info.tool_calls)
         self.response: ResponseRun | None = None
+        self.denoiser: NoiseReducer | None = None  # with noise_reduction set
+        self.transcriptions: list[TranscriptionRun] = []  # running (and recently finished) input transcriptions
         self.speech: tuple[str, int] | None = None  # (item id, audio_start_ms) of the speech in progress
         self.overflow_reported = False
 
@@ -117,6 +127,8 @@ class RealtimeSession:
         self.closed = True
         if self.response is not None:
             await self.response.cancel("client_gone")
+        for run in self.transcriptions:
+            await run.cancel()
         self.buffer.clear()
         self.conversation.items.clear()
 
@@ -140,6 +152,8 @@ class RealtimeSession:
     async def _session_update(self, e: SessionUpdate) -> None:
         new = cfg.apply_session_update(self.config, e.session, self.ctx.omni.info, self.ctx.model,
                                        self.ctx.voices)
+        if new.noise_reduction != self.config.noise_reduction:
+            self.denoiser = NoiseReducer(new.noise_reduction) if new.noise_reduction else None
         if new.turn_detection != self.config.turn_detection:
             if new.turn_detection is not None:
                 self.detector.reconfigure(new.turn_detection)
@@ -158,6 +172,8 @@ class RealtimeSession:
         if len(data) % 2:
             raise RealtimeError("audio must be pcm16 (an even number of bytes)", param="audio")
         samples = np.frombuffer(data, dtype="<i2")
+        if self.denoiser is not None:  # the VAD, the buffer and the model get the filtered stream
+            samples = self.denoiser.process(samples)
         dropped = self.buffer.append(samples)
         if dropped and not self.overflow_reported:
             self.overflow_reported = True
@@ -192,9 +208,12 @@ class RealtimeSession:
         self.overflow_reported = False
         if not audio.size:
             return
-        await self._commit_audio(item_id, audio)
-        if self.config.turn_detection.create_response:
-            await self._create_response(self._settings(None), stopped_at)
+        item = await self._commit_audio(item_id, audio)
+        try:
+            if self.config.turn_detection.create_response:
+                await self._create_response(self._settings(None), stopped_at)
+        finally:  # after the answer it starts (see ``transcription``)
+            self._transcribe(item, self.response.first_output if self.response is not None else None)
 
     async def _commit(self, _: Any) -> None:
         audio = self.buffer.take()
@@ -205,13 +224,23 @@ class RealtimeSession:
         if audio.shape[0] < ms_to_samples(MIN_COMMIT_MS):
             raise RealtimeError(f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, got "
                                 f"{audio.shape[0] * 1000 // AUDIO_RATE} ms", code="input_audio_buffer_commit_empty")
-        await self._commit_audio(item_id, audio)
+        self._transcribe(await self._commit_audio(item_id, audio))
 
-    async def _commit_audio(self, item_id: str, audio: np.ndarray) -> None:
+    async def _commit_audio(self, item_id: str, audio: np.ndarray) -> UserMessage:
         item = UserMessage(item_id, [("audio", audio)])
         prev = await self.add_item(item, announce=False)
         await self.send(server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=prev))
         await self._announce(item, prev)
+        return item
+
+    def _transcribe(self, item: UserMessage, after: asyncio.Event | None = None) -> None:
+        """Transcribe a committed turn if the session asks for it (``transcription``)."""
+        if self.config.transcription is None:
+            return
+        self.transcriptions = [t for t in self.transcriptions if not t.done]
+        run = TranscriptionRun(self, item, 0, self.config.transcription, after)
+        self.transcriptions.append(run)
+        run.start()
 
     async def _clear(self, _: Any) -> None:
         self.buffer.clear()
@@ -304,10 +333,7 @@ class RealtimeSession:
             await self.send(server_event("conversation.item.deleted", item_id=gone.id))
 
     def audio_prompt_tokens(self, prompt: PreparedPrompt | None) -> int:
-        pad = _audio_pad_id(self.ctx.omni.tokenizer)
-        if prompt is None or pad is None:
-            return 0
-        return sum(1 for t in prompt.token_ids if t == pad)
+        return 0 if prompt is None else stt.audio_tokens(self.ctx.omni.tokenizer, prompt.token_ids)
 
     # ---- responses ----------------------------------------------------------------------------------
     async def _response_create(self, e: ResponseCreate) -> None:
@@ -361,10 +387,3 @@ def _render(omni: EngineClient, messages: list[dict[str, Any]],
     except ValueError as exc:
         return None, exc
 
-
-def _audio_pad_id(tokenizer: Any) -> int | None:
-    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
-    if convert is None:
-        return None
-    pad = convert("<|audio_pad|>")
-    return pad if isinstance(pad, int) and pad != getattr(tokenizer, "unk_token_id", None) else None
