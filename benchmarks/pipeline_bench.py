@@ -52,6 +52,7 @@ from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 from omnistage.runtime_env import release_free_heap, resident_bytes
+from omnistage.testing.reference import captured_codes
 
 CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
 
@@ -105,16 +106,8 @@ def run_hf(hf, tok, eos_ids, fixed_speech, texts, thinker_tokens, talker_tokens,
     """transformers one request at a time; ``eos_ids``: the engine's stop ids, so that min_new_tokens bans
     the same ids as omnistage's min_tokens. The codes are caught on their way into Code2Wav."""
     wall, samples, latencies, tokens, results = 0.0, 0, [], 0, []
-    captured = {}
-    original = hf.code2wav.chunked_decode
-
-    def catch_codes(codes, **kw):
-        captured["codes"] = codes[0].clone()
-        return original(codes, **kw)
-
-    hf.code2wav.chunked_decode = catch_codes
     c0 = time.process_time()
-    try:
+    with captured_codes(hf) as captured:
         for x in hf_inputs(tok, texts):
             x = x.to(hf.device)
             t0 = time.perf_counter()
@@ -131,8 +124,6 @@ def run_hf(hf, tok, eos_ids, fixed_speech, texts, thinker_tokens, talker_tokens,
             samples += wav.numel()
             tokens += seq.shape[1] - x.shape[1]
             results.append((seq[0, x.shape[1]:].tolist(), captured.pop("codes", None)))
-    finally:
-        del hf.code2wav.chunked_decode  # back to the class's method
     return Run(wall, time.process_time() - c0, tokens, samples / sample_rate, statistics.median(latencies), results)
 
 

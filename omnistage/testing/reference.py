@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,3 +37,21 @@ def load_hf_reference(path: str | Path):
 
 
 _cached = functools.cache(load_hf_model)
+
+
+@contextlib.contextmanager
+def captured_codes(hf) -> Iterator[dict]:
+    """While open, each ``hf.generate(..., return_audio=True)`` leaves the codes it hands Code2Wav ([Q, T], the
+    first batch row) under ``"codes"`` of the yielded dict (the model's own method is back on exit)."""
+    captured: dict = {}
+    original = hf.code2wav.chunked_decode
+
+    def catch(codes, **kw):
+        captured["codes"] = codes[0].clone()
+        return original(codes, **kw)
+
+    hf.code2wav.chunked_decode = catch
+    try:
+        yield captured
+    finally:
+        del hf.code2wav.chunked_decode  # back to the class's method

@@ -22,7 +22,7 @@ from omnistage.checkpoints.real import build_real_checkpoint, parse_depth
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.pipeline.memory_plan import available_bytes
 from omnistage.pipeline.omni import Omni
-from omnistage.testing.reference import load_hf_model
+from omnistage.testing.reference import captured_codes, load_hf_model
 
 DEPTH = "thinker=1,talker=1,code_predictor=1,code2wav=1,audio=1,vision=1"
 THINKER_TOKENS = 3
@@ -59,15 +59,7 @@ def _hf_spoken_answer(ckpt):
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
-        captured = {}
-        decode = hf.code2wav.chunked_decode
-
-        def spy(codes, **kw):
-            captured["codes"] = codes[0].clone()
-            return decode(codes, **kw)
-
-        hf.code2wav.chunked_decode = spy
-        with torch.no_grad():
+        with captured_codes(hf) as captured, torch.no_grad():
             seq, wav = hf.generate(
                 ids, speaker="ethan", return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
                 thinker_min_new_tokens=THINKER_TOKENS, thinker_eos_token_id=hf.config.im_end_token_id,

@@ -19,6 +19,7 @@ from omnistage.models.layers.moe import StackedExperts
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
+from omnistage.testing.reference import captured_codes
 
 PROMPTS = [
     "Hi",
@@ -103,15 +104,7 @@ def reference(ckpt_str: str, i: int, repetition_penalty: float = 1.0):
     input_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
         "input_ids"
     ]
-    captured = {}
-    original = hf.code2wav.chunked_decode
-
-    def spy(codes, **kw):
-        captured["codes"] = codes[0].clone()
-        return original(codes, **kw)
-
-    hf.code2wav.chunked_decode = spy
-    try:
+    with captured_codes(hf) as captured:
         n = THINKER_TOKENS[i]
         with torch.no_grad():
             seq, wav = hf.generate(
@@ -125,8 +118,6 @@ def reference(ckpt_str: str, i: int, repetition_penalty: float = 1.0):
                 talker_do_sample=False,
                 talker_repetition_penalty=repetition_penalty,
             )
-    finally:
-        hf.code2wav.chunked_decode = original
     return seq[0, input_ids.shape[1] :].tolist(), captured["codes"], wav.reshape(-1)
 
 
