@@ -40,7 +40,7 @@ def audio_token_count(frames: int, n_window: int = 50) -> int:
     return tail + (frames // chunk) * conv_out_length(chunk)
 
 
-def _sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
     if channels % 2:
         raise ValueError(f"sinusoidal positions need an even width, got {channels}")
     increment = np.log(max_timescale) / (channels // 2 - 1)
@@ -101,7 +101,7 @@ class AudioEncoder(nn.Module):
         self.conv2d2 = nn.Conv2d(ds, ds, 3, 2, padding=1)
         self.conv2d3 = nn.Conv2d(ds, ds, 3, 2, padding=1)
         self.conv_out = nn.Linear(ds * conv_out_length(mel), dim, bias=False)
-        self.positional_embedding = nn.Buffer(_sinusoids(cfg.max_source_positions, dim), persistent=False)
+        self.positional_embedding = nn.Buffer(sinusoids(cfg.max_source_positions, dim), persistent=False)
         self.layers = nn.ModuleList(
             _AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim) for _ in range(cfg.encoder_layers)
         )

@@ -110,7 +110,7 @@ class MediaEncoders:
     def _encode_audio(self, items: list[MediaItem]) -> None:
         if self.audio is None:
             raise RuntimeError("this checkpoint has no audio encoder")
-        device = self.audio.proj2.weight.device
+        device = next(self.audio.parameters()).device
         with torch.inference_mode():
             outs = self.audio([i.features.to(device) for i in items], [i.pad_frames for i in items])
         self.stats.audio_calls += 1
