@@ -36,6 +36,7 @@ from omnistage.models.qwen2_5_omni.decoder import decoder_config
 from omnistage.models.qwen2_5_omni.loading import (
     ARCHITECTURE,
     AUDIO_TOWER,
+    VISION_TOWER,
     load_config,
     load_media_encoders,
     load_talker,
@@ -49,12 +50,14 @@ from omnistage.models.qwen2_5_omni.stage_models import (
     MEDIA_ROWS_KEY,
     SAMPLE_RATE,
     SPEECH_KEY,
+    TALKER_POSITIONS_KEY,
     TalkerStageModel,
     ThinkerStageModel,
     Token2WavStageModel,
 )
 from omnistage.models.qwen2_5_omni.streaming import ChunkPlan
 from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
+from omnistage.models.qwen2_5_omni.tmrope import talker_positions
 from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
 from omnistage.models.qwen3_omni.mrope import MediaSpan
 from omnistage.models.qwen3_omni.processor import MediaItem, ThinkerMedia, media_data, thinker_media
@@ -144,11 +147,13 @@ class Qwen25OmniFamily(HFChatFamily):
 
     @cached_property
     def input_modalities(self) -> tuple[str, ...]:
-        """Text, plus audio when the checkpoint holds the audio tower (with its processor files)."""
+        """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
         if not (self.model_dir / "preprocessor_config.json").is_file():
             return ("text",)
-        audio = any(n.startswith(AUDIO_TOWER) for n in checkpoint_files(self.model_dir))
-        return ("text",) + (("audio",) if audio else ())
+        names = checkpoint_files(self.model_dir)
+        audio = any(n.startswith(AUDIO_TOWER) for n in names)
+        vision = any(n.startswith(VISION_TOWER) for n in names)
+        return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
 
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",
@@ -211,8 +216,10 @@ class Qwen25OmniFamily(HFChatFamily):
                     rows[item.rows] = True
                 thinker_data[MEDIA_ROWS_KEY] = rows
             talker_params = params[talker.name]
-            out[talker.name] = StageRequest(req_id, talker_params, None, self.ids.eos_ids,
-                                            {"num_prompt": len(ids), "voice": speaker})
+            talker_data: dict[str, Any] = {"num_prompt": len(ids), "voice": speaker}
+            if media is not None and media.prompt_positions is not None:
+                talker_data[TALKER_POSITIONS_KEY] = talker_positions(media.prompt_positions)
+            out[talker.name] = StageRequest(req_id, talker_params, None, self.ids.eos_ids, talker_data)
             if "token2wav" in by_part:
                 # The ODE's initial noise follows the request's seed (the Talker's): seeded requests repeat.
                 out[by_part["token2wav"].name] = StageRequest(req_id, data={"voice": speaker,

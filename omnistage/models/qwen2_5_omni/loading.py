@@ -24,6 +24,7 @@ from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen2_5_omni.talker import Talker
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.vision_encoder import VisionEncoder
 from omnistage.models.qwen2_5_omni.voices import load_speakers
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
 
@@ -103,10 +104,15 @@ def load_media_encoders(
     fast: bool = False,
 ) -> MediaEncoders:
     """The Thinker's towers the checkpoint holds, behind the shared encoder cache."""
-    audio = None
-    if any(n.startswith(AUDIO_TOWER) for n in checkpoint_files(model_dir)):
+    names = checkpoint_files(model_dir)
+    towers: list[nn.Module | None] = []
+    for prefix, cls, cfg in ((AUDIO_TOWER, AudioEncoder, config.thinker_config.audio_config),
+                             (VISION_TOWER, VisionEncoder, config.thinker_config.vision_config)):
+        if not any(n.startswith(prefix) for n in names):
+            towers.append(None)
+            continue
         with building(dtype, device):
-            audio = AudioEncoder(config.thinker_config.audio_config)
-        load_into(audio, model_dir, AUDIO_TOWER, dtype)
-        audio = fast_kernels(audio.eval(), fast)
-    return MediaEncoders(audio, None)
+            tower = cls(cfg)
+        load_into(tower, model_dir, prefix, dtype)
+        towers.append(fast_kernels(tower.eval(), fast))
+    return MediaEncoders(*towers)

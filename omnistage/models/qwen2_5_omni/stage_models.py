@@ -9,7 +9,9 @@
   ``answer_rows`` (tuple of [E]), ``text_done``; ``voice`` from ``StageRequest.data``; it caches
   ``prefill_embeds`` itself. Prefill rows come from that state; a decode row is the codec embedding of its input
   id (the code sampled the step before) plus its text row, so a recompute after preemption needs nothing stored.
-  ``input_ready`` pauses a request whose next text row has not arrived. The codes it samples go downstream and
+  ``input_ready`` pauses a request whose next text row has not arrived. Rows sit at plain positions, except the
+  prefill of an image/video prompt: the Talker's own TMRoPE ids (``TALKER_POSITIONS_KEY``), decode at
+  ``index + rope_delta``. The codes it samples go downstream and
   to the client (its EOS ids dropped): the code sampled at step t is spoken, none lags behind.
 - ``Token2WavStageModel``: one batched call over Token2Wav windows (see ``token2wav`` / ``streaming``).
 """
@@ -35,11 +37,13 @@ from omnistage.models.qwen2_5_omni.talker_inputs import (
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavWindow
 from omnistage.models.qwen2_5_omni.voices import Speaker
+from omnistage.models.qwen3_omni.mrope import step_positions
 from omnistage.models.qwen3_omni.stage_models import ThinkerStageModel as MediaThinkerStageModel
 from omnistage.runner.outputs import OmniOutput, StepContext
 
 SPEECH_KEY = "speech"  # Thinker request state: this request feeds a Talker
 MEDIA_ROWS_KEY = "talker_media_rows"  # Thinker request state: [P] bool, the prompt's media placeholder rows
+TALKER_POSITIONS_KEY = "prefill_positions"  # Talker request state: its prompt's 3-D ids (image/video prompts)
 SAMPLE_RATE = 24000  # Qwen2.5-Omni's BigVGAN: 100 mel frames per second, hop 240
 
 
@@ -187,6 +191,8 @@ class TalkerStageModel:
             )
             with torch.inference_mode():
                 embeds[rows] = self.talker.embed_codec(input_ids[rows]) + text.to(embeds.dtype)
+        prompts = [st.get(TALKER_POSITIONS_KEY) for st in ctx.states]
+        positions = step_positions(positions, ctx.num_computed, [ctx.spans[r] for r in ctx.req_ids], prompts)
         return {"inputs_embeds": embeds, "positions": positions}, updates
 
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions) -> OmniOutput:

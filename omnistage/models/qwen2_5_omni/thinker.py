@@ -22,21 +22,11 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
-from omnistage.models.qwen2_5_omni.decoder import Qwen2PagedDecoder, decoder_config
-from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
-
-
-def sectioned_axis_of_frequency(text_config: Any, head_dim: int) -> torch.Tensor:
-    """[head_dim / 2] axis (0 = T, 1 = H, 2 = W) of each rotary frequency: contiguous sections, T first (the
-    config's ``mrope_section``, else Qwen2.5-Omni's [16, 24, 24] for head_dim 128)."""
-    sections = list((getattr(text_config, "rope_parameters", None) or {}).get("mrope_section") or ())
-    if not sections:
-        if head_dim != 128:
-            raise ValueError(f"the text config has no mrope_section and head_dim {head_dim} != 128")
-        sections = [16, 24, 24]
-    if len(sections) != 3 or sum(sections) != head_dim // 2:
-        raise ValueError(f"mrope_section {sections} must have 3 entries summing to head_dim / 2 = {head_dim // 2}")
-    return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+from omnistage.models.qwen2_5_omni.decoder import (
+    Qwen2PagedDecoder,
+    decoder_config,
+    sectioned_axis_of_frequency,
+)
 
 
 @dataclass
@@ -79,11 +69,7 @@ class Thinker(nn.Module):
         embeds = self.embed(input_ids)
         if mm_rows is not None and mm_rows.numel():
             embeds = embeds.index_copy(0, mm_rows, mm_embeds.to(embeds.dtype))
-        rope = None
-        if positions.dim() == 2:
-            rope = mrope_cos_sin(positions, self.model.rotary.inv_freq, self.mrope_axis, embeds.dtype)
-        hidden, _ = self.model.run_layers(embeds, positions, kv_caches, attn_meta, rope=rope)
-        return ThinkerOutput(hidden=hidden, embeds=embeds)
+        return ThinkerOutput(hidden=self.model(embeds, positions, kv_caches, attn_meta, self.mrope_axis), embeds=embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from omnistage.models.qwen3_omni.mrope import MediaSpan
+from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions
 
 
 def chunk_bounds(values: Sequence[float], per_chunk: int) -> list[tuple[int, int]]:
@@ -127,3 +127,14 @@ def video_audio_order(
         if j < len(a_chunks):
             order += [False] * (a_chunks[j][1] - a_chunks[j][0])
     return order
+
+
+def talker_positions(thinker: PromptPositions) -> PromptPositions:
+    """The Talker prompt's ids: the Thinker prompt's, then its two extra rows (speaker bos, first answer token)
+    continuing the closing text; the same delta. (transformers runs ``get_rope_index`` over the Thinker's ids
+    plus those two, and a prompt always ends in text: the assistant header.)"""
+    last = thinker.table[-1]
+    if not bool((last == last[0]).all()):
+        raise ValueError("a Thinker prompt ends in text (equal ids on every axis)")
+    extra = last[0] + torch.tensor([1.0, 2.0])
+    return PromptPositions(torch.cat((thinker.table, extra[:, None].expand(-1, 3))), thinker.delta)
