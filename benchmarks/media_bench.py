@@ -193,9 +193,8 @@ def main() -> None:
 
     import transformers
 
-    from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
-
     from omnistage import SamplingParams
+    from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
     from omnistage.models.registry import load_pipeline_config
     from omnistage.pipeline.engine import OmniEngine
     from omnistage.pipeline.engine_args import EngineArgs
