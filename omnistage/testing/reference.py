@@ -1,8 +1,11 @@
-"""The transformers reference model for parity tests, loaded once per checkpoint directory."""
+"""The transformers reference model for parity tests, loaded once per checkpoint directory; building a
+transformers processor from parts."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -31,3 +34,17 @@ def load_hf_reference(path: str | Path):
     talker_max_new_tokens=m)`.
     """
     return _load(str(Path(path).resolve()))
+
+
+@contextlib.contextmanager
+def lenient_processor_components() -> Iterator[None]:
+    """Within the block, a transformers processor accepts components of any class (the media tests give it a
+    stand-in for its torchvision-only video processor)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    original = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original

@@ -31,7 +31,10 @@ def test_generate_with_audio_and_image_files(tmp_path, tiny_ckpt, capsys):
     assert thinker.image_token_id in out.prompt_token_ids and thinker.audio_token_id in out.prompt_token_ids
 
 
-def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, capsys):
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "q25_ckpt"])
+def test_generate_speaks_about_audio_image_and_video_files(tmp_path, checkpoint, capsys, request):
+    """Both families take the same media flags."""
+    tiny_ckpt = request.getfixturevalue(checkpoint)
     rng = np.random.default_rng(1)
     wav, png, out = tmp_path / "q.wav", tmp_path / "p.png", tmp_path / "answer.wav"
     soundfile.write(str(wav), (rng.standard_normal(20000) * 0.1).astype(np.float32), 16000)
@@ -45,28 +48,6 @@ def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, 
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
     # The same request through the offline API, with the CLI's seeded sampling, says the same.
     omni = Omni(tiny_ckpt)
-    params = {"thinker": SamplingParams(temperature=0.0, max_tokens=4, seed=0),
-              "talker": omni.info.stage_sampling["talker"].replace(seed=0)}
-    message = [{"role": "user", "content": [{"type": "audio", "audio": str(wav)}, {"type": "image", "image": png},
-                                            {"type": "video", "video": mkv}, {"type": "text", "text": "What is this?"}]}]
-    (answer,) = omni.generate(message, modalities=["text", "audio"], sampling_params=params)
-    assert printed == answer.text and pcm.size > 0
-    assert np.array_equal(pcm, (answer.audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy())
-
-
-def test_qwen2_5_omni_generate_speaks_about_audio_image_and_video_files(tmp_path, q25_ckpt, capsys):
-    """The same flags on a Qwen2.5-Omni checkpoint: its family takes the same media parts."""
-    rng = np.random.default_rng(2)
-    wav, png, out = tmp_path / "q.wav", tmp_path / "p.png", tmp_path / "answer.wav"
-    soundfile.write(str(wav), (rng.standard_normal(20000) * 0.1).astype(np.float32), 16000)
-    Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(png)
-    mkv = write_video(tmp_path / "v.mkv", rng.integers(0, 256, (4, 28, 56, 3), dtype=np.uint8), 2)
-    assert main(["generate", "What is this?", "--model", str(q25_ckpt), "--audio-in", str(wav), "--image", str(png),
-                 "--video", str(mkv), "--audio", str(out), "--max-tokens", "4", "--seed", "0"]) == 0
-    printed = capsys.readouterr().out.rstrip("\n")
-    with wave.open(str(out)) as w:
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16)
-    omni = Omni(q25_ckpt)
     params = {"thinker": SamplingParams(temperature=0.0, max_tokens=4, seed=0),
               "talker": omni.info.stage_sampling["talker"].replace(seed=0)}
     message = [{"role": "user", "content": [{"type": "audio", "audio": str(wav)}, {"type": "image", "image": png},

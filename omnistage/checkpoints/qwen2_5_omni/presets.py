@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import transformers
 
 from omnistage.checkpoints.presets import DecoderSpec, EncoderSpec
+from omnistage.checkpoints.presets import (
+    build_preprocessor_config_dict as build_qwen3_preprocessor_config_dict,
+)
 from omnistage.checkpoints.qwen2_5_omni.tokenizer import Qwen25TokenIds
 
 TALKER_EXTRA_IDS = 256
@@ -334,34 +337,14 @@ def build_config_dict(preset: Qwen25Preset, ids: Qwen25TokenIds, reserved: Reser
 
 
 def build_preprocessor_config_dict() -> dict:
-    """Qwen2.5-Omni-7B's ``preprocessor_config.json``: Whisper features (128 mel, 300 s), the Qwen2-VL image
-    processor with patch 14 and CLIP's normalisation."""
+    """Qwen2.5-Omni-7B's ``preprocessor_config.json``: Qwen3-Omni's Whisper features (128 mel, 300 s) and Qwen2-VL
+    image processor, with patch 14, CLIP's normalisation and its pixel limits."""
     return {
+        **build_qwen3_preprocessor_config_dict(),
         "processor_class": "Qwen2_5OmniProcessor",
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "feature_size": 128,
-        "sampling_rate": 16000,
-        "hop_length": 160,
-        "n_fft": 400,
-        "chunk_length": 300,
-        "n_samples": 4800000,
-        "nb_max_frames": 30000,
-        "padding_side": "right",
-        "padding_value": 0.0,
-        "return_attention_mask": True,
-        "dither": 0.0,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "resample": 3,  # bicubic
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
         "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
         "min_pixels": 3136,
         "max_pixels": 12845056,
     }

@@ -3,7 +3,7 @@
 Per clip: log-mel frames are cut into chunks of ``2 * n_window`` frames (200 in the released model); each chunk
 goes through conv1 (kernel 3, stride 1) + GELU, is masked past its own length, then conv2 (kernel 3, stride 2)
 + GELU, and gets sinusoidal positions restarting at 0. Transformer layers attend bidirectionally within each
-chunk. The rows of a clip are then average-pooled in pairs (an odd last row is dropped), layer-normed and
+chunk (Qwen3-Omni's layers, with an unbiased key projection). The rows of a clip are then average-pooled in pairs (an odd last row is dropped), layer-normed and
 projected to the Thinker's width: ``((frames - 1) // 2 + 1 - 2) // 2 + 1`` rows per clip.
 
 Because conv1's output is masked before conv2 reads it, a chunk's valid rows do not depend on how far it is
@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.segment_attention import segment_attention
-from omnistage.models.qwen3_omni.audio_encoder import sinusoids
+from omnistage.models.qwen3_omni.audio_encoder import AudioLayer, sinusoids
 
 
 def conv_rows(frames: int) -> int:
@@ -32,38 +31,6 @@ def conv_rows(frames: int) -> int:
 def audio_token_count(frames: int) -> int:
     """Placeholder count of a clip of ``frames`` mel frames (``_get_feat_extract_output_lengths``)."""
     return (conv_rows(frames) - 2) // 2 + 1
-
-
-class _AudioAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        if dim % heads:
-            raise ValueError(f"audio d_model {dim} must divide by {heads} heads")
-        self.heads, self.head_dim = heads, dim // heads
-        self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim, bias=False)
-        self.v_proj = nn.Linear(dim, dim)
-        self.out_proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = (p(x).view(n, self.heads, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = segment_attention(q, k, v, windows, self.head_dim**-0.5)
-        return self.out_proj(out.reshape(n, -1))
-
-
-class _AudioLayer(nn.Module):
-    def __init__(self, dim: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.self_attn = _AudioAttention(dim, heads)
-        self.self_attn_layer_norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, ffn)
-        self.fc2 = nn.Linear(ffn, dim)
-        self.final_layer_norm = nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), windows)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
 class AudioEncoder(nn.Module):
@@ -83,7 +50,8 @@ class AudioEncoder(nn.Module):
         # Stored in the checkpoint; transformers' forward does not read it either.
         self.audio_bos_eos_token = nn.Embedding(2, cfg.output_dim)
         self.layers = nn.ModuleList(
-            _AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim) for _ in range(cfg.encoder_layers)
+            AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim, k_bias=False)
+            for _ in range(cfg.encoder_layers)
         )
         self.ln_post = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, cfg.output_dim)

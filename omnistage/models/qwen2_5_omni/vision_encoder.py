@@ -18,21 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.segment_attention import segment_attention
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,8 +65,8 @@ class _MLP(nn.Module):
 class _Block(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.norm1 = _RMSNorm(dim)
-        self.norm2 = _RMSNorm(dim)
+        self.norm1 = RMSNorm(dim)
+        self.norm2 = RMSNorm(dim)
         self.attn = _Attention(dim, heads)
         self.mlp = _MLP(dim, hidden, act)
 
@@ -101,7 +90,7 @@ class _Merger(nn.Module):
     def __init__(self, dim: int, context: int, merge: int) -> None:
         super().__init__()
         self.width = context * merge * merge
-        self.ln_q = _RMSNorm(context)
+        self.ln_q = RMSNorm(context)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ transformers'.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 
@@ -26,13 +25,13 @@ from transformers import (
     BatchFeature,
     Qwen2_5OmniProcessor,
 )
-from transformers.processing_utils import ProcessorMixin
 
 from omnistage.models.media import load_video
 from omnistage.models.qwen2_5_omni.loading import load_config
 from omnistage.models.qwen2_5_omni.processor import Qwen25OmniInputProcessor
 from omnistage.models.qwen2_5_omni.prompt import with_speech_system_prompt
 from omnistage.testing.qwen2_5_omni.reference import explicit_talker_mask, tiny_checkpoint
+from omnistage.testing.reference import lenient_processor_components
 
 _rng = np.random.default_rng(11)
 
@@ -93,16 +92,6 @@ EOS = tuple(json.loads((tiny_checkpoint() / "generation_config.json").read_text(
 SEED = 5
 
 
-@contextlib.contextmanager
-def _lenient_components():
-    original = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-    try:
-        yield
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = original
-
-
 @functools.cache
 def ours() -> Qwen25OmniInputProcessor:
     ckpt = tiny_checkpoint()
@@ -113,7 +102,7 @@ def ours() -> Qwen25OmniInputProcessor:
 def reference_processor() -> Qwen2_5OmniProcessor:
     ckpt = tiny_checkpoint()
     tok = AutoTokenizer.from_pretrained(ckpt)
-    with _lenient_components():
+    with lenient_processor_components():
         return Qwen2_5OmniProcessor(image_processor=AutoImageProcessor.from_pretrained(ckpt), video_processor=None,
                                     feature_extractor=AutoFeatureExtractor.from_pretrained(ckpt), tokenizer=tok,
                                     chat_template=tok.chat_template)
