@@ -346,3 +346,13 @@ def test_bad_audio_parts_are_rejected_naming_the_part():
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\].*uint8"):
         o.engine.render_prompt([{"role": "user", "content": [{"type": "image", "image": np.zeros((4, 4), np.float32)}]}])
     assert o.info.input_modalities == ("text", "audio", "image", "video")
+
+
+def test_cuda_graph_runner_decodes_media_requests_at_their_rope_delta():
+    """Decode steps on the static (graph) runner path carry positions index + delta: the same tokens."""
+    o = Omni(tiny_checkpoint(), pipeline=load_pipeline_config("qwen2_5_omni", {"runner": "cuda_graph"}))
+    names = ["video+audio", "image", "text"]
+    got = o.generate(_prompts(o, names), ["text"], _thinker_params())
+    assert {n: g.token_ids for n, g in zip(names, got)} == {n: reference_tokens(n, NEW_TOKENS) for n in names}
+    runner = o.engine.orchestrator.stages["thinker"].runner
+    assert runner.stats.static_steps > 0 and runner.stats.replays > 0
