@@ -30,13 +30,10 @@ from omnistage.models.family import (
     no_args,
 )
 from omnistage.models.layers.fast_linear import fast_kernels
-from omnistage.models.loader import checkpoint_files
 from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTalker, talker2token2wav_args
 from omnistage.models.qwen2_5_omni.decoder import decoder_config
 from omnistage.models.qwen2_5_omni.loading import (
     ARCHITECTURE,
-    AUDIO_TOWER,
-    VISION_TOWER,
     load_config,
     load_media_encoders,
     load_talker,
@@ -60,7 +57,13 @@ from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
 from omnistage.models.qwen2_5_omni.tmrope import talker_positions
 from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
 from omnistage.models.qwen3_omni.mrope import MediaSpan
-from omnistage.models.qwen3_omni.processor import MediaItem, ThinkerMedia, media_data, thinker_media
+from omnistage.models.qwen3_omni.processor import (
+    MediaItem,
+    ThinkerMedia,
+    media_data,
+    media_modalities,
+    thinker_media,
+)
 from omnistage.models.registry import register_family
 from omnistage.models.tool_calls import QWEN_TOOL_CALLS
 
@@ -148,12 +151,7 @@ class Qwen25OmniFamily(HFChatFamily):
     @cached_property
     def input_modalities(self) -> tuple[str, ...]:
         """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
-        if not (self.model_dir / "preprocessor_config.json").is_file():
-            return ("text",)
-        names = checkpoint_files(self.model_dir)
-        audio = any(n.startswith(AUDIO_TOWER) for n in names)
-        vision = any(n.startswith(VISION_TOWER) for n in names)
-        return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
+        return media_modalities(self.model_dir)
 
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",

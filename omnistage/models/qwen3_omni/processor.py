@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.models.family import PreparedPrompt
+from omnistage.models.loader import checkpoint_files
 from omnistage.models.media import MediaError, Video, load_audio, load_image, load_video
 from omnistage.models.qwen3_omni.audio_encoder import audio_token_count
 from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, interleaved_order, prompt_positions
@@ -79,6 +80,18 @@ class ThinkerMedia:
     def prompt_positions(self) -> PromptPositions | None:
         """The prompt's 3-D ids for ``mrope.step_positions`` (None: plain indices)."""
         return None if self.flat else PromptPositions(self.positions, self.rope_delta)
+
+
+def media_modalities(model_dir: str | Path) -> tuple[str, ...]:
+    """What prompts to a checkpoint may hold: text, plus audio and image + video for the Thinker towers it holds
+    (``thinker.audio_tower.*``, ``thinker.visual.*``), when it has its processor files."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return ("text",)
+    names = checkpoint_files(model_dir)
+    audio = any(n.startswith("thinker.audio_tower.") for n in names)
+    vision = any(n.startswith("thinker.visual.") for n in names)
+    return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
 
 
 def media_data(media: ThinkerMedia | None) -> dict[str, Any]:
