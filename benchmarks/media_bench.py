@@ -8,6 +8,7 @@ audio is its end-to-end time). Reports time to first audio, text tokens/s, audio
 real-time factor, and the audio encoder's share of the Thinker's prefill time in both.
 
     python -m benchmarks.media_bench --preset small --concurrency 1 8 --threads 1
+    python -m benchmarks.media_bench --family qwen2_5_omni --preset small --concurrency 1 8 --threads 2
 """
 
 from __future__ import annotations
@@ -104,7 +105,15 @@ def run_omnistage(engine, clock: PrefillClock, clips, params):
             "ttfa": statistics.median(first_audio.values()), "enc_share": clock.encoder / clock.prefill}
 
 
-def run_hf(hf, engine, clips, thinker_tokens, talker_tokens):
+# Per family: transformers' class, the generation stage, generate's speaker and audio arguments (Qwen2.5-Omni's
+# speaks whenever it has a Talker, its greedy Talker stops at codec pad / eos unless held to a minimum).
+FAMILIES = {
+    "qwen3_omni": ("Qwen3OmniMoeForConditionalGeneration", "code2wav", {"speaker": "ethan", "return_audio": True}),
+    "qwen2_5_omni": ("Qwen2_5OmniForConditionalGeneration", "token2wav", {"speaker": "Ethan"}),
+}
+
+
+def run_hf(hf, engine, clips, thinker_tokens, talker_tokens, audio_args=FAMILIES["qwen3_omni"][2]):
     """transformers, one request at a time, on the very prompt ids and audio features omnistage used."""
     from omnistage.models.qwen3_omni.processor import thinker_media
 
@@ -142,8 +151,8 @@ def run_hf(hf, engine, clips, thinker_tokens, talker_tokens):
                 seq, wav = hf.generate(
                     ids, attention_mask=torch.ones_like(ids), input_features=item.features[None],
                     feature_attention_mask=torch.ones(1, item.features.shape[1], dtype=torch.long),
-                    speaker="ethan", return_audio=True, thinker_max_new_tokens=thinker_tokens,
-                    thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=hf.config.im_end_token_id,
+                    **audio_args, thinker_max_new_tokens=thinker_tokens,
+                    thinker_min_new_tokens=thinker_tokens, thinker_eos_token_id=list(engine.family.eos_token_ids),
                     talker_max_new_tokens=talker_tokens, talker_min_new_tokens=talker_tokens,
                     talker_do_sample=False, talker_repetition_penalty=1.0,
                 )
@@ -172,29 +181,33 @@ def main() -> None:
         ("--model", str, None, "checkpoint dir (default: build the preset into a temp dir)"),
         ("--preset", str, "small", "preset to build when no --model is given"),
         ("--thinker-tokens", int, 24, "text tokens per answer"),
-        ("--talker-tokens", int, 64, "codec frames per answer (80 ms each)"),
+        ("--talker-tokens", int, 64, "codec frames per answer (Qwen3-Omni: 80 ms each; Qwen2.5-Omni: 20 ms)"),
         ("--threads", int, 1, "torch threads (on a shared machine, more than 1 mostly adds contention)"),
         ("--hf-requests", int, 2, "questions transformers answers (one at a time)"),
     ):
         ap.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_omni")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformers import Qwen3OmniMoeForConditionalGeneration
+    import transformers
 
     from omnistage import SamplingParams
+    from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
     from omnistage.models.registry import load_pipeline_config
     from omnistage.pipeline.engine import OmniEngine
     from omnistage.pipeline.engine_args import EngineArgs
 
-    model = resolve_model(args.model, args.preset)
+    hf_class, generation, audio_args = FAMILIES[args.family]
+    model = resolve_model(args.model, args.preset, args.family)
     top = max(args.concurrency)
-    stages = {name: {"scheduler": {"max_num_seqs": top}} for name in ("thinker", "talker", "code2wav")}
-    pipeline = load_pipeline_config("qwen3_omni", {"stages": stages})
+    stages = {name: {"scheduler": {"max_num_seqs": top}} for name in ("thinker", "talker", generation)}
+    pipeline = load_pipeline_config(args.family, {"stages": stages})
     engine = OmniEngine(EngineArgs(model), pipeline)
     clock = PrefillClock(engine)
-    hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model, dtype=torch.float32).eval()
+    with quiet_config_checks():
+        hf = getattr(transformers, hf_class).from_pretrained(model, dtype=torch.float32).eval()
     params = {
         "thinker": SamplingParams(temperature=0.0, max_tokens=args.thinker_tokens, min_tokens=args.thinker_tokens),
         "talker": SamplingParams(temperature=0.0, max_tokens=args.talker_tokens, min_tokens=args.talker_tokens,
@@ -202,14 +215,14 @@ def main() -> None:
     }
     warm = {k: p.replace(max_tokens=4, min_tokens=4) for k, p in params.items()}
     run_omnistage(engine, clock, [spoken_question(0)[:RATE]], warm)
-    run_hf(hf, engine, [spoken_question(0)[:RATE]], 4, 4)
+    run_hf(hf, engine, [spoken_question(0)[:RATE]], 4, 4, audio_args)
 
     clips = [spoken_question(i) for i in range(top)]
     print(f"CPU: {cpu_name()}, torch threads={args.threads}, {Path(model).name}, float32; questions "
           f"{', '.join(f'{c.size / RATE:.1f}' for c in clips)} s; answers {args.thinker_tokens} text tokens, "
-          f"{args.talker_tokens} codec frames; first audio chunk {dict(pipeline.stage('code2wav').bridge_args)}")
+          f"{args.talker_tokens} codec frames; first audio chunk {dict(pipeline.stage(generation).bridge_args)}")
     with torch.no_grad():
-        ref = run_hf(hf, engine, clips[: args.hf_requests], args.thinker_tokens, args.talker_tokens)
+        ref = run_hf(hf, engine, clips[: args.hf_requests], args.thinker_tokens, args.talker_tokens, audio_args)
     print(f"{'':>3} | {'omnistage':^58} | {'transformers (1 at a time)':^46} | {'ratio':^13}")
     print(f"{'N':>3} | {'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} {'wall s':>7} | "
           f"{'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} | "

@@ -1,4 +1,5 @@
-"""The transformers reference model for parity tests, loaded once per checkpoint directory."""
+"""The transformers reference model for parity tests, loaded once per checkpoint directory; building a
+transformers processor from parts."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def captured_codes(hf) -> Iterator[dict]:
         yield captured
     finally:
         del hf.code2wav.chunked_decode  # back to the class's method
+
+
+@contextlib.contextmanager
+def lenient_processor_components() -> Iterator[None]:
+    """Within the block, a transformers processor accepts components of any class (the media tests give it a
+    stand-in for its torchvision-only video processor)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    original = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = original

@@ -31,7 +31,10 @@ def test_generate_with_audio_and_image_files(tmp_path, tiny_ckpt, capsys):
     assert thinker.image_token_id in out.prompt_token_ids and thinker.audio_token_id in out.prompt_token_ids
 
 
-def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, capsys):
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "q25_ckpt"])
+def test_generate_speaks_about_audio_image_and_video_files(tmp_path, checkpoint, capsys, request):
+    """Both families take the same media flags."""
+    tiny_ckpt = request.getfixturevalue(checkpoint)
     rng = np.random.default_rng(1)
     wav, png, out = tmp_path / "q.wav", tmp_path / "p.png", tmp_path / "answer.wav"
     soundfile.write(str(wav), (rng.standard_normal(20000) * 0.1).astype(np.float32), 16000)
@@ -52,6 +55,8 @@ def test_generate_speaks_about_audio_image_and_video_files(tmp_path, tiny_ckpt, 
     (answer,) = omni.generate(message, modalities=["text", "audio"], sampling_params=params)
     assert printed == answer.text and pcm.size > 0
     assert np.array_equal(pcm, (answer.audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy())
+    thinker = omni.engine.family.config.thinker_config
+    assert {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id} <= set(answer.prompt_token_ids)
 
 
 @pytest.mark.parametrize("flags, packed", [([], True), (["--fast"], True), (["--no-fast"], False)])

@@ -1,6 +1,9 @@
 """The real server on a Qwen2.5-Omni checkpoint (picked from config.json with no other flag), driven by the
 official openai client: chat with audio and /v1/audio/speech equal the offline ``Omni.generate`` result for
-the same greedy, seeded request; an unknown voice is a 400 that lists the checkpoint's voices (and OpenAI's names mapped onto them)."""
+the same greedy, seeded request; the same media content parts as Qwen3-Omni's (``input_audio``, image, audio
+and video data URLs, ``use_audio_in_video`` through ``mm_processor_kwargs``) give the offline answers, spoken
+ones included; an unknown voice is a 400 that lists the checkpoint's voices (and OpenAI's names mapped onto
+them)."""
 
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from media_files import audio_file, data_url, image_file, input_audio, noise, url_part, user, video_file
 from server_thread import ServerThread
 from test_server import _check_audio
 
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.entrypoints.audio_format import to_int16
 from omnistage.entrypoints.metrics import ServerMetrics
 from omnistage.entrypoints.server import create_app
 from omnistage.pipeline.omni import AsyncOmni, Omni
@@ -93,3 +99,74 @@ def test_playground_describes_the_family(server):
     assert info["family"] == "qwen2_5_omni" and info["output_modalities"] == ["text", "audio"]
     assert info["voices"] == ["chelsie", "ethan"] and info["default_voice"] == "chelsie"
     assert info["sample_rate"] == 24000
+
+
+WAV = audio_file(noise(2.0, 22050, channels=2), 22050)  # stereo at 22.05 kHz: mixed down and resampled
+PNG = image_file(90, 150)
+MKV = video_file(8, 56, 56, 4, track=noise(2.0)[:, 0])  # 2 s at 4 fps, with its audio track
+
+
+def _offline(q25_ckpt, content, modalities=("text",), use_audio_in_video=False):
+    """The offline answer for chat-template parts (decoded as the server decodes its data URLs)."""
+    params = {"thinker": SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS),
+              "talker": SamplingParams(temperature=0.0, max_tokens=CODES, seed=SEED)}
+    (out,) = _offline_omni(q25_ckpt).generate([{"role": "user", "content": content}], list(modalities), params,
+                                              speaker="ethan", use_audio_in_video=use_audio_in_video)
+    return out
+
+
+_OFFLINE: dict = {}
+
+
+def _offline_omni(ckpt):
+    if ckpt not in _OFFLINE:
+        _OFFLINE[ckpt] = Omni(ckpt)
+    return _OFFLINE[ckpt]
+
+
+def test_media_parts_equal_offline_generation(client, q25_ckpt, tmp_path):
+    """Audio, image and video parts (with the video's own track through mm_processor_kwargs) give the offline
+    greedy answers; the prompt counts the speech system turn and every placeholder."""
+    files = {"clip.wav": WAV, "photo.png": PNG, "clip.mkv": MKV}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    cases = [  # (API content, chat-template parts over the same files, use_audio_in_video)
+        ([input_audio(WAV), "What do you hear?"],
+         [{"type": "audio", "audio": str(tmp_path / "clip.wav")}, {"type": "text", "text": "What do you hear?"}],
+         False),
+        ([url_part("image", data_url("image/png", PNG)), "and", input_audio(WAV)],
+         [{"type": "image", "image": str(tmp_path / "photo.png")}, {"type": "text", "text": "and"},
+          {"type": "audio", "audio": str(tmp_path / "clip.wav")}], False),
+        ([url_part("video", data_url("video/x-matroska", MKV)), "What happens?"],
+         [{"type": "video", "video": str(tmp_path / "clip.mkv"), "fps": 4.0},
+          {"type": "text", "text": "What happens?"}], True),
+    ]
+    refs = [_offline(q25_ckpt, parts, use_audio_in_video=uav) for _, parts, uav in cases]
+    assert len({tuple(r.prompt_token_ids) for r in refs}) == len(refs)
+    for (content, _, uav), ref in zip(cases, refs):
+        extra = {"mm_processor_kwargs": {"use_audio_in_video": True, "fps": 4.0}} if uav else None
+        resp = client.chat.completions.create(model=MODEL, messages=user(*content), temperature=0,
+                                              max_tokens=TEXT_TOKENS, extra_body=extra)
+        assert resp.choices[0].message.content == ref.text
+        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert resp.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_spoken_answer_to_a_spoken_question_equals_offline(client, q25_ckpt, tmp_path):
+    (tmp_path / "clip.wav").write_bytes(WAV)
+    ref = _offline(q25_ckpt, [{"type": "audio", "audio": str(tmp_path / "clip.wav")}], ("text", "audio"))
+    assert ref.codes.shape[1] > 0
+    resp = client.chat.completions.create(
+        model=MODEL, messages=user(input_audio(WAV)), modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"}, temperature=0, seed=SEED, max_tokens=TEXT_TOKENS,
+        extra_body={"talker": {"temperature": 0, "max_tokens": CODES}})
+    assert resp.choices[0].message.content == ref.text
+    with wave.open(io.BytesIO(base64.b64decode(resp.choices[0].message.audio.data))) as w:
+        got = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    want = to_int16(ref.audio)
+    assert got.shape == want.shape and got.size > 0
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 4  # 1e-4 of full scale
+
+
+def test_playground_lists_the_media_the_model_takes(server):
+    assert httpx.get(server + "/playground/info").json()["input_modalities"] == ["text", "audio", "image", "video"]

@@ -9,7 +9,6 @@ interleaving), the model — is transformers'.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from pathlib import Path
 
@@ -23,13 +22,12 @@ from transformers import (
     BatchFeature,
     Qwen3OmniMoeProcessor,
 )
-from transformers.processing_utils import ProcessorMixin
 
 from omnistage.checkpoints.tokenizer import CHAT_TEMPLATE
 from omnistage.models.media import load_video
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.processor import Qwen3OmniInputProcessor
-from omnistage.testing.reference import load_hf_reference
+from omnistage.testing.reference import lenient_processor_components, load_hf_reference
 
 
 class _OurVideoPatches:
@@ -48,16 +46,6 @@ class _OurVideoPatches:
             pixels.append(p)
             grids.append(g)
         return BatchFeature({"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)})
-
-
-@contextlib.contextmanager
-def _lenient_components():
-    original = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: type(arg)
-    try:
-        yield
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = original
 
 
 # Media and prompts shared by the Thinker and Talker media tests (the same inputs, so each side is checked on
@@ -116,7 +104,7 @@ def ours(ckpt: str) -> Qwen3OmniInputProcessor:
 
 
 def reference_processor(ckpt: str, video_fps: list[float] = ()) -> Qwen3OmniMoeProcessor:
-    with _lenient_components():
+    with lenient_processor_components():
         return Qwen3OmniMoeProcessor(
             image_processor=AutoImageProcessor.from_pretrained(ckpt),
             video_processor=_OurVideoPatches(ours(ckpt), list(video_fps)),

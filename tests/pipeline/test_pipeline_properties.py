@@ -1,12 +1,12 @@
 """Pipeline properties under random traffic, on the real engine (tiny checkpoints, float32), for every model
 family.
 
-Random mixes of text-only and text+audio requests arrive at staggered steps; some are aborted; the KV
-pools of the Thinker and the Talker are small enough to force preemption in both; the generation stage's
-chunking is random; sampling is greedy or seeded with temperature > 0. Every surviving request must equal its
-solo run (tokens and codes exactly, audio to float rounding), every aborted one gets its final event, and
-afterwards every stage holds nothing. Failures injected into one request of a stage stay with that
-request.
+Random mixes of text-only and text+audio requests arrive at staggered steps (Qwen2.5-Omni's prompts include
+audio and image input); some are aborted; the KV pools of the Thinker and the Talker are small enough to force
+preemption in both; the generation stage's chunking is random; sampling is greedy or seeded with
+temperature > 0. Every surviving request must equal its solo run (tokens and codes exactly, audio to float
+rounding), every aborted one gets its final event, and afterwards every stage holds nothing (encoder outputs
+included). Failures injected into one request of a stage stay with that request, in either family.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,18 @@ PROMPTS = [
     "What is the weather like?",
     "Tell me a short story about the sea and a small boat.",
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Why?"}],
+]
+
+
+_media_rng = np.random.default_rng(3)
+# Media prompts (Qwen2.5-Omni): a short clip (13 placeholders), a 56 x 56 image (4), both.
+CLIP = (_media_rng.standard_normal(8077) * 0.1).astype(np.float32)
+PICTURE = _media_rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)
+MEDIA_PROMPTS = [
+    [{"role": "user", "content": [{"type": "audio", "audio": CLIP}, {"type": "text", "text": "What is it?"}]}],
+    [{"role": "user", "content": [{"type": "image", "image": PICTURE}, {"type": "text", "text": "Look."}]}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+     {"role": "user", "content": [{"type": "image", "image": PICTURE}, {"type": "audio", "audio": CLIP}]}],
 ]
 
 
@@ -55,13 +68,14 @@ class Family:
     random_bridge_args: Callable[[random.Random], dict]
     seeds: tuple[int, ...]
     seed_every_talker: bool = False  # the audio depends on the request's seed even when the Talker is greedy
+    media_prompts: tuple = ()  # prompts with media parts, drawn beside PROMPTS
 
 
 FAMILIES = {
     "qwen3_omni": Family("qwen3_omni", "tiny_ckpt", 64, 22, 18, "code2wav", _code2wav_args, (0, 1, 2)),
     # Prompts carry the ~100-token speech system prompt; Token2Wav's ODE noise follows the request's seed.
     "qwen2_5_omni": Family("qwen2_5_omni", "q25_ckpt", 160, 60, 56, "token2wav", _token2wav_args, (0, 1),
-                           seed_every_talker=True),
+                           seed_every_talker=True, media_prompts=tuple(MEDIA_PROMPTS)),
 }
 
 
@@ -86,7 +100,7 @@ def random_request(rng: random.Random, family: Family) -> dict:
     if family.seed_every_talker and talker.seed is None:
         talker = talker.replace(seed=rng.randrange(2**31))
     audio = rng.random() < 0.7
-    return {"prompt": rng.choice(PROMPTS), "modalities": ["text", "audio"] if audio else ["text"],
+    return {"prompt": rng.choice([*PROMPTS, *family.media_prompts]), "modalities": ["text", "audio"] if audio else ["text"],
             "params": {"thinker": thinker, "talker": talker}}
 
 
@@ -132,6 +146,8 @@ def assert_idle(engine: OmniEngine) -> None:
             assert s["kv_free_blocks"] == s["kv_blocks"] and s["batch_size"] == 0, (name, s)
         if "pending_chunks" in s:
             assert s["pending_chunks"] == 0, (name, s)
+        if "encoder_entries" in s:
+            assert s["encoder_entries"] == 0 and s["encoder_holders"] == 0, (name, s)
     assert not engine.has_work()
 
 
@@ -166,7 +182,7 @@ def count_preemptions(engine: OmniEngine) -> dict[str, int]:
 def test_random_traffic_with_preemption_aborts_and_sampling_equals_solo_runs(family, request):
     ckpt = request.getfixturevalue(family.checkpoint)
     totals = {"requests": 0, "audio": 0, "sampled": 0, "aborted": 0, "thinker_preemptions": 0,
-              "talker_preemptions": 0}
+              "talker_preemptions": 0, "media": 0}
     for seed in family.seeds:
         rng = random.Random(seed)
         engine = tight_engine(ckpt, rng, family)
@@ -194,6 +210,7 @@ def test_random_traffic_with_preemption_aborts_and_sampling_equals_solo_runs(fam
             assert_idle(engine)
         totals["requests"] += len(requests)
         totals["audio"] += sum("audio" in s["modalities"] for s in requests.values())
+        totals["media"] += sum(any(s["prompt"] is m for m in family.media_prompts) for s in requests.values())
         totals["sampled"] += sum(s["params"]["thinker"].temperature > 0 for s in requests.values())
         totals["aborted"] += sum(mixed[r]["finish"] == "abort" for r in requests)
         totals["thinker_preemptions"] += preemptions["thinker"]
@@ -202,22 +219,33 @@ def test_random_traffic_with_preemption_aborts_and_sampling_equals_solo_runs(fam
     # The scenarios exercised what they are for.
     assert totals["thinker_preemptions"] > 0 and totals["talker_preemptions"] > 0
     assert totals["aborted"] > 0 and totals["sampled"] > 0 and totals["audio"] > 0
+    assert totals["media"] > 0 or not family.media_prompts
 
 
-@pytest.mark.parametrize("stage", ["thinker", "talker", "code2wav"])
-def test_a_failure_in_one_request_stays_with_it(tiny_ckpt, monkeypatch, stage):
+@pytest.mark.parametrize("family, stage", [
+    (FAMILIES["qwen3_omni"], "thinker"), (FAMILIES["qwen3_omni"], "talker"), (FAMILIES["qwen3_omni"], "code2wav"),
+    (FAMILIES["qwen2_5_omni"], "thinker"), (FAMILIES["qwen2_5_omni"], "talker"),
+    (FAMILIES["qwen2_5_omni"], "token2wav"),
+], ids=lambda v: v.name if isinstance(v, Family) else v)
+def test_a_failure_in_one_request_stays_with_it(family, stage, monkeypatch, request):
     """An injected fault in one request of a stage: that request ends with an error, the others finish
-    with their solo outputs, and every stage is empty afterwards."""
+    with their solo outputs, and every stage is empty afterwards (Qwen2.5-Omni's victim and one other request
+    bring media: their encoder outputs are freed too)."""
+    ckpt = request.getfixturevalue(family.checkpoint)
     monkeypatch.setenv(ENV_VAR, f"{stage}:victim*")
     rng = random.Random(7)
-    engine = tight_engine(tiny_ckpt, rng)
+    engine = tight_engine(ckpt, rng, family)
     greedy = {"thinker": SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),
               "talker": SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.0)}
     seeded = {"thinker": SamplingParams(temperature=0.8, seed=3, max_tokens=6),
               "talker": SamplingParams(temperature=0.9, top_k=50, seed=4, max_tokens=12)}
+    media = bool(family.media_prompts)
+    if family.seed_every_talker:
+        greedy = {**greedy, "talker": greedy["talker"].replace(seed=5)}
     requests = {
-        "a": {"prompt": PROMPTS[3], "modalities": ["text", "audio"], "params": seeded},
-        "victim": {"prompt": PROMPTS[2], "modalities": ["text", "audio"], "params": greedy},
+        "a": {"prompt": MEDIA_PROMPTS[1] if media else PROMPTS[3], "modalities": ["text", "audio"], "params": seeded},
+        "victim": {"prompt": MEDIA_PROMPTS[2] if media else PROMPTS[2], "modalities": ["text", "audio"],
+                   "params": greedy},
         "b": {"prompt": PROMPTS[0], "modalities": ["text", "audio"], "params": greedy},
         "c": {"prompt": PROMPTS[1], "modalities": ["text"], "params": seeded},
     }
@@ -225,7 +253,7 @@ def test_a_failure_in_one_request_stays_with_it(tiny_ckpt, monkeypatch, stage):
     assert_idle(engine)
     assert mixed["victim"]["finish"] == "error" and f"injected fault in stage '{stage}'" in mixed["victim"]["error"]
     monkeypatch.delenv(ENV_VAR)
-    solo_engine = tight_engine(tiny_ckpt, random.Random(7))  # same chunking, no faults
+    solo_engine = tight_engine(ckpt, random.Random(7), family)  # same chunking, no faults
     for r in ("a", "b", "c"):
         solo = drive(solo_engine, {r: requests[r]}, {0: [r]})[r]
         assert_same(mixed[r], solo, r)

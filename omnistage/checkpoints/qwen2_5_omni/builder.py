@@ -1,6 +1,7 @@
 """Build a random Qwen2.5-Omni checkpoint in the real Hugging Face format, fully offline.
 
-Files: config.json, generation_config.json, model.safetensors (hub tensor names), tokenizer files and
+Files: config.json, generation_config.json, preprocessor_config.json (feature extractor + image processor),
+model.safetensors (hub tensor names, the Thinker's audio and vision towers included), tokenizer files and
 ``spk_dict.pt`` ({speaker: {"bos_token": int, "cond": [1, enc_emb_dim], "ref_mel": [1, frames, mel_dim]}}),
 which transformers' ``Qwen2_5OmniForConditionalGeneration.from_pretrained`` requires. The same (preset, seed)
 gives byte-identical files.
@@ -21,6 +22,7 @@ from omnistage.checkpoints.qwen2_5_omni.presets import (
     SPEAKERS,
     Qwen25Preset,
     build_config_dict,
+    build_preprocessor_config_dict,
     get_preset,
     reserved_ids,
 )
@@ -96,6 +98,7 @@ def build_checkpoint(
     config = make_hf_config(config_dict)
     _write_json(out / "config.json", config_dict)
     _write_json(out / "generation_config.json", build_generation_config_dict(ids))
+    _write_json(out / "preprocessor_config.json", build_preprocessor_config_dict())
     write_safetensors(build_state(config, seed, _DTYPES[spec.storage_dtype]), out, max_shard_bytes)
     _save_speakers(build_speakers(spec, reserved.speaker_bos, seed), out / SPEAKER_FILE)
     return out

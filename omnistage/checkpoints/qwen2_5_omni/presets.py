@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import transformers
 
 from omnistage.checkpoints.presets import DecoderSpec, EncoderSpec
+from omnistage.checkpoints.presets import (
+    build_preprocessor_config_dict as build_qwen3_preprocessor_config_dict,
+)
 from omnistage.checkpoints.qwen2_5_omni.tokenizer import Qwen25TokenIds
 
 TALKER_EXTRA_IDS = 256
@@ -142,6 +145,11 @@ _SMALL = Qwen25Preset(
     bigvgan=BigVGANSpec(upsample_initial_channel=256),
     codebook_size=8192,
     ref_mel_frames=300,
+    # Towers in proportion to the 7B's (1280 wide, 32 layers each, beside a 3584-wide Thinker).
+    encoders=EncoderSpec(
+        audio_d_model=256, audio_layers=4, audio_heads=4, audio_ffn=1024,
+        vision_hidden=256, vision_depth=4, vision_heads=4, vision_intermediate=1024,
+    ),
     storage_dtype="bfloat16",
 )
 
@@ -173,6 +181,13 @@ def reserved_ids(ids: Qwen25TokenIds) -> ReservedIds:
         tts_text={k: base + off for k, off in _TTS_TEXT_OFFSETS.items()},
         speaker_bos={name: base + _SPEAKER_BOS_OFFSET + i for i, name in enumerate(SPEAKERS)},
     )
+
+
+def _full_attention_blocks(depth: int) -> list[int]:
+    """Every k-th vision block attends over the whole image, the others within windows (the 7B: 7, 15, 23, 31 of
+    32); k = depth / 2 here so that even a 2-block tower has one of each."""
+    k = max(2, depth // 2)
+    return list(range(k - 1, depth, k))
 
 
 def _mrope_section(head_dim: int) -> list[int]:
@@ -245,7 +260,7 @@ def build_config_dict(preset: Qwen25Preset, ids: Qwen25TokenIds, reserved: Reser
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "window_size": 112,
-            "fullatt_block_indexes": [enc.vision_depth - 1],
+            "fullatt_block_indexes": _full_attention_blocks(enc.vision_depth),
             "out_hidden_size": preset.thinker.hidden_size,
         },
         **media_ids,
@@ -318,4 +333,18 @@ def build_config_dict(preset: Qwen25Preset, ids: Qwen25TokenIds, reserved: Reser
         "token2wav_config": token2wav,
         "dtype": preset.storage_dtype,
         "transformers_version": transformers.__version__,
+    }
+
+
+def build_preprocessor_config_dict() -> dict:
+    """Qwen2.5-Omni-7B's ``preprocessor_config.json``: Qwen3-Omni's Whisper features (128 mel, 300 s) and Qwen2-VL
+    image processor, with patch 14, CLIP's normalisation and its pixel limits."""
+    return {
+        **build_qwen3_preprocessor_config_dict(),
+        "processor_class": "Qwen2_5OmniProcessor",
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": 14,
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
     }

@@ -2,8 +2,8 @@
 
 It is the shared decoder (``layers/decoder.py``) with Qwen2's attention options: q/k/v biases, an unbiased
 output projection and no per-head q/k norm.
-Positions are 1-D: for text-only input Qwen2.5-Omni's MRoPE gives all three axes the same id, which is plain
-RoPE (the mrope sections only matter once audio/image/video positions differ per axis).
+Positions are ``[N]`` (all three TMRoPE axes equal: plain RoPE) or ``[N, 3]`` (T, H, W) ids, whose rotary
+frequencies are split into three contiguous sections (``mrope_section``; Qwen3-Omni interleaves them instead).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
+from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
 
 
 def decoder_config(cfg: Any) -> DecoderConfig:
@@ -28,6 +29,19 @@ def decoder_config(cfg: Any) -> DecoderConfig:
     return dataclasses.replace(base, qkv_bias=True, o_bias=False, qk_norm=False)
 
 
+def sectioned_axis_of_frequency(text_config: Any, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] axis (0 = T, 1 = H, 2 = W) of each rotary frequency: contiguous sections, T first (the
+    config's ``mrope_section``, else Qwen2.5-Omni's [16, 24, 24] for head_dim 128)."""
+    sections = list((getattr(text_config, "rope_parameters", None) or {}).get("mrope_section") or ())
+    if not sections:
+        if head_dim != 128:
+            raise ValueError(f"the text config has no mrope_section and head_dim {head_dim} != 128")
+        sections = [16, 24, 24]
+    if len(sections) != 3 or sum(sections) != head_dim // 2:
+        raise ValueError(f"mrope_section {sections} must have 3 entries summing to head_dim / 2 = {head_dim // 2}")
+    return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+
+
 class Qwen2PagedDecoder(PagedDecoder):
     """``embed_tokens`` + the shared ``layers`` and final ``norm`` (checkpoint names), one paged KV cache per
     layer."""
@@ -37,7 +51,14 @@ class Qwen2PagedDecoder(PagedDecoder):
         self.embed_tokens = nn.Embedding(vocab_size, embedding_size or cfg.hidden_size)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata
+        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata,
+        mrope_axis: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """h: [N, H] layer-0 input rows -> final-normed [N, H]."""
-        return self.run_layers(h, positions, kv_caches, attn_meta)[0]
+        """h: [N, H] layer-0 input rows -> final-normed [N, H]; ``mrope_axis`` (``sectioned_axis_of_frequency``)
+        for ``[N, 3]`` positions."""
+        rope = None
+        if positions.dim() == 2:
+            if mrope_axis is None:
+                raise ValueError("3-D positions need the mrope axis of each frequency")
+            rope = mrope_cos_sin(positions, self.rotary.inv_freq, mrope_axis, h.dtype)
+        return self.run_layers(h, positions, kv_caches, attn_meta, rope=rope)[0]

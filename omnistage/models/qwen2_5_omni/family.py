@@ -1,18 +1,22 @@
 """Qwen2.5-Omni as a model family: Thinker (AR, text) -> Talker (AR, one codec token per step) -> Token2Wav
 (generation: DiT + BigVGAN, streamed in overlapping windows).
 
-Declares the parts and bridges the runtime builds, renders chat prompts (text content; the speech system prompt
-as the default system turn), maps voices to the speakers of ``spk_dict.pt`` and turns one user request into the
-per-stage requests. Per-request data travels in ``StageRequest.data``: the Thinker's ``speech`` flag, the
-Talker's prompt length and voice, Token2Wav's voice and noise seed.
+Declares the parts and bridges the runtime builds, renders chat prompts (text, or text/audio/image/video parts
+through ``processor``; the speech system prompt as the default system turn), maps voices to the speakers of
+``spk_dict.pt`` and turns one user request into the per-stage requests. Per-request data travels in
+``StageRequest.data``: the Thinker's ``speech`` flag, media and media placeholder rows, the Talker's prompt
+length and voice, Token2Wav's voice and noise seed.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
 from omnistage.core.sampling_params import SamplingParams
@@ -30,24 +34,36 @@ from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTa
 from omnistage.models.qwen2_5_omni.decoder import decoder_config
 from omnistage.models.qwen2_5_omni.loading import (
     ARCHITECTURE,
-    THINKER_TOWERS,
     load_config,
+    load_media_encoders,
     load_talker,
     load_thinker,
     load_thinker_embedding,
     load_token2wav,
 )
+from omnistage.models.qwen2_5_omni.processor import Qwen25OmniInputProcessor
 from omnistage.models.qwen2_5_omni.prompt import with_speech_system_prompt
 from omnistage.models.qwen2_5_omni.stage_models import (
+    MEDIA_ROWS_KEY,
     SAMPLE_RATE,
     SPEECH_KEY,
+    TALKER_POSITIONS_KEY,
     TalkerStageModel,
     ThinkerStageModel,
     Token2WavStageModel,
 )
 from omnistage.models.qwen2_5_omni.streaming import ChunkPlan
 from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
+from omnistage.models.qwen2_5_omni.tmrope import talker_positions
 from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
+from omnistage.models.qwen3_omni.mrope import MediaSpan
+from omnistage.models.qwen3_omni.processor import (
+    MediaItem,
+    ThinkerMedia,
+    media_data,
+    media_modalities,
+    thinker_media,
+)
 from omnistage.models.registry import register_family
 from omnistage.models.tool_calls import QWEN_TOOL_CALLS
 
@@ -62,9 +78,9 @@ class Qwen25OmniFamily(HFChatFamily):
     tool_calls = QWEN_TOOL_CALLS
     architectures = (ARCHITECTURE,)
     preset_file = "qwen2_5_omni.yaml"
+    wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
-        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True), ("thinker.",),
-                            weight_skip=tuple(f"thinker.{t}" for t in THINKER_TOWERS)),
+        "thinker": PartSpec(ExecutionType.AR, ModelCapabilities(supports_full_graph_aux_outputs=True), ("thinker.",)),
         "talker": PartSpec(ExecutionType.AR, weight_prefixes=("talker.",)),
         "token2wav": PartSpec(ExecutionType.GENERATION, weight_prefixes=("token2wav.",), float32_weights=True),
     }
@@ -100,7 +116,9 @@ class Qwen25OmniFamily(HFChatFamily):
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":
-            return ThinkerStageModel(fast_kernels(load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast))
+            thinker = fast_kernels(load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
+            return ThinkerStageModel(thinker, load_media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device,
+                                                                  ctx.fast))
         if part == "talker":
             talker = fast_kernels(load_talker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
             # The Talker reads a few rows of the Thinker's embedding table (text specials, speaker bos rows).
@@ -124,23 +142,46 @@ class Qwen25OmniFamily(HFChatFamily):
     def vocab_size(self) -> int:
         return int(self.config.thinker_config.text_config.vocab_size)
 
+    @cached_property
+    def input_processor(self) -> Qwen25OmniInputProcessor | None:
+        """Audio/image/video parts -> prompt + media (None: the checkpoint has no preprocessor_config.json)."""
+        if not (self.model_dir / "preprocessor_config.json").is_file():
+            return None
+        return Qwen25OmniInputProcessor(self.model_dir, self.tokenizer, self.config)
+
+    @cached_property
+    def input_modalities(self) -> tuple[str, ...]:
+        """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
+        return media_modalities(self.model_dir)
+
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",
         **kwargs: Any
     ) -> PreparedPrompt:
-        """Messages with string content. A conversation without a system turn gets Qwen2.5-Omni's speech system
-        prompt (the model speaks only under it), whether or not this request asks for audio: a request's text
-        then does not depend on its modalities. ``answer_prefix``: see ``ModelFamily``."""
+        """Messages with string content, or lists of text/audio/image/video parts (``use_audio_in_video``:
+        videos bring their audio track, interleaved in 2-second chunks). A conversation without a system turn
+        gets Qwen2.5-Omni's speech system prompt (the model speaks only under it), whether or not this request
+        asks for audio: a request's text then does not depend on its modalities. ``answer_prefix``: see
+        ``ModelFamily``."""
         if kwargs:
             raise ValueError(f"unknown prompt options {sorted(kwargs)}")
-        if use_audio_in_video:
-            raise ValueError("use_audio_in_video needs video input, which Qwen2.5-Omni here does not take")
         self.check_roles(messages)
         for m in messages:
-            if not isinstance(m.get("content"), str):
-                raise ValueError("Qwen2.5-Omni takes text content only here (a string per message); audio, image "
-                                 "and video input are not supported")
-        return PreparedPrompt(self.chat_template_ids(with_speech_system_prompt(messages), answer_prefix))
+            if not isinstance(m.get("content"), (str, list, tuple)):
+                raise ValueError("message content must be a string or a list of content parts")
+        if all(isinstance(m["content"], str) for m in messages):
+            if use_audio_in_video:
+                raise ValueError("use_audio_in_video needs a video part")
+            return PreparedPrompt(self.chat_template_ids(with_speech_system_prompt(messages), answer_prefix))
+        if self.input_processor is None:
+            raise ValueError(f"{self.model_dir} has no preprocessor_config.json: content parts are not supported")
+        for mi, m in enumerate(messages):
+            for pi, part in enumerate(() if isinstance(m["content"], str) else m["content"]):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind in ("audio", "image", "video") and kind not in self.input_modalities:
+                    raise ValueError(f"messages[{mi}].content[{pi}]: this model takes no {kind} input "
+                                     f"(input modalities {list(self.input_modalities)})")
+        return self.input_processor(messages, use_audio_in_video=use_audio_in_video, answer_prefix=answer_prefix)
 
     def stage_requests(
         self,
@@ -153,7 +194,10 @@ class Qwen25OmniFamily(HFChatFamily):
         ids = tuple(prompt.token_ids)
         by_part = {s.model_part: s for s in stages}
         out: dict[str, StageRequest] = {}
-        thinker_data: dict[str, Any] = {}
+        media = thinker_media(prompt.data)
+        if media is not None and media.positions.shape[0] != len(ids):
+            raise ValueError("the prompt's media positions do not cover its token ids; render it again")
+        thinker_data: dict[str, Any] = media_data(media)
         if "talker" in by_part:
             if not self.speakers:
                 raise ValueError(f"this checkpoint has no {SPEAKER_FILE}: request modalities ['text'] only")
@@ -165,9 +209,16 @@ class Qwen25OmniFamily(HFChatFamily):
                                  f"{talker.scheduler.max_model_len}) can speak for at most "
                                  f"{talker.scheduler.max_model_len - 2}")
             thinker_data[SPEECH_KEY] = True
+            if media is not None:
+                rows = torch.zeros(len(ids), dtype=torch.bool)
+                for item in media.items:
+                    rows[item.rows] = True
+                thinker_data[MEDIA_ROWS_KEY] = rows
             talker_params = params[talker.name]
-            out[talker.name] = StageRequest(req_id, talker_params, None, self.ids.eos_ids,
-                                            {"num_prompt": len(ids), "voice": speaker})
+            talker_data: dict[str, Any] = {"num_prompt": len(ids), "voice": speaker}
+            if media is not None and media.prompt_positions is not None:
+                talker_data[TALKER_POSITIONS_KEY] = talker_positions(media.prompt_positions)
+            out[talker.name] = StageRequest(req_id, talker_params, None, self.ids.eos_ids, talker_data)
             if "token2wav" in by_part:
                 # The ODE's initial noise follows the request's seed (the Talker's): seeded requests repeat.
                 out[by_part["token2wav"].name] = StageRequest(req_id, data={"voice": speaker,

@@ -1,7 +1,7 @@
 """Read a Qwen2.5-Omni checkpoint directory: config, the three parts' weights, speakers.
 
-Weights load strictly by hub name (``thinker.*`` without the audio/vision towers, ``talker.*``,
-``token2wav.*``) through the shared safetensors loader, into modules built directly in the serving dtype on the
+Weights load strictly by hub name (``thinker.*`` without the audio/vision towers, the towers on their own,
+``talker.*``, ``token2wav.*``) through the shared safetensors loader, into modules built directly in the serving dtype on the
 serving device; Token2Wav stays float32 whatever the serving dtype, as transformers keeps it (the reference runs
 the ODE and the vocoder in float32).
 """
@@ -15,16 +15,28 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import Qwen2_5OmniConfig
 
-from omnistage.models.loader import EmbeddingRows, building, load_embedding_rows, load_into
+from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.loader import (
+    EmbeddingRows,
+    building,
+    checkpoint_files,
+    load_embedding_rows,
+    load_into,
+)
+from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen2_5_omni.talker import Talker
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.vision_encoder import VisionEncoder
 from omnistage.models.qwen2_5_omni.voices import load_speakers
+from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
 
 ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
 THINKER_TOWERS = ("audio_tower.", "visual.")
+AUDIO_TOWER, VISION_TOWER = (f"thinker.{t}" for t in THINKER_TOWERS)
 
 
 @contextlib.contextmanager
@@ -92,3 +104,22 @@ def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig, device: str
     load_into(token2wav, model_dir, "token2wav.", torch.float32)
     token2wav.set_speakers(load_speakers(model_dir))
     return token2wav.eval()
+
+
+def load_media_encoders(
+    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    fast: bool = False,
+) -> MediaEncoders:
+    """The Thinker's towers the checkpoint holds, behind the shared encoder cache."""
+    names = checkpoint_files(model_dir)
+    towers: list[nn.Module | None] = []
+    for prefix, cls, cfg in ((AUDIO_TOWER, AudioEncoder, config.thinker_config.audio_config),
+                             (VISION_TOWER, VisionEncoder, config.thinker_config.vision_config)):
+        if not any(n.startswith(prefix) for n in names):
+            towers.append(None)
+            continue
+        with building(dtype, device):
+            tower = cls(cfg)
+        load_into(tower, model_dir, prefix, dtype)
+        towers.append(fast_kernels(tower.eval(), fast))
+    return MediaEncoders(*towers)

@@ -1,14 +1,17 @@
 """Qwen2.5-Omni's three parts as stage models (``omnistage.runner.outputs.ARStageModel`` and
 ``GenerationStageModel``).
 
-- ``ThinkerStageModel``: token ids in, hidden states out; for requests that speak (``speech`` in their state,
-  from ``StageRequest.data``) it sends the Talker every row it processed this step: embedding + final hidden,
-  with their positions (a recompute after preemption sends rows again; the bridge keeps the first copy).
+- ``ThinkerStageModel``: token ids and media in (Qwen3-Omni's media scheduling, shared), hidden states out; for
+  requests that speak (``speech`` in their state, from ``StageRequest.data``) it sends the Talker every row it
+  processed this step: embedding + final hidden (final hidden alone for media placeholder rows), with their
+  positions (a recompute after preemption sends rows again; the bridge keeps the first copy).
 - ``TalkerStageModel``: per-request state (written by the Thinker -> Talker bridge): ``prompt_rows`` [P, E],
   ``answer_rows`` (tuple of [E]), ``text_done``; ``voice`` from ``StageRequest.data``; it caches
   ``prefill_embeds`` itself. Prefill rows come from that state; a decode row is the codec embedding of its input
   id (the code sampled the step before) plus its text row, so a recompute after preemption needs nothing stored.
-  ``input_ready`` pauses a request whose next text row has not arrived. The codes it samples go downstream and
+  ``input_ready`` pauses a request whose next text row has not arrived. Rows sit at plain positions, except the
+  prefill of an image/video prompt: the Talker's own TMRoPE ids (``TALKER_POSITIONS_KEY``), decode at
+  ``index + rope_delta``. The codes it samples go downstream and
   to the client (its EOS ids dropped): the code sampled at step t is spoken, none lags behind.
 - ``Token2WavStageModel``: one batched call over Token2Wav windows (see ``token2wav`` / ``streaming``).
 """
@@ -34,9 +37,13 @@ from omnistage.models.qwen2_5_omni.talker_inputs import (
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavWindow
 from omnistage.models.qwen2_5_omni.voices import Speaker
+from omnistage.models.qwen3_omni.mrope import step_positions
+from omnistage.models.qwen3_omni.stage_models import ThinkerStageModel as MediaThinkerStageModel
 from omnistage.runner.outputs import OmniOutput, StepContext
 
 SPEECH_KEY = "speech"  # Thinker request state: this request feeds a Talker
+MEDIA_ROWS_KEY = "talker_media_rows"  # Thinker request state: [P] bool, the prompt's media placeholder rows
+TALKER_POSITIONS_KEY = "prefill_positions"  # Talker request state: its prompt's 3-D ids (image/video prompts)
 SAMPLE_RATE = 24000  # Qwen2.5-Omni's BigVGAN: 100 mel frames per second, hop 240
 
 
@@ -44,25 +51,22 @@ def _dims(model: Thinker | Talker) -> tuple[int, int, int]:
     return model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim
 
 
-class ThinkerStageModel:
+class ThinkerStageModel(MediaThinkerStageModel):
+    """Token ids and a request's media in, hidden states out.
+
+    Media scheduling is Qwen3-Omni's (inherited ``prepare_inputs``: encoders run for the media rows a prefill
+    chunk reaches, batched across the step's requests through the shared encoder cache, outputs released once
+    a prompt is prefilled or its request freed; 3-D positions from the request's table, decode rows at
+    ``index + rope_delta``); this family supplies its Thinker and towers.
+    """
+
     # Its only aux output is row-aligned (``embeds`` [N, H]): safe to rebuild after a graph replay.
     supports_full_graph_aux_outputs = True
 
-    def __init__(self, thinker: Thinker) -> None:
-        self.thinker = thinker
-        self.num_layers, self.num_kv_heads, self.head_dim = _dims(thinker)
-
-    def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
-        return {"input_ids": input_ids, "positions": positions}, [None] * len(ctx.req_ids)
-
-    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions) -> OmniOutput:
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions, **media) -> OmniOutput:
         with torch.inference_mode():
-            out = self.thinker(input_ids, positions, kv_caches, attn_meta)
+            out = self.thinker(input_ids, positions, kv_caches, attn_meta, **media)
         return OmniOutput(hidden_states=out.hidden, multimodal_outputs={"embeds": out.embeds})
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return self.thinker.compute_logits(hidden)
 
     def postprocess(self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]):
         return [None] * len(ctx.req_ids)
@@ -70,22 +74,37 @@ class ThinkerStageModel:
     def stage_outputs(
         self, ctx: StepContext, output: OmniOutput, sampled: dict[str, int]
     ) -> dict[str, dict[str, Any]]:
-        """{req_id: {"positions": [k] (host), "rows": [k, E]}} for speech requests: every row of their span.
+        """{req_id: {"positions": [k] (host), "rows": [k, E]}} for speech requests: every row of their span,
+        embedding + final hidden; a media placeholder row (``MEDIA_ROWS_KEY`` of its state) gives its final hidden
+        alone, as transformers zeroes those embeddings before handing them to the Talker.
 
         Rows are picked with one gather (the row indices are host data) and owned by the payload.
         """
-        picks, owners = [], []
+        picks, owners, hidden_only = [], [], []
         for req_id, start, state in zip(ctx.req_ids, ctx.num_computed, ctx.states):
             if not state.get(SPEECH_KEY):
                 continue
             s, e = ctx.spans[req_id]
+            pos = torch.arange(start, start + e - s)
+            media_rows = state.get(MEDIA_ROWS_KEY)
+            if media_rows is not None:
+                in_prompt = pos < media_rows.shape[0]
+                mine = torch.zeros_like(in_prompt)
+                mine[in_prompt] = media_rows[pos[in_prompt]]
+                hidden_only.append(mine)
+            else:
+                hidden_only.append(torch.zeros(e - s, dtype=torch.bool))
             picks.append(torch.arange(s, e))
-            owners.append((req_id, torch.arange(start, start + e - s)))
+            owners.append((req_id, pos))
         if not picks:
             return {}
         hidden = output.hidden_states
         index = torch.cat(picks).to(hidden.device)
-        rows = output.multimodal_outputs["embeds"][index] + hidden[index]
+        embeds = output.multimodal_outputs["embeds"][index]
+        drop = torch.cat(hidden_only)
+        if drop.any():
+            embeds[drop.to(embeds.device)] = 0  # index-select made a copy: the step's buffer is untouched
+        rows = embeds + hidden[index]
         out, start = {}, 0
         for req_id, pos in owners:
             out[req_id] = {"positions": pos, "rows": rows[start : start + pos.numel()]}
@@ -172,6 +191,8 @@ class TalkerStageModel:
             )
             with torch.inference_mode():
                 embeds[rows] = self.talker.embed_codec(input_ids[rows]) + text.to(embeds.dtype)
+        prompts = [st.get(TALKER_POSITIONS_KEY) for st in ctx.states]
+        positions = step_positions(positions, ctx.num_computed, [ctx.spans[r] for r in ctx.req_ids], prompts)
         return {"inputs_embeds": embeds, "positions": positions}, updates
 
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions) -> OmniOutput:

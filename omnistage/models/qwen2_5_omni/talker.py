@@ -23,7 +23,11 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
-from omnistage.models.qwen2_5_omni.decoder import Qwen2PagedDecoder, decoder_config
+from omnistage.models.qwen2_5_omni.decoder import (
+    Qwen2PagedDecoder,
+    decoder_config,
+    sectioned_axis_of_frequency,
+)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Talker(nn.Module):
             if not 0 <= value < self.vocab_size:
                 raise ValueError(f"talker {name} id {value} outside the codec vocabulary [0, {self.vocab_size})")
         self.model = Qwen2PagedDecoder(self.cfg, self.vocab_size, self.embedding_size)
+        self.mrope_axis = nn.Buffer(sectioned_axis_of_frequency(tcfg, self.cfg.head_dim), persistent=False)
         self.thinker_to_talker_proj = nn.Linear(self.embedding_size, self.cfg.hidden_size, bias=True)
         self.codec_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
         if getattr(tcfg, "tie_word_embeddings", False):
@@ -93,8 +98,9 @@ class Talker(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """inputs_embeds: [N, embedding_size] rows in the Thinker's width -> final-normed [N, H]."""
-        return self.model(self.thinker_to_talker_proj(inputs_embeds), positions, kv_caches, attn_meta)
+        """inputs_embeds: [N, embedding_size] rows in the Thinker's width -> final-normed [N, H]; positions [N] or
+        [N, 3] (the prefill of an image/video prompt)."""
+        return self.model(self.thinker_to_talker_proj(inputs_embeds), positions, kv_caches, attn_meta, self.mrope_axis)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, H] -> [M, vocab]; codec_bos is -inf (generate's ``suppress_tokens``)."""

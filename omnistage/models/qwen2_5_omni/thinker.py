@@ -2,7 +2,11 @@
 
 Parameter names follow the hub checkpoint with ``thinker.`` stripped: ``model.embed_tokens``,
 ``model.layers.N.*``, ``model.norm``, ``lm_head``. The audio and vision towers (``thinker.audio_tower.*``,
-``thinker.visual.*``) are not part of this module: text-only input for now.
+``thinker.visual.*``) are separate modules (``audio_encoder``, ``vision_encoder``); their outputs arrive here as
+rows to scatter: ``mm_rows`` [M] take ``mm_embeds`` [M, H] instead of their token embedding.
+
+Positions: ``[N]`` (plain RoPE: text, audio-only prompts, decode rows at ``index + rope_delta``) or ``[N, 3]``
+(T, H, W) TMRoPE ids, whose rotary frequencies are split into three contiguous sections (``mrope_section``).
 
 What the Talker reads from the Thinker is one row per processed token: its layer-0 embedding plus its
 final-normed hidden state (transformers' ``hidden_states[i][0] + hidden_states[i][-1]``), for every prompt row
@@ -18,7 +22,11 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
-from omnistage.models.qwen2_5_omni.decoder import Qwen2PagedDecoder, decoder_config
+from omnistage.models.qwen2_5_omni.decoder import (
+    Qwen2PagedDecoder,
+    decoder_config,
+    sectioned_axis_of_frequency,
+)
 
 
 @dataclass
@@ -41,6 +49,7 @@ class Thinker(nn.Module):
         self.cfg = decoder_config(text_cfg)
         self.vocab_size = int(text_cfg.vocab_size)
         self.model = Qwen2PagedDecoder(self.cfg, self.vocab_size)
+        self.mrope_axis = nn.Buffer(sectioned_axis_of_frequency(text_cfg, self.cfg.head_dim), persistent=False)
         self.lm_head = nn.Linear(self.cfg.hidden_size, self.vocab_size, bias=False)
         if getattr(config.thinker_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -49,10 +58,18 @@ class Thinker(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+        mm_rows: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
     ) -> ThinkerOutput:
         embeds = self.embed(input_ids)
-        return ThinkerOutput(hidden=self.model(embeds, positions, kv_caches, attn_meta), embeds=embeds)
+        if mm_rows is not None and mm_rows.numel():
+            embeds = embeds.index_copy(0, mm_rows, mm_embeds.to(embeds.dtype))
+        return ThinkerOutput(hidden=self.model(embeds, positions, kv_caches, attn_meta, self.mrope_axis), embeds=embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -40,7 +40,7 @@ def audio_token_count(frames: int, n_window: int = 50) -> int:
     return tail + (frames // chunk) * conv_out_length(chunk)
 
 
-def _sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
     if channels % 2:
         raise ValueError(f"sinusoidal positions need an even width, got {channels}")
     increment = np.log(max_timescale) / (channels // 2 - 1)
@@ -49,14 +49,16 @@ def _sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> to
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
-class _AudioAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+class AudioAttention(nn.Module):
+    """Bidirectional attention within segments (q/k/v/out projections; Qwen2.5-Omni's k has no bias)."""
+
+    def __init__(self, dim: int, heads: int, k_bias: bool = True) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"audio d_model {dim} must divide by {heads} heads")
         self.heads, self.head_dim = heads, dim // heads
         self.q_proj = nn.Linear(dim, dim)
-        self.k_proj = nn.Linear(dim, dim)
+        self.k_proj = nn.Linear(dim, dim, bias=k_bias)
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
 
@@ -67,10 +69,12 @@ class _AudioAttention(nn.Module):
         return self.out_proj(out.reshape(n, -1))
 
 
-class _AudioLayer(nn.Module):
-    def __init__(self, dim: int, heads: int, ffn: int) -> None:
+class AudioLayer(nn.Module):
+    """Pre-norm transformer layer of both families' audio towers."""
+
+    def __init__(self, dim: int, heads: int, ffn: int, k_bias: bool = True) -> None:
         super().__init__()
-        self.self_attn = _AudioAttention(dim, heads)
+        self.self_attn = AudioAttention(dim, heads, k_bias)
         self.self_attn_layer_norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, ffn)
         self.fc2 = nn.Linear(ffn, dim)
@@ -101,9 +105,9 @@ class AudioEncoder(nn.Module):
         self.conv2d2 = nn.Conv2d(ds, ds, 3, 2, padding=1)
         self.conv2d3 = nn.Conv2d(ds, ds, 3, 2, padding=1)
         self.conv_out = nn.Linear(ds * conv_out_length(mel), dim, bias=False)
-        self.positional_embedding = nn.Buffer(_sinusoids(cfg.max_source_positions, dim), persistent=False)
+        self.positional_embedding = nn.Buffer(sinusoids(cfg.max_source_positions, dim), persistent=False)
         self.layers = nn.ModuleList(
-            _AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim) for _ in range(cfg.encoder_layers)
+            AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim) for _ in range(cfg.encoder_layers)
         )
         self.ln_post = nn.LayerNorm(dim)
         self.proj1 = nn.Linear(dim, dim)

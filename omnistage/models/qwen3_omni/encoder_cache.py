@@ -110,7 +110,7 @@ class MediaEncoders:
     def _encode_audio(self, items: list[MediaItem]) -> None:
         if self.audio is None:
             raise RuntimeError("this checkpoint has no audio encoder")
-        device = self.audio.proj2.weight.device
+        device = next(self.audio.parameters()).device
         with torch.inference_mode():
             outs = self.audio([i.features.to(device) for i in items], [i.pad_frames for i in items])
         self.stats.audio_calls += 1
@@ -120,13 +120,15 @@ class MediaEncoders:
     def _encode_visual(self, items: list[MediaItem]) -> None:
         if self.vision is None:
             raise RuntimeError("this checkpoint has no vision encoder")
-        device = self.vision.pos_embed.weight.device
+        device = next(self.vision.parameters()).device
         pixels = torch.cat([i.pixels for i in items]).to(device)
         with torch.inference_mode():
             tokens, deepstack = self.vision(pixels, [i.grid for i in items])
         self.stats.vision_calls += 1
         sizes = [i.num_tokens for i in items]
-        for item, emb, ds in zip(items, tokens.split(sizes), deepstack.split(sizes, dim=1)):
+        # A tower without deepstack features (Qwen2.5-Omni's) returns None for them.
+        per_item = deepstack.split(sizes, dim=1) if deepstack is not None else [None] * len(items)
+        for item, emb, ds in zip(items, tokens.split(sizes), per_item):
             self._store(item, emb, ds)
 
     def _store(self, item: MediaItem, embeds: torch.Tensor, deepstack: torch.Tensor | None) -> None:

@@ -37,6 +37,7 @@ from omnistage.models.qwen3_omni.processor import (
     Qwen3OmniInputProcessor,
     ThinkerMedia,
     media_data,
+    media_modalities,
     thinker_media,
 )
 from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel, TalkerStageModel, ThinkerStageModel
@@ -164,12 +165,7 @@ class Qwen3OmniFamily(HFChatFamily):
     @cached_property
     def input_modalities(self) -> tuple[str, ...]:
         """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
-        if not (self.model_dir / "preprocessor_config.json").is_file():
-            return ("text",)
-        names = checkpoint_files(self.model_dir)
-        audio = any(n.startswith("thinker.audio_tower.") for n in names)
-        vision = any(n.startswith("thinker.visual.") for n in names)
-        return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
+        return media_modalities(self.model_dir)
 
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.models.family import PreparedPrompt
+from omnistage.models.loader import checkpoint_files
 from omnistage.models.media import MediaError, Video, load_audio, load_image, load_video
 from omnistage.models.qwen3_omni.audio_encoder import audio_token_count
 from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, interleaved_order, prompt_positions
@@ -81,6 +82,18 @@ class ThinkerMedia:
         return None if self.flat else PromptPositions(self.positions, self.rope_delta)
 
 
+def media_modalities(model_dir: str | Path) -> tuple[str, ...]:
+    """What prompts to a checkpoint may hold: text, plus audio and image + video for the Thinker towers it holds
+    (``thinker.audio_tower.*``, ``thinker.visual.*``), when it has its processor files."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return ("text",)
+    names = checkpoint_files(model_dir)
+    audio = any(n.startswith("thinker.audio_tower.") for n in names)
+    vision = any(n.startswith("thinker.visual.") for n in names)
+    return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
+
+
 def media_data(media: ThinkerMedia | None) -> dict[str, Any]:
     """The plain per-request data that carries a request's media (prepared prompt -> Thinker request)."""
     return {} if media is None else {_MEDIA_KEY: media}
@@ -127,7 +140,23 @@ class _Part:
 
 
 class Qwen3OmniInputProcessor:
-    """Built from a checkpoint directory (``preprocessor_config.json``) and its tokenizer and config."""
+    """Built from a checkpoint directory (``preprocessor_config.json``) and its tokenizer and config.
+
+    A family whose processor differs only in its token names, audio features, placeholder counts, video frame
+    limits, audio-in-video order and position rules (Qwen2.5-Omni) overrides those class attributes and hooks.
+    """
+
+    # (name, token) of the placeholders and markers, as this family's tokenizer spells them.
+    tokens: tuple[tuple[str, str], ...] = (
+        ("audio_pad", "<|audio_pad|>"),
+        ("image_pad", "<|image_pad|>"),
+        ("video_pad", "<|video_pad|>"),
+        ("audio_start", "<|audio_start|>"),
+        ("audio_end", "<|audio_end|>"),
+        ("vision_start", "<|vision_start|>"),
+    )
+    video_min_pixels = VIDEO_MIN_PIXELS
+    video_max_pixels = VIDEO_MAX_PIXELS
 
     def __init__(self, model_dir: str | Path, tokenizer: Any, config: Any) -> None:
         from transformers import AutoFeatureExtractor, AutoImageProcessor
@@ -151,17 +180,7 @@ class Qwen3OmniInputProcessor:
         std = getattr(self.image_processor, "image_std", None) or [0.5, 0.5, 0.5]
         self.video_mean, self.video_std = list(mean), list(std)
         self.rescale = float(getattr(self.image_processor, "rescale_factor", 1 / 255))
-        self.ids = {
-            name: tokenizer.convert_tokens_to_ids(tok)
-            for name, tok in (
-                ("audio_pad", "<|audio_pad|>"),
-                ("image_pad", "<|image_pad|>"),
-                ("video_pad", "<|video_pad|>"),
-                ("audio_start", "<|audio_start|>"),
-                ("audio_end", "<|audio_end|>"),
-                ("vision_start", "<|vision_start|>"),
-            )
-        }
+        self.ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in self.tokens}
         expect = {
             "audio_pad": thinker.audio_token_id,
             "image_pad": thinker.image_token_id,
@@ -238,7 +257,7 @@ class Qwen3OmniInputProcessor:
         frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2).contiguous()  # [T, 3, H, W] uint8
         height, width = frames.shape[-2:]
         factor = self.patch * self.merge
-        h, w = smart_resize(height, width, factor, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+        h, w = smart_resize(height, width, factor, self.video_min_pixels, self.video_max_pixels)
         if (h, w) != (height, width):
             frames = F.interpolate(frames, size=[h, w], mode="bicubic", align_corners=False, antialias=True)
         mean = torch.tensor(self.video_mean) * (1.0 / self.rescale)
@@ -252,14 +271,32 @@ class Qwen3OmniInputProcessor:
         x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # (t, block row, block col, in row, in col, C, T, P, P)
         return x.reshape(t * gh * gw, -1).contiguous(), (t, gh, gw)
 
+    def chat_text(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The conversation through the chat template, assistant header appended."""
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+    def audio_tokens(self, frames: int) -> int:
+        """Placeholder count of a clip of ``frames`` feature frames."""
+        return audio_token_count(frames, self.n_window)
+
+    def video_audio_order(self, grid: tuple[int, int, int], seconds_per_grid: float, n_aud: int) -> list[bool]:
+        """Placeholder order of a video with its audio track (True = video token)."""
+        per_frame = (grid[1] // self.merge) * (grid[2] // self.merge)
+        video_t = [g * seconds_per_grid * PROCESSOR_POSITION_ID_PER_SECONDS
+                   for g in range(grid[0]) for _ in range(per_frame)]
+        return interleaved_order(grid[0] * per_frame, video_t, n_aud)
+
+    def positions(self, num_tokens: int, spans: Sequence[MediaSpan]) -> tuple[torch.Tensor, float]:
+        """The prompt's [P, 3] float32 position ids and rope delta."""
+        return prompt_positions(num_tokens, spans, self.merge, self.position_id_per_seconds)
+
     # ---- the prompt -------------------------------------------------------------------------------
     def __call__(self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False,
                  answer_prefix: str = "") -> PreparedPrompt:
         """``answer_prefix``: text after the assistant header that the answer continues (its positions follow
         the prompt's)."""
         parts = self._parts(messages, use_audio_in_video)
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        text += answer_prefix
+        text = self.chat_text(messages) + answer_prefix
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not parts:
             return PreparedPrompt(list(ids))
@@ -289,7 +326,7 @@ class Qwen3OmniInputProcessor:
             start = len(out) - 1  # the opening special token just before the placeholder
             if kind == "audio":
                 feat = next(audio_iter)
-                n = audio_token_count(feat.shape[1], self.n_window)
+                n = self.audio_tokens(feat.shape[1])
                 items.append(self._audio_item(feat, pad_frames, torch.arange(len(out), len(out) + n)))
                 out.extend([self.ids["audio_pad"]] * n)
                 spans.append(MediaSpan("audio", start, num_audio=n))
@@ -311,11 +348,8 @@ class Qwen3OmniInputProcessor:
                 spans.append(MediaSpan("video", start, grid_thw=grid, seconds_per_grid=seconds_per_grid))
                 continue
             feat = next(audio_iter)
-            n_aud = audio_token_count(feat.shape[1], self.n_window)
-            per_frame = (grid[1] // self.merge) * (grid[2] // self.merge)
-            video_t = [g * seconds_per_grid * PROCESSOR_POSITION_ID_PER_SECONDS
-                       for g in range(grid[0]) for _ in range(per_frame)]
-            order = torch.tensor(interleaved_order(n_vis, video_t, n_aud))
+            n_aud = self.audio_tokens(feat.shape[1])
+            order = torch.tensor(self.video_audio_order(grid, seconds_per_grid, n_aud))
             body = len(out) + 1  # after <|audio_start|>
             rows = torch.arange(body, body + order.numel())
             out.append(self.ids["audio_start"])
@@ -326,7 +360,7 @@ class Qwen3OmniInputProcessor:
             spans.append(MediaSpan("video+audio", start, grid_thw=grid, num_audio=n_aud,
                                    seconds_per_grid=seconds_per_grid))
         out.extend(ids[cursor:])
-        positions, delta = prompt_positions(len(out), spans, self.merge, self.position_id_per_seconds)
+        positions, delta = self.positions(len(out), spans)
         flat = all(s.kind == "audio" for s in spans)
         return PreparedPrompt(out, media_data(ThinkerMedia(tuple(items), positions, delta, flat, tuple(spans))))
 
