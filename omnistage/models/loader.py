@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -18,16 +21,31 @@ _CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @contextlib.contextmanager
-def building(dtype: torch.dtype, device: str | torch.device) -> Iterator[None]:
+def building(dtype: torch.dtype, device: str | torch.device, init: bool = True) -> Iterator[None]:
     """Create a model's tensors directly in its serving dtype and on its device: a 30B checkpoint must not
-    first materialise as float32 on the host."""
+    first materialise as float32 on the host. ``init=False``: parameters are left uninitialised (``torch.nn.init``
+    does nothing), so memory the loader never writes is never touched: what a quantizing load needs, whose float
+    weights are replaced before any data is read (every parameter is loaded strictly anyway)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), (contextlib.nullcontext() if init else _SkipInit()):
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class _SkipInit(TorchFunctionMode):
+    """``torch.nn.init``'s in-place initialisers become no-ops (they dispatch through torch functions)."""
+
+    _SKIPPED = frozenset(getattr(nn.init, name) for name in (
+        "uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+        "xavier_normal_", "constant_", "ones_", "zeros_", "orthogonal_"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -97,6 +115,7 @@ def load_into(
     prefix: str,
     dtype: torch.dtype | None = torch.float32,
     skip: tuple[str, ...] = (),
+    quantize: QuantScheme | None = None,
 ) -> None:
     """Load checkpoint tensors under `prefix` into `module`, whose state-dict names equal the checkpoint
     names minus `prefix`.
@@ -108,6 +127,11 @@ def load_into(
     dtype and device needs no second full copy of its weights. Parameters on the meta device are replaced
     by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
     are); buffers keep their dtype (e.g. float32 rotary frequencies under bfloat16 weights).
+
+    ``quantize``: the weights that scheme names are quantized as they are read, one tensor at a time, into the
+    quantized layers that replace their float ones (``quant_layers.quantize_targets``); each layer is packed for
+    its kernel once all its rows are in. Peak memory: the quantized model, the other weights, and the tensor
+    being read (build the module with ``building(..., init=False)`` so the float weights are never touched).
     """
     _check_dtype(dtype)
     files: dict[Path, list[str]] = {}
@@ -140,6 +164,11 @@ def load_into(
             + "; ".join(problems)
         )
     on_meta = any(t.is_meta for t in expected.values())
+    if quantize is not None:
+        if on_meta:
+            raise ValueError("a quantizing load needs the module's tensors allocated, not on the meta device")
+        _load_quantizing(module, files, prefix, expected, quantize, dtype)
+        return
     for path, names in sorted(files.items()):
         with safe_open(str(path), framework="pt") as f:
             part = {}
@@ -155,6 +184,33 @@ def load_into(
                 for key, tensor in part.items():
                     expected[key].copy_(tensor)
         del part
+    if dtype is not None:
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: str,
+                     expected: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype | None) -> None:
+    targets = quantize_targets(module, expected, scheme, dtype or torch.float32)
+    pending = {id(t.module): t.module for t in targets.values()}
+    with torch.no_grad():
+        for path, names in sorted(files.items()):
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
+                    key = name[len(prefix):]
+                    tensor = f.get_tensor(name)
+                    target = targets.get(key)
+                    if target is None:
+                        expected[key].copy_(tensor.to(dtype) if dtype is not None and tensor.is_floating_point()
+                                            else tensor)
+                    else:
+                        target.buffer.write_rows(target.start, tensor)
+                        if pack_if_complete(target.module):
+                            del pending[id(target.module)]
+                    del tensor
+    if pending:  # (the strict name check above makes this unreachable unless a module's buffer is inconsistent)
+        raise ValueError(f"quantized layers left incomplete: {sorted(type(m).__name__ for m in pending.values())}")
     if dtype is not None:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:

@@ -25,7 +25,10 @@ from omnistage.models.family import (
     StageRequest,
     no_args,
 )
+from omnistage.config.quantization import Quantization
 from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.layers.quant import QuantFormat
+from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import building, checkpoint_files, load_into, load_weights
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
@@ -109,6 +112,20 @@ class Qwen3OmniFamily(HFChatFamily):
         self.num_code_groups = int(talker.num_code_groups)
 
     # ---- stage side ---------------------------------------------------------------------------------
+    def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
+        """Under int4: the Thinker's and Talker's decoder layers (attention projections, routed and shared
+        experts) in int4, the code predictor's layers in int8 (its 15 passes per frame compound rounding; int8
+        keeps its codes close, ``benchmarks/quant_accuracy.py``); under int8 all three in int8. Embeddings,
+        output heads, routers, the projections, the towers and Code2Wav keep the serving dtype."""
+        if not quantization.enabled or part not in ("thinker", "talker"):
+            return None
+        int8 = QuantFormat(8)
+        decoder = int8 if quantization.method == "int8" else QuantFormat(4, quantization.group_size)
+        formats = {"model.layers.": decoder}
+        if part == "talker":
+            formats["code_predictor.model.layers."] = int8
+        return QuantScheme(formats)
+
     def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
         cfg = {"thinker": self.config.thinker_config, "talker": self.config.talker_config}.get(part)
         if cfg is None:
@@ -119,15 +136,18 @@ class Qwen3OmniFamily(HFChatFamily):
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":
-            with building(ctx.dtype, ctx.device):
+            scheme = self.quant_scheme(part, ctx.quantization)
+            with building(ctx.dtype, ctx.device, init=scheme is None):
                 thinker = Thinker(self.config)
-            load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."))
+            load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
+                      quantize=scheme)
             encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast)
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
-            with building(ctx.dtype, ctx.device):
+            scheme = self.quant_scheme(part, ctx.quantization)
+            with building(ctx.dtype, ctx.device, init=scheme is None):
                 talker = Talker(self.config)
-            load_into(talker, self.model_dir, "talker.", ctx.dtype)
+            load_into(talker, self.model_dir, "talker.", ctx.dtype, quantize=scheme)
             # The projected tts specials need the Thinker's embedding rows (only that table is read).
             table = load_weights(self.model_dir, "thinker.model.embed_tokens.", ctx.dtype)["weight"]
             embed = nn.Embedding.from_pretrained(table.to(ctx.device))
