@@ -35,3 +35,6 @@ class Quantization:
     def for_stage(self, stage_method: str | None) -> Quantization:
         """This engine setting under a stage's own ``quantization`` key (None: the engine's)."""
         return self if stage_method is None else Quantization(stage_method, self.group_size)
+
+
+NO_QUANTIZATION = Quantization()

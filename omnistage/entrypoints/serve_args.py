@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from omnistage.config.stage_config import EXECUTOR_BACKENDS
 from omnistage.config.quantization import QUANT_METHODS
+from omnistage.config.stage_config import EXECUTOR_BACKENDS
 from omnistage.entrypoints.limits import (
     BODY_BYTES_EXTRA,
     BODY_BYTES_PER_PROMPT_CHAR,

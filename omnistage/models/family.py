@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from omnistage.config import ConfigError, ExecutionType, ModelCapabilities, PipelineConfig, StageConfig
-from omnistage.config.quantization import Quantization
+from omnistage.config.quantization import NO_QUANTIZATION, Quantization
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.tool_calls import ToolCallFormat
@@ -87,7 +87,7 @@ class BuildContext:
     device: str
     stage: StageConfig
     fast: bool = False  # faster kernels whose rounding may differ from the reference
-    quantization: Quantization = Quantization()  # this stage's weight quantization (the family's quant_scheme)
+    quantization: Quantization = NO_QUANTIZATION  # this stage's weight quantization (the family's quant_scheme)
 
 
 @dataclass(frozen=True)

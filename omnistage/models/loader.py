@@ -7,12 +7,15 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from omnistage.models.compressed_tensors import SUFFIXES, read_stored, stored_weights, unpack
+from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 
 _SINGLE_FILE = "model.safetensors"
@@ -143,6 +146,18 @@ def load_into(
         with safe_open(str(path), framework="pt") as f:
             for name in names:
                 shapes[name[len(prefix):]] = tuple(f.get_slice(name).get_shape())
+    stored = read_stored(model_dir)
+    packed: dict[str, QuantFormat] = {}
+    if stored is not None:  # pre-quantized layers stand in for their float weights (name, shape) in the checks
+        for name, (shape, fmt) in stored_weights({prefix + k: v for k, v in shapes.items()}, stored).items():
+            key = name[len(prefix):]
+            base = key[: -len("weight")]
+            for suffix in SUFFIXES:
+                shapes.pop(base + suffix, None)
+            shapes[key] = shape
+            packed[key] = fmt
+        if packed:
+            quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
     expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
@@ -167,7 +182,7 @@ def load_into(
     if quantize is not None:
         if on_meta:
             raise ValueError("a quantizing load needs the module's tensors allocated, not on the meta device")
-        _load_quantizing(module, files, prefix, expected, quantize, dtype)
+        _load_quantizing(module, files, prefix, expected, quantize, dtype, packed)
         return
     for path, names in sorted(files.items()):
         with safe_open(str(path), framework="pt") as f:
@@ -191,24 +206,47 @@ def load_into(
 
 
 def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: str,
-                     expected: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype | None) -> None:
+                     expected: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype | None,
+                     packed: dict[str, QuantFormat]) -> None:
     targets = quantize_targets(module, expected, scheme, dtype or torch.float32)
     pending = {id(t.module): t.module for t in targets.values()}
-    with torch.no_grad():
-        for path, names in sorted(files.items()):
-            with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    key = name[len(prefix):]
-                    tensor = f.get_tensor(name)
+    where = {name: path for path, names in files.items() for name in names}
+    with torch.no_grad(), contextlib.ExitStack() as handles:
+        opened: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:  # (a packed layer's parts may sit in different shards)
+            path = where[name]
+            if path not in opened:
+                opened[path] = handles.enter_context(safe_open(str(path), framework="pt"))
+            return opened[path].get_tensor(name)
+
+        for _, names in sorted(files.items()):
+            for name in names:
+                key = name[len(prefix):]
+                if key.endswith(SUFFIXES):
+                    base = key.rpartition(".")[0]
+                    if not key.endswith(".weight_packed") or base + ".weight" not in packed:
+                        continue  # (scale and shape are read with their packed values)
+                    key = base + ".weight"
+                    shape = tuple(read(prefix + base + ".weight_shape").tolist())
+                    if shape != tuple(expected[key].shape):
+                        raise ValueError(f"{prefix + base}: weight_shape {list(shape)} does not match its packed "
+                                         f"values ({list(expected[key].shape)})")
+                    values, scales = unpack(read(name), read(prefix + base + ".weight_scale"), packed[key])
+                    target = targets[key]
+                    target.buffer.write_quantized(target.start, values, scales)
+                    del values, scales
+                else:
+                    tensor = read(name)
                     target = targets.get(key)
                     if target is None:
                         expected[key].copy_(tensor.to(dtype) if dtype is not None and tensor.is_floating_point()
                                             else tensor)
-                    else:
-                        target.buffer.write_rows(target.start, tensor)
-                        if pack_if_complete(target.module):
-                            del pending[id(target.module)]
+                        continue
+                    target.buffer.write_rows(target.start, tensor)
                     del tensor
+                if pack_if_complete(target.module):
+                    del pending[id(target.module)]
     if pending:  # (the strict name check above makes this unreachable unless a module's buffer is inconsistent)
         raise ValueError(f"quantized layers left incomplete: {sorted(type(m).__name__ for m in pending.values())}")
     if dtype is not None:

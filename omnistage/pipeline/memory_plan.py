@@ -20,8 +20,10 @@ import torch
 from safetensors import safe_open
 
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig
-from omnistage.config.quantization import Quantization
+from omnistage.config.quantization import NO_QUANTIZATION, Quantization
+from omnistage.models.compressed_tensors import SUFFIXES, read_stored, stored_weights
 from omnistage.models.family import ModelFamily
+from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import checkpoint_files
 
@@ -87,12 +89,21 @@ def _weight_bytes(name: str, shape: tuple[int, ...], stored: int | None, width: 
 
 def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtype, device: str,
                 placement: dict[str, str] | None = None,
-                quantization: Quantization = Quantization()) -> list[StageMemory]:
+                quantization: Quantization = NO_QUANTIZATION) -> list[StageMemory]:
     """Each stage's weights and KV pool in bytes; ``placement``: a stage's device where it is not ``device``;
     ``quantization``: the engine's (a stage's own ``quantization`` overrides it), sized by the family's scheme.
     Raises ConfigError naming the stage where the family cannot quantize its part."""
     declared = any(family.parts[pipeline.stage(n).model_part].weight_prefixes for n in pipeline.order)
     sizes = tensor_sizes(family.model_dir) if declared else {}  # (a family may declare no weights at all)
+    stored = read_stored(family.model_dir) if declared else None
+    packed: dict[str, QuantFormat] = {}
+    if stored is not None:  # a pre-quantized checkpoint: each packed layer counted as the weight it stands for
+        for name, (shape, fmt) in stored_weights({n: s for n, (s, _) in sizes.items()}, stored).items():
+            base = name[: -len("weight")]
+            for suffix in SUFFIXES:
+                sizes.pop(base + suffix, None)
+            sizes[name] = (shape, None)
+            packed[name] = fmt
     itemsize = torch.empty((), dtype=dtype).element_size()
     plans = []
     for name in pipeline.order:
@@ -104,6 +115,9 @@ def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtyp
             scheme = family.quant_scheme(stage.model_part, quantization.for_stage(stage.quantization))
         except ValueError as exc:
             raise ConfigError(str(exc), stage=name, field="quantization") from None
+        exact = {n[len(p):]: fmt for n, fmt in packed.items() for p in part.weight_prefixes[:1] if n.startswith(p)}
+        if exact:
+            scheme = QuantScheme(scheme.formats if scheme is not None else {}, exact=exact)
         weights = sum(
             _weight_bytes(tensor, shape, stored, width, part.weight_prefixes, scheme, stage_device)
             for tensor, (shape, stored) in sizes.items()

@@ -15,6 +15,7 @@ from torch import nn
 
 from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
 from omnistage.config.quantization import Quantization
+from omnistage.models.compressed_tensors import read_stored
 from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
 from omnistage.models.loader import building, load_into, load_weights
 from omnistage.models.qwen3_omni.config import load_config
@@ -30,7 +31,7 @@ def load_part(model_dir: str | Path, part: str, dtype: torch.dtype, quantization
     config = load_config(model_dir)
     scheme = Qwen3OmniFamily(model_dir).quant_scheme(part, quantization)
     cls, skip = (Thinker, ("audio_tower.", "visual.")) if part == "thinker" else (Talker, ())
-    with building(dtype, "cpu", init=scheme is None):
+    with building(dtype, "cpu", init=scheme is None and read_stored(model_dir) is None):
         model = cls(config)
     load_into(model, model_dir, f"{part}.", dtype, skip=skip, quantize=scheme)
     return model.eval()

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from omnistage.config.quantization import Quantization
-from omnistage.testing.quant_accuracy import codec_logits, layer_errors, load_part, thinker_logits, top1_agreement
+from omnistage.testing.quant_accuracy import (
+    codec_logits,
+    layer_errors,
+    load_part,
+    thinker_logits,
+    top1_agreement,
+)
 
 BOUNDS = {"int8": (0.01, 0.97), "int4": (0.12, 0.75)}  # (max per-layer relative error, min top-1 agreement)
 

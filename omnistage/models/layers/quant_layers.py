@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from omnistage.models.layers.moe import StackedExperts
 from omnistage.models.layers.mlp import swiglu
+from omnistage.models.layers.moe import StackedExperts
 from omnistage.models.layers.quant import QuantBuffer, QuantFormat, QuantWeight, packed_bytes, quant_matmul
 
 
@@ -32,6 +32,9 @@ class QuantScheme:
 
     formats: Mapping[str, QuantFormat]
     exclude: tuple[str, ...] = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
+    # Whole names with their own format, before the prefixes and the exclusions: a pre-quantized checkpoint's
+    # stored layers.
+    exact: Mapping[str, QuantFormat] = field(default_factory=dict)
     _order: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +45,8 @@ class QuantScheme:
 
     def format_for(self, name: str, shape: tuple[int, ...]) -> QuantFormat | None:
         """The format of checkpoint tensor ``name`` (relative to the part) of ``shape``; None: not quantized."""
+        if name in self.exact:
+            return self.exact[name]
         if len(shape) != 2 or not name.endswith(".weight") or name.endswith(self.exclude):
             return None
         for prefix in self._order:

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
+from omnistage.config.quantization import Quantization
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.compressed_tensors import read_stored
 from omnistage.models.family import (
     BridgeSpec,
     BuildContext,
@@ -25,7 +27,6 @@ from omnistage.models.family import (
     StageRequest,
     no_args,
 )
-from omnistage.config.quantization import Quantization
 from omnistage.models.layers.fast_linear import fast_kernels
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
@@ -81,6 +82,21 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
     return MediaEncoders(towers["audio"], towers["vision"])
 
 
+def quant_scheme(part: str, quantization: Quantization) -> QuantScheme | None:
+    """Qwen3-Omni's quantized weights. Under int4: the Thinker's and Talker's decoder layers (attention
+    projections, routed and shared experts) in int4, the code predictor's layers in int8 (its 15 passes per
+    frame compound rounding; int8 keeps its codes close, ``benchmarks/quant_accuracy.py``); under int8 all three
+    in int8. Embeddings, output heads, routers, the projections, the towers and Code2Wav keep the serving dtype."""
+    if not quantization.enabled or part not in ("thinker", "talker"):
+        return None
+    int8 = QuantFormat(8)
+    decoder = int8 if quantization.method == "int8" else QuantFormat(4, quantization.group_size)
+    formats = {"model.layers.": decoder}
+    if part == "talker":
+        formats["code_predictor.model.layers."] = int8
+    return QuantScheme(formats)
+
+
 @register_family
 class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
@@ -101,6 +117,7 @@ class Qwen3OmniFamily(HFChatFamily):
     def __init__(self, model_dir: str | Path) -> None:
         super().__init__(model_dir)
         self.config = load_config(self.model_dir)
+        self.stored_quantization = read_stored(self.model_dir)  # a pre-quantized checkpoint's scheme (or refusal)
         self.ids = TalkerTokenIds.from_config(self.config)
         talker = self.config.talker_config
         self.speakers = {str(k).lower(): int(v) for k, v in (talker.speaker_id or {}).items()}
@@ -113,18 +130,7 @@ class Qwen3OmniFamily(HFChatFamily):
 
     # ---- stage side ---------------------------------------------------------------------------------
     def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
-        """Under int4: the Thinker's and Talker's decoder layers (attention projections, routed and shared
-        experts) in int4, the code predictor's layers in int8 (its 15 passes per frame compound rounding; int8
-        keeps its codes close, ``benchmarks/quant_accuracy.py``); under int8 all three in int8. Embeddings,
-        output heads, routers, the projections, the towers and Code2Wav keep the serving dtype."""
-        if not quantization.enabled or part not in ("thinker", "talker"):
-            return None
-        int8 = QuantFormat(8)
-        decoder = int8 if quantization.method == "int8" else QuantFormat(4, quantization.group_size)
-        formats = {"model.layers.": decoder}
-        if part == "talker":
-            formats["code_predictor.model.layers."] = int8
-        return QuantScheme(formats)
+        return quant_scheme(part, quantization)
 
     def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
         cfg = {"thinker": self.config.thinker_config, "talker": self.config.talker_config}.get(part)
@@ -137,7 +143,7 @@ class Qwen3OmniFamily(HFChatFamily):
         part = ctx.stage.model_part
         if part == "thinker":
             scheme = self.quant_scheme(part, ctx.quantization)
-            with building(ctx.dtype, ctx.device, init=scheme is None):
+            with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
                 thinker = Thinker(self.config)
             load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
                       quantize=scheme)
@@ -145,7 +151,7 @@ class Qwen3OmniFamily(HFChatFamily):
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
             scheme = self.quant_scheme(part, ctx.quantization)
-            with building(ctx.dtype, ctx.device, init=scheme is None):
+            with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
                 talker = Talker(self.config)
             load_into(talker, self.model_dir, "talker.", ctx.dtype, quantize=scheme)
             # The projected tts specials need the Thinker's embedding rows (only that table is read).
