@@ -11,6 +11,7 @@ from omnistage.checkpoints.config_files import make_hf_config, write_config_file
 from omnistage.checkpoints.presets import Preset, get_preset
 from omnistage.checkpoints.shaping import shape_weights
 from omnistage.checkpoints.weights import init_state_dict, to_hub_layout, write_safetensors
+from omnistage.config.quantization import Quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,6 +34,8 @@ def build_checkpoint(
     max_shard_bytes: int | None = None,
     family: str = "qwen3_omni",
     depth: str | None = None,
+    quantization: str = "none",
+    quantization_group_size: int = 128,
 ) -> Path:
     """Write a complete checkpoint directory of model `family` and return its path.
 
@@ -48,9 +51,12 @@ def build_checkpoint(
             raise ValueError(f"preset 'real' is Qwen3-Omni's released architecture, not {family!r}'s")
         from omnistage.checkpoints.real import DEFAULT_SHARD_BYTES, build_real_checkpoint, parse_depth
 
-        return build_real_checkpoint(out_dir, parse_depth(depth), seed, max_shard_bytes or DEFAULT_SHARD_BYTES)
+        return build_real_checkpoint(out_dir, parse_depth(depth), seed, max_shard_bytes or DEFAULT_SHARD_BYTES,
+                                     quantization=Quantization(quantization, quantization_group_size))
     if depth:
         raise ValueError("--depth applies to --preset real")
+    if quantization != "none":
+        raise ValueError("--quantization applies to --preset real (other presets: quantize while loading)")
     if family == "qwen2_5_omni":
         from omnistage.checkpoints.qwen2_5_omni.builder import build_checkpoint as build_qwen2_5_omni
 

@@ -39,6 +39,11 @@ from omnistage.checkpoints.presets import (
     Preset,
 )
 from omnistage.checkpoints.weights import hub_tensors, init_tensors
+from omnistage.config.quantization import NO_QUANTIZATION, Quantization
+from omnistage.models.compressed_tensors import pack, quantization_config, stored_scales
+from omnistage.models.layers.quant import QuantFormat, quantize
+from omnistage.models.layers.quant_layers import QuantScheme
+from omnistage.models.qwen3_omni.family import quant_scheme
 
 REAL_VOCAB = 152064
 STACKS = ("thinker", "talker", "code_predictor", "code2wav", "audio", "vision")
@@ -100,12 +105,20 @@ def real_preset(depth: Mapping[str, int] | None = None) -> Preset:
 
 def build_real_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None = None, seed: int = 0,
                           max_shard_bytes: int = DEFAULT_SHARD_BYTES, preset: Preset | None = None,
-                          vocab_size: int = REAL_VOCAB) -> Path:
+                          vocab_size: int = REAL_VOCAB, quantization: Quantization = NO_QUANTIZATION) -> Path:
     """Write the released architecture (``real_preset(depth)``, or ``preset`` with a Thinker vocabulary of
-    ``vocab_size``) as a sharded checkpoint with its tokenizer and processor files; returns the directory."""
+    ``vocab_size``) as a sharded checkpoint with its tokenizer and processor files; returns the directory.
+
+    ``quantization`` int8 / int4: the weights Qwen3-Omni's scheme quantizes (``quant_scheme``) are written
+    pre-quantized in compressed-tensors' pack-quantized format (each drawn tensor quantized as it is drawn,
+    with ``quantization_config`` in config.json); the same weights an online quantizing load of the bfloat16
+    checkpoint would hold."""
     preset = preset or real_preset(depth)
     out = Path(out_dir)
     _, config_dict = write_config_files(out, preset, thinker_vocab=vocab_size)
+    schemes = {part: quant_scheme(part, quantization) for part in ("thinker", "talker")}
+    if quantization.enabled:
+        config_dict = _with_quantization_config(out, config_dict, quantization)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
         skeleton = Qwen3OmniMoeForConditionalGeneration(make_hf_config(config_dict))
@@ -122,11 +135,12 @@ def build_real_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None =
     # One tensor at a time: a layer's stacked experts are drawn whole, then split as the hub stores them.
     hubbed = (item for name, value in init_tensors(skeleton, seed) for item in hub_tensors(name, value))
     for hub, value in hubbed:
-        nbytes = value.numel() * dtype.itemsize
+        stored = _stored(hub, value, schemes, dtype)
+        nbytes = sum(t.numel() * t.element_size() for t in stored.values())
         if shard and size + nbytes > max_shard_bytes:
             flush()
             size = 0
-        shard[hub] = value.to(dtype).contiguous()
+        shard.update(stored)
         size += nbytes
         total += nbytes
     if shard:
@@ -139,3 +153,33 @@ def build_real_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None =
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _stored(hub: str, value: torch.Tensor, schemes: Mapping[str, QuantScheme | None],
+            dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One drawn tensor as stored: in ``dtype``, or pre-quantized (weight_packed / weight_scale / weight_shape)
+    where its part's scheme quantizes it."""
+    part, _, rel = hub.partition(".")
+    scheme = schemes.get(part)
+    fmt = scheme.format_for(rel, tuple(value.shape)) if scheme is not None else None
+    if fmt is None:
+        return {hub: value.to(dtype).contiguous()}
+    values, scales = quantize(value.to(dtype), fmt)  # (what quantizing the stored bfloat16 weight gives)
+    base = hub[: -len("weight")]
+    return {base + "weight_packed": pack(values, fmt), base + "weight_scale": stored_scales(scales, dtype),
+            base + "weight_shape": torch.tensor(list(value.shape), dtype=torch.int64)}
+
+
+def _with_quantization_config(out: Path, config_dict: dict, quantization: Quantization) -> dict:
+    """config.json with the compressed-tensors ``quantization_config`` of Qwen3-Omni's scheme."""
+    decoders = r"re:^(thinker|talker)\.model\.layers\..*"
+    predictor = r"re:^talker\.code_predictor\.model\.layers\..*"
+    int8 = QuantFormat(8)
+    if quantization.method == "int8":
+        groups = [([decoders, predictor], int8)]
+    else:
+        groups = [([decoders], QuantFormat(4, quantization.group_size)), ([predictor], int8)]
+    ignore = [r"re:.*mlp\.gate$", r"re:.*mlp\.shared_expert_gate$"]
+    config_dict = {**config_dict, "quantization_config": quantization_config(groups, ignore)}
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    return config_dict

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 from omnistage.config.errors import ConfigError
+from omnistage.config.quantization import check_method
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.core.scheduler_config import SchedulerConfig
 
@@ -98,6 +99,7 @@ class StageConfig:
     devices: str | None = None  # None: the engine's device
     threads: int | None = None  # torch threads; None: the host's cores split between the workers
     resources: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}), hash=False)  # Ray
+    quantization: str | None = None  # none | int8 | int4 for this stage's weights; None: the engine's option
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -165,6 +167,11 @@ class StageConfig:
                     or not isinstance(amount, (int, float)) or not math.isfinite(amount) or amount <= 0):
                 raise fail("resources", f"must map resource names to positive amounts, got {key!r}: {amount!r}")
         object.__setattr__(self, "resources", MappingProxyType(dict(resources)))
+        if self.quantization is not None:
+            try:
+                check_method(self.quantization)
+            except ValueError as exc:
+                raise fail("quantization", str(exc)) from None
         if not isinstance(self.sampling, SamplingParams):
             raise fail("sampling", f"must be SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.scheduler, SchedulerConfig):

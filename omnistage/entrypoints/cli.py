@@ -7,6 +7,8 @@ import sys
 import wave
 from pathlib import Path
 
+from omnistage.config.quantization import QUANT_METHODS
+
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     from omnistage.checkpoints.builder import build_checkpoint
@@ -14,7 +16,8 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     try:
         family = {"family": args.family} if args.family else {}
         path = build_checkpoint(args.dir, preset=args.preset, seed=args.seed, max_shard_bytes=args.max_shard_bytes,
-                                depth=args.depth, **family)
+                                depth=args.depth, quantization=args.quantization,
+                                quantization_group_size=args.quantization_group_size, **family)
     except ValueError as exc:  # an unknown family, or a preset the family does not have
         print(f"omnistage make-checkpoint: error: {exc}", file=sys.stderr)
         return 2
@@ -38,7 +41,8 @@ def _generate(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams  # the public API (tests replace omnistage.Omni)
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device,
-                distributed_executor_backend=args.distributed_executor_backend, fast=args.fast)
+                distributed_executor_backend=args.distributed_executor_backend, fast=args.fast,
+                quantization=args.quantization, quantization_group_size=args.quantization_group_size)
     modalities = ["text", "audio"] if args.audio else ["text"]
     info = omni.info
     params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}
@@ -102,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="split the weights into shards + model.safetensors.index.json above this size")
+    p.add_argument("--quantization", choices=list(QUANT_METHODS), default="none",
+                   help="with --preset real: write the weights `omnistage serve --quantization` would quantize "
+                        "pre-quantized (compressed-tensors pack-quantized; int4 full depth: ~19 GB)")
+    p.add_argument("--quantization-group-size", type=int, default=128, help="int4: inputs per scale")
     p.set_defaults(func=_make_checkpoint)
 
     p = sub.add_parser("generate", help="answer prompts offline (text, and speech with --audio)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from omnistage.config.quantization import QUANT_METHODS
 from omnistage.config.stage_config import EXECUTOR_BACKENDS
 from omnistage.entrypoints.limits import (
     BODY_BYTES_EXTRA,
@@ -92,6 +93,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU kernels: oneDNN on weights packed at load and a fused code-predictor frame (default); "
                         "--no-fast: the reference's kernels, bit-identical to transformers' float32 arithmetic. The "
                         "fast kernels round differently: a near-tie may pick another greedy token")
+    p.add_argument("--quantization", choices=list(QUANT_METHODS), default="none",
+                   help="weight-only quantization while loading: int4 = the Thinker's and Talker's decoder layers "
+                        "in int4 (symmetric, grouped), the code predictor in int8; int8 = all three in int8; "
+                        "embeddings, heads, towers and Code2Wav stay in --dtype (a stage's `quantization:` in the "
+                        "stage config overrides; default: %(default)s)")
+    p.add_argument("--quantization-group-size", type=int, default=128,
+                   help="int4: inputs per scale (default: %(default)s)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -109,5 +117,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
                           realtime=realtime, max_transcript_tokens=args.max_transcript_tokens)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
-          fast=args.fast, voice_map=args.voice_map)
+          fast=args.fast, voice_map=args.voice_map, quantization=args.quantization,
+          quantization_group_size=args.quantization_group_size)
     return 0

@@ -25,7 +25,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from omnistage.config import ConfigError, ExecutionType, ModelCapabilities, PipelineConfig, StageConfig
+from omnistage.config.quantization import NO_QUANTIZATION, Quantization
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.tool_calls import ToolCallFormat
 
 
@@ -85,6 +87,7 @@ class BuildContext:
     device: str
     stage: StageConfig
     fast: bool = False  # faster kernels whose rounding may differ from the reference
+    quantization: Quantization = NO_QUANTIZATION  # this stage's weight quantization (the family's quant_scheme)
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,14 @@ class ModelFamily(ABC):
     @abstractmethod
     def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Bridge:
         """The bridge ``name`` feeding ``model`` (the downstream stage's model)."""
+
+    def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
+        """Which of ``part``'s checkpoint weights (names relative to its prefix) ``quantization`` quantizes, in
+        which format; None when it quantizes none. Raises ValueError where the family cannot quantize."""
+        if quantization.enabled:
+            raise ValueError(f"model family {self.name!r} does not support weight quantization "
+                             f"({quantization.method!r})")
+        return None
 
     def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
         """(layers, KV heads, head size) of an AR part's paged KV cache, from the checkpoint's config, for the

@@ -7,10 +7,16 @@ import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from omnistage.models.compressed_tensors import SUFFIXES, read_stored, stored_weights, unpack
+from omnistage.models.layers.quant import QuantFormat
+from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -21,16 +27,31 @@ _ASSIGN_BYTES = 256 << 20
 
 
 @contextlib.contextmanager
-def building(dtype: torch.dtype, device: str | torch.device) -> Iterator[None]:
+def building(dtype: torch.dtype, device: str | torch.device, init: bool = True) -> Iterator[None]:
     """Create a model's tensors directly in its serving dtype and on its device: a 30B checkpoint must not
-    first materialise as float32 on the host."""
+    first materialise as float32 on the host. ``init=False``: parameters are left uninitialised (``torch.nn.init``
+    does nothing), so memory the loader never writes is never touched: what a quantizing load needs, whose float
+    weights are replaced before any data is read (every parameter is loaded strictly anyway)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), (contextlib.nullcontext() if init else _SkipInit()):
             yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class _SkipInit(TorchFunctionMode):
+    """``torch.nn.init``'s in-place initialisers become no-ops (they dispatch through torch functions)."""
+
+    _SKIPPED = frozenset(getattr(nn.init, name) for name in (
+        "uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+        "xavier_normal_", "constant_", "ones_", "zeros_", "orthogonal_"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -138,6 +159,7 @@ def load_into(
     prefix: str,
     dtype: torch.dtype | None = torch.float32,
     skip: tuple[str, ...] = (),
+    quantize: QuantScheme | None = None,
 ) -> None:
     """Load checkpoint tensors under `prefix` into `module`, whose state-dict names equal the checkpoint
     names minus `prefix`.
@@ -149,6 +171,11 @@ def load_into(
     serving dtype and device needs no second copy of anything but the tensor being read. Parameters on the
     meta device are replaced by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
     are); buffers keep their dtype (e.g. float32 rotary frequencies under bfloat16 weights).
+
+    ``quantize``: the weights that scheme names are quantized as they are read, one tensor at a time, into the
+    quantized layers that replace their float ones (``quant_layers.quantize_targets``); each layer is packed for
+    its kernel once all its rows are in. Peak memory: the quantized model, the other weights, and the tensor
+    being read (build the module with ``building(..., init=False)`` so the float weights are never touched).
     """
     _check_dtype(dtype)
     files: dict[Path, list[str]] = {}
@@ -160,6 +187,18 @@ def load_into(
         with safe_open(str(path), framework="pt") as f:
             for name in names:
                 shapes[name[len(prefix):]] = tuple(f.get_slice(name).get_shape())
+    stored = read_stored(model_dir)
+    packed: dict[str, QuantFormat] = {}
+    if stored is not None:  # pre-quantized layers stand in for their float weights (name, shape) in the checks
+        for name, (shape, fmt) in stored_weights({prefix + k: v for k, v in shapes.items()}, stored).items():
+            key = name[len(prefix):]
+            base = key[: -len("weight")]
+            for suffix in SUFFIXES:
+                shapes.pop(base + suffix, None)
+            shapes[key] = shape
+            packed[key] = fmt
+        if packed:
+            quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
     expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
@@ -181,6 +220,11 @@ def load_into(
             + "; ".join(problems)
         )
     on_meta = any(t.is_meta for t in expected.values())
+    if quantize is not None:
+        if on_meta:
+            raise ValueError("a quantizing load needs the module's tensors allocated, not on the meta device")
+        _load_quantizing(module, files, prefix, expected, quantize, dtype, packed)
+        return
     for path, names in sorted(files.items()):
         with safe_open(str(path), framework="pt") as f:
             part: dict[str, torch.Tensor] = {}
@@ -202,6 +246,56 @@ def load_into(
             if part:
                 module.load_state_dict(part, strict=False, assign=True)
         del part
+    if dtype is not None:
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
+def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: str,
+                     expected: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype | None,
+                     packed: dict[str, QuantFormat]) -> None:
+    targets = quantize_targets(module, expected, scheme, dtype or torch.float32)
+    pending = {id(t.module): t.module for t in targets.values()}
+    where = {name: path for path, names in files.items() for name in names}
+    with torch.no_grad(), contextlib.ExitStack() as handles:
+        opened: dict[Path, Any] = {}
+
+        def read(name: str) -> torch.Tensor:  # (a packed layer's parts may sit in different shards)
+            path = where[name]
+            if path not in opened:
+                opened[path] = handles.enter_context(safe_open(str(path), framework="pt"))
+            return opened[path].get_tensor(name)
+
+        for _, names in sorted(files.items()):
+            for name in names:
+                key = name[len(prefix):]
+                if key.endswith(SUFFIXES):
+                    base = key.rpartition(".")[0]
+                    if not key.endswith(".weight_packed") or base + ".weight" not in packed:
+                        continue  # (scale and shape are read with their packed values)
+                    key = base + ".weight"
+                    shape = tuple(read(prefix + base + ".weight_shape").tolist())
+                    if shape != tuple(expected[key].shape):
+                        raise ValueError(f"{prefix + base}: weight_shape {list(shape)} does not match its packed "
+                                         f"values ({list(expected[key].shape)})")
+                    values, scales = unpack(read(name), read(prefix + base + ".weight_scale"), packed[key])
+                    target = targets[key]
+                    target.buffer.write_quantized(target.start, values, scales)
+                    del values, scales
+                else:
+                    tensor = read(name)
+                    target = targets.get(key)
+                    if target is None:
+                        expected[key].copy_(tensor.to(dtype) if dtype is not None and tensor.is_floating_point()
+                                            else tensor)
+                        continue
+                    target.buffer.write_rows(target.start, tensor)
+                    del tensor
+                if pack_if_complete(target.module):
+                    del pending[id(target.module)]
+    if pending:  # (the strict name check above makes this unreachable unless a module's buffer is inconsistent)
+        raise ValueError(f"quantized layers left incomplete: {sorted(type(m).__name__ for m in pending.values())}")
     if dtype is not None:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:

@@ -57,7 +57,8 @@ class OmniEngine:
         # Refuse before loading what cannot fit (Ray places stages on other machines: not checked here).
         placement = {s.name: s.devices if s.devices.startswith(("cpu", "cuda")) else f"cuda:{s.devices.split(',')[0]}"
                      for s in self.pipeline.stages if self.backend == "mp" and s.devices}
-        self.memory_plan = plan_memory(self.family, self.pipeline, DTYPES[args.dtype], args.device, placement)
+        self.memory_plan = plan_memory(self.family, self.pipeline, DTYPES[args.dtype], args.device, placement,
+                                       args.quant)
         if self.backend != "ray":
             check_fits(self.memory_plan)
         self.workers = None

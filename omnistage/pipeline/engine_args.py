@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from omnistage.config.quantization import Quantization
 from omnistage.config.stage_config import EXECUTOR_BACKENDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -22,6 +23,12 @@ class EngineArgs:
     fast: bool = True  # packed oneDNN kernels on CPU (rounding differs from the reference's; False: reference kernels)
     distributed_executor_backend: str | None = None  # inproc | mp | ray; None: the pipeline config's
     worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
+    quantization: str = "none"  # none | int8 | int4: weight-only, online while loading (a stage may override)
+    quantization_group_size: int = 128  # int4: inputs per scale
+
+    @property
+    def quant(self) -> Quantization:
+        return Quantization(self.quantization, self.quantization_group_size)
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
@@ -29,6 +36,7 @@ class EngineArgs:
                              f"{self.distributed_executor_backend!r}")
         if not (isinstance(self.worker_startup_timeout, (int, float)) and self.worker_startup_timeout > 0):
             raise ValueError(f"worker_startup_timeout must be > 0, got {self.worker_startup_timeout!r}")
+        Quantization(self.quantization, self.quantization_group_size)  # raises on a bad method or group size
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not Path(self.model).is_dir():

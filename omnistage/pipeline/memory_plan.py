@@ -20,7 +20,11 @@ import torch
 from safetensors import safe_open
 
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig
+from omnistage.config.quantization import NO_QUANTIZATION, Quantization
+from omnistage.models.compressed_tensors import SUFFIXES, read_stored, stored_weights
 from omnistage.models.family import ModelFamily
+from omnistage.models.layers.quant import QuantFormat
+from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import checkpoint_files
 
 SKIP_ENV = "OMNISTAGE_SKIP_MEMORY_CHECK"
@@ -48,38 +52,75 @@ def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def tensor_sizes(model_dir: str | Path) -> dict[str, tuple[int, int | None]]:
-    """Every checkpoint tensor's (element count, stored bytes per element, None for floating point: those load
-    in the serving dtype), from the files' headers (no data read)."""
+def tensor_sizes(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """Every checkpoint tensor's (shape, stored bytes per element, None for floating point: those load in the
+    serving dtype), from the files' headers (no data read)."""
     by_file: dict[Path, list[str]] = {}
     for name, path in checkpoint_files(model_dir).items():
         by_file.setdefault(path, []).append(name)
-    out: dict[str, tuple[int, int | None]] = {}
+    out: dict[str, tuple[tuple[int, ...], int | None]] = {}
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
                 view = f.get_slice(name)
-                numel = 1
-                for d in view.get_shape():
-                    numel *= d
-                out[name] = (numel, _STORED_BYTES.get(view.get_dtype()))
+                out[name] = (tuple(view.get_shape()), _STORED_BYTES.get(view.get_dtype()))
     return out
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _weight_bytes(name: str, shape: tuple[int, ...], stored: int | None, width: int, prefixes: tuple[str, ...],
+                  scheme: QuantScheme | None, device: str) -> int:
+    """One tensor's bytes once loaded: quantized where the part's scheme quantizes it (names relative to the
+    part's prefix), else its stored width (integers) or the serving width."""
+    quantized = None
+    if scheme is not None:
+        prefix = next(p for p in prefixes if name.startswith(p))
+        quantized = scheme.weight_bytes(name[len(prefix):], shape, width, torch.device(device))
+    if quantized is not None:
+        return quantized
+    return _numel(shape) * (width if stored is None else stored)
+
+
 def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtype, device: str,
-                placement: dict[str, str] | None = None) -> list[StageMemory]:
-    """Each stage's weights and KV pool in bytes; ``placement``: a stage's device where it is not ``device``."""
+                placement: dict[str, str] | None = None,
+                quantization: Quantization = NO_QUANTIZATION) -> list[StageMemory]:
+    """Each stage's weights and KV pool in bytes; ``placement``: a stage's device where it is not ``device``;
+    ``quantization``: the engine's (a stage's own ``quantization`` overrides it), sized by the family's scheme.
+    Raises ConfigError naming the stage where the family cannot quantize its part."""
     declared = any(family.parts[pipeline.stage(n).model_part].weight_prefixes for n in pipeline.order)
     sizes = tensor_sizes(family.model_dir) if declared else {}  # (a family may declare no weights at all)
+    stored = read_stored(family.model_dir) if declared else None
+    packed: dict[str, QuantFormat] = {}
+    if stored is not None:  # a pre-quantized checkpoint: each packed layer counted as the weight it stands for
+        for name, (shape, fmt) in stored_weights({n: s for n, (s, _) in sizes.items()}, stored).items():
+            base = name[: -len("weight")]
+            for suffix in SUFFIXES:
+                sizes.pop(base + suffix, None)
+            sizes[name] = (shape, None)
+            packed[name] = fmt
     itemsize = torch.empty((), dtype=dtype).element_size()
     plans = []
     for name in pipeline.order:
         stage = pipeline.stage(name)
         part = family.parts[stage.model_part]
         width = 4 if part.float32_weights else itemsize
+        stage_device = (placement or {}).get(name, device)
+        try:
+            scheme = family.quant_scheme(stage.model_part, quantization.for_stage(stage.quantization))
+        except ValueError as exc:
+            raise ConfigError(str(exc), stage=name, field="quantization") from None
+        exact = {n[len(p):]: fmt for n, fmt in packed.items() for p in part.weight_prefixes[:1] if n.startswith(p)}
+        if exact:
+            scheme = QuantScheme(scheme.formats if scheme is not None else {}, exact=exact)
         weights = sum(
-            numel * (width if stored is None else stored)
-            for tensor, (numel, stored) in sizes.items()
+            _weight_bytes(tensor, shape, stored, width, part.weight_prefixes, scheme, stage_device)
+            for tensor, (shape, stored) in sizes.items()
             if tensor.startswith(part.weight_prefixes) and not (part.weight_skip and tensor.startswith(part.weight_skip))
         ) if part.weight_prefixes else 0
         kv = 0
@@ -91,7 +132,7 @@ def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtyp
                 kv = (s.resolve_num_blocks(per_block) + 1) * per_block  # (+ the scratch block padded rows write)
             except ValueError:
                 kv = 0  # a budget that cannot hold one request: the stage itself refuses it as it builds
-        plans.append(StageMemory(name, (placement or {}).get(name, device), weights, kv))
+        plans.append(StageMemory(name, stage_device, weights, kv))
     return plans
 
 
@@ -130,7 +171,8 @@ def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] 
                           for p in here)
         raise ConfigError(
             f"the pipeline needs {need / _GIB:.2f} GiB on {device} ({parts}) but {have / _GIB:.2f} GiB is "
-            f"available; options: --dtype bfloat16 (half the weight bytes of float32), a smaller kv_cache_bytes, "
+            f"available; options: --dtype bfloat16 (half the weight bytes of float32), --quantization int4 or int8 "
+            f"(weight-only: the decoders' weights in 4 or 8 bits), a smaller kv_cache_bytes, "
             f"max_model_len or max_num_seqs in the stage config, stages on other devices (devices: in the stage "
             f"config, with --distributed-executor-backend mp or ray); {SKIP_ENV}=1 loads anyway",
             stage=worst.stage)

@@ -85,9 +85,11 @@ def _resolve_model(model: str | Path | None) -> str:
 
 
 def _engine_args(model: str | Path | None, stage_config: str | None, dtype: str, device: str, fast: bool,
-                 distributed_executor_backend: str | None) -> EngineArgs:
+                 distributed_executor_backend: str | None, quantization: str = "none",
+                 quantization_group_size: int = 128) -> EngineArgs:
     return EngineArgs(_resolve_model(model), stage_config, dtype, device, fast,
-                      distributed_executor_backend=distributed_executor_backend)
+                      distributed_executor_backend=distributed_executor_backend, quantization=quantization,
+                      quantization_group_size=quantization_group_size)
 
 
 class Omni:
@@ -96,9 +98,10 @@ class Omni:
 
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, fast: bool = True,
-                 distributed_executor_backend: str | None = None) -> None:
-        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend),
-                                 pipeline)
+                 distributed_executor_backend: str | None = None, quantization: str = "none",
+                 quantization_group_size: int = 128) -> None:
+        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
+                                              quantization, quantization_group_size), pipeline)
 
     @property
     def info(self) -> ModelInfo:
@@ -184,10 +187,11 @@ class AsyncOmni:
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
                  on_step: Callable[[Any], None] | None = None, fast: bool = True,
-                 distributed_executor_backend: str | None = None) -> None:
+                 distributed_executor_backend: str | None = None, quantization: str = "none",
+                 quantization_group_size: int = 128) -> None:
         # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
-        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend),
-                                 pipeline, on_step)
+        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
+                                              quantization, quantization_group_size), pipeline, on_step)
         self.info = self.engine.info
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()

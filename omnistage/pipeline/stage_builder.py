@@ -34,7 +34,8 @@ def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: Engi
     """One stage: its model (built by the family from the checkpoint), scheduler, runner and bridge."""
     configure_allocator()  # once per process that holds a stage: freed large blocks stay for reuse
     dtype = DTYPES[args.dtype]
-    model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast))
+    model = family.build_model(BuildContext(Path(args.model), dtype, args.device, stage, args.fast,
+                                            args.quant.for_stage(stage.quantization)))
     release_free_heap()  # the loader's and the packing's temporaries (e.g. a float32 copy of a bfloat16 tensor)
     bridge = family.build_bridge(stage.bridge, model, stage.bridge_args) if stage.bridge else None
     s = stage.scheduler

@@ -51,6 +51,8 @@ class Init(msgspec.Struct, tag=True, array_like=True):
     dtype: str
     device: str
     fast: bool
+    quantization: str
+    quantization_group_size: int
     threads: int
     sys_path: list[str]
 

@@ -59,7 +59,8 @@ def build_worker_stage(init: wire.Init) -> tuple[Any, tuple[type, ...]]:
         family_cls = get_family(init.family)
     torch.set_num_threads(init.threads)
     stage_cfg = StageConfig.from_dict(init.stage)
-    args = EngineArgs(init.model, dtype=init.dtype, device=init.device, fast=init.fast)
+    args = EngineArgs(init.model, dtype=init.dtype, device=init.device, fast=init.fast,
+                      quantization=init.quantization, quantization_group_size=init.quantization_group_size)
     stage = build_stage(family_cls(init.model), stage_cfg, init.runner, args, FaultInjector.from_env())
     return stage, family_cls.wire_types
 

@@ -234,7 +234,8 @@ class StageWorkers:
             self.stages[name].send(wire.Init(
                 stage=pipeline.stage(name).to_dict(), runner=runners[name], family=family_cls.name,
                 family_module=family_cls.__module__, model=str(args.model), dtype=args.dtype, device=p.device,
-                fast=args.fast, threads=p.threads, sys_path=list(sys.path)))
+                fast=args.fast, quantization=args.quantization,
+                quantization_group_size=args.quantization_group_size, threads=p.threads, sys_path=list(sys.path)))
         while True:
             for stage in self.stages.values():
                 stage.drain()

@@ -8,6 +8,7 @@ counted once, under the first that holds it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
@@ -51,7 +52,8 @@ def _component(name: str, tensor_name: str, split: bool) -> str:
 
 def _attribute_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors a module keeps in plain attributes rather than as parameters or buffers (the ``fast`` option's
-    packed copies: expert panels, per-expert oneDNN weights, packed heads), in lists and tuples too."""
+    packed copies: expert panels, per-expert oneDNN weights, packed heads; quantized weights), in lists, tuples and
+    dataclasses too."""
     for sub_name, sub in module.named_modules():
         for attr, value in vars(sub).items():
             if attr.startswith("_"):
@@ -63,6 +65,8 @@ def _attribute_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"{sub_name}.{attr}" if sub_name else attr, v
                 elif isinstance(v, (list, tuple)):
                     stack.extend(v)
+                elif dataclasses.is_dataclass(v) and not isinstance(v, type):  # e.g. a quantized weight's parts
+                    stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
 
 
 def weight_bytes_by_component(stage_model: Any) -> dict[str, int]:

@@ -64,7 +64,8 @@ def test_every_message_type_round_trips():
                            MappingProxyType({"mask": torch.tensor([True, False]), "ids": (5, 6), "n": 2,
                                              "nested": {"x": [torch.arange(3), None, 1.5, "s", b"\x00"]}}))
     init = wire.Init({"name": "talker", "scheduler": {"block_size": 4}}, "eager", "qwen3_omni",
-                     "omnistage.models.qwen3_omni.family", "/ckpt", "bfloat16", "cuda:0", True, 3, ["/a", "/b"])
+                     "omnistage.models.qwen3_omni.family", "/ckpt", "bfloat16", "cuda:0", True, "int4", 64, 3,
+                     ["/a", "/b"])
     events = StepEvents("talker", client_outputs={"a": {"token_ids": [1, 2], "codes": torch.ones(16, 2, dtype=torch.long)}},
                         stage_outputs={"a": {"frames": torch.zeros(2, 16, dtype=torch.long)}},
                         finished={"b": "length"}, errors={"c": "bad input"}, step_time=0.25, num_tokens=7,
@@ -223,7 +224,7 @@ def pair():
     thread = threading.Thread(target=lambda: result.setdefault("code", worker.run()), daemon=True)
     thread.start()
     proxy = RemoteStage("scripted", commands, events, on_wait=lambda: None)
-    proxy.send(wire.Init({"name": "scripted"}, "eager", "f", "m", "/", "float32", "cpu", False, 1, []))
+    proxy.send(wire.Init({"name": "scripted"}, "eager", "f", "m", "/", "float32", "cpu", False, "none", 128, 1, []))
     while proxy.ready is None:
         events.poll(100)
         proxy.drain()

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
+from omnistage.config.quantization import Quantization
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.compressed_tensors import read_stored
 from omnistage.models.family import (
     BridgeSpec,
     BuildContext,
@@ -25,6 +27,8 @@ from omnistage.models.family import (
     no_args,
 )
 from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.layers.quant import QuantFormat
+from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import building, checkpoint_files, load_embedding_rows, load_into
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
@@ -78,6 +82,21 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
     return MediaEncoders(towers["audio"], towers["vision"])
 
 
+def quant_scheme(part: str, quantization: Quantization) -> QuantScheme | None:
+    """Qwen3-Omni's quantized weights. Under int4: the Thinker's and Talker's decoder layers (attention
+    projections, routed and shared experts) in int4, the code predictor's layers in int8 (its 15 passes per
+    frame compound rounding; int8 keeps its codes close, ``benchmarks/quant_accuracy.py``); under int8 all three
+    in int8. Embeddings, output heads, routers, the projections, the towers and Code2Wav keep the serving dtype."""
+    if not quantization.enabled or part not in ("thinker", "talker"):
+        return None
+    int8 = QuantFormat(8)
+    decoder = int8 if quantization.method == "int8" else QuantFormat(4, quantization.group_size)
+    formats = {"model.layers.": decoder}
+    if part == "talker":
+        formats["code_predictor.model.layers."] = int8
+    return QuantScheme(formats)
+
+
 @register_family
 class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
@@ -98,6 +117,7 @@ class Qwen3OmniFamily(HFChatFamily):
     def __init__(self, model_dir: str | Path) -> None:
         super().__init__(model_dir)
         self.config = load_config(self.model_dir)
+        self.stored_quantization = read_stored(self.model_dir)  # a pre-quantized checkpoint's scheme (or refusal)
         self.ids = TalkerTokenIds.from_config(self.config)
         talker = self.config.talker_config
         self.speakers = {str(k).lower(): int(v) for k, v in (talker.speaker_id or {}).items()}
@@ -109,6 +129,9 @@ class Qwen3OmniFamily(HFChatFamily):
         self.num_code_groups = int(talker.num_code_groups)
 
     # ---- stage side ---------------------------------------------------------------------------------
+    def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
+        return quant_scheme(part, quantization)
+
     def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
         cfg = {"thinker": self.config.thinker_config, "talker": self.config.talker_config}.get(part)
         if cfg is None:
@@ -119,15 +142,18 @@ class Qwen3OmniFamily(HFChatFamily):
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":
-            with building(ctx.dtype, ctx.device):
+            scheme = self.quant_scheme(part, ctx.quantization)
+            with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
                 thinker = Thinker(self.config)
-            load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."))
+            load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
+                      quantize=scheme)
             encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast)
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
-            with building(ctx.dtype, ctx.device):
+            scheme = self.quant_scheme(part, ctx.quantization)
+            with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
                 talker = Talker(self.config)
-            load_into(talker, self.model_dir, "talker.", ctx.dtype)
+            load_into(talker, self.model_dir, "talker.", ctx.dtype, quantize=scheme)
             # The projected tts specials need three of the Thinker's embedding rows (only those are read).
             specials_ids = [self.ids.tts_pad, self.ids.tts_bos, self.ids.tts_eos]
             embed = load_embedding_rows(self.model_dir, "thinker.model.embed_tokens.weight", specials_ids,

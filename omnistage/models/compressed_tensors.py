@@ -1,0 +1,177 @@
+"""Pre-quantized checkpoints in compressed-tensors' ``pack-quantized`` format (what llm-compressor writes and
+vLLM reads: W4A16 / W8A16), read into omnistage's quantized layers without a float copy.
+
+``config.json`` carries ``quantization_config``: ``quant_method: compressed-tensors``, ``format:
+pack-quantized``, ``config_groups`` (each: module ``targets`` and its ``weights`` scheme) and ``ignore``
+(module names or ``re:`` patterns kept in float). A quantized linear layer ``X`` stores ``X.weight_packed``
+(int32 [N, K * bits / 32]: value i of a row at bits i * bits.., offset by 2^(bits-1)), ``X.weight_scale``
+([N, K / group] for strategy ``group``, [N, 1] for ``channel``) and ``X.weight_shape`` ([N, K]). On a
+little-endian host the int32 words of 4-bit values are, byte by byte, ``quant.pack_nibbles``' layout (even
+column in the low nibble, offset 8), and those of 8-bit values are the values offset by 128.
+
+Supported: integer weights, symmetric, 4 or 8 bits, strategy ``group`` or ``channel``, no activation
+quantization. Anything else (asymmetric, float formats, activation schemes, other formats or methods) is
+refused with an error naming the scheme. Layers keep the stored values: no re-quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.models.layers.quant import QuantFormat, pack_nibbles
+
+SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
+_SUPPORTED = "int weights, symmetric, 4 or 8 bits, strategy group or channel, no activation quantization"
+
+
+class UnsupportedQuantization(ValueError):
+    """A checkpoint's quantization scheme omnistage cannot read."""
+
+
+@dataclass(frozen=True)
+class StoredQuantization:
+    """A pre-quantized checkpoint's scheme: per config group (targets, bits, group size or None for channel),
+    and the ignore list."""
+
+    groups: tuple[tuple[tuple[str, ...], int, int | None], ...]
+    ignore: tuple[str, ...]
+
+    def format_for(self, module: str, in_features: int) -> QuantFormat | None:
+        """The stored format of module ``module`` (full checkpoint name, no ``.weight``); None: not quantized."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, bits, group in self.groups:
+            if any(t == "Linear" or _matches(t, module) for t in targets):
+                if bits == 8:
+                    return QuantFormat(8)
+                return QuantFormat(4, group if group is not None else in_features)
+        return None
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name
+
+
+def read_stored(model_dir: str | Path) -> StoredQuantization | None:
+    """The checkpoint's ``quantization_config`` (None: a float checkpoint); raises UnsupportedQuantization
+    naming what it cannot read."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8")).get("quantization_config")
+    return None if config is None else parse_config(config)
+
+
+def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
+    method = config.get("quant_method")
+    if method != "compressed-tensors":
+        raise UnsupportedQuantization(f"checkpoint quantization method {method!r} is not supported (omnistage reads "
+                                      "compressed-tensors pack-quantized checkpoints)")
+    fmt = config.get("format")
+    groups = []
+    for name, group in (config.get("config_groups") or {}).items():
+        group_format = group.get("format") or fmt
+        if group_format != "pack-quantized":
+            raise UnsupportedQuantization(f"compressed-tensors format {group_format!r} (config group {name!r}) is not "
+                                          "supported; omnistage reads pack-quantized")
+        w = group.get("weights") or {}
+        scheme = {k: w.get(k) for k in ("num_bits", "type", "symmetric", "strategy", "group_size")}
+        if (group.get("input_activations") or group.get("output_activations") or w.get("type") != "int"
+                or w.get("symmetric") is not True or w.get("num_bits") not in (4, 8)
+                or w.get("strategy") not in ("group", "channel")
+                or (w.get("strategy") == "group" and not isinstance(w.get("group_size"), int))):
+            activations = {k: group.get(k) for k in ("input_activations", "output_activations") if group.get(k)}
+            raise UnsupportedQuantization(f"compressed-tensors scheme of config group {name!r} is not supported: "
+                                          f"weights {scheme}{f', activations {activations}' if activations else ''} "
+                                          f"(supported: {_SUPPORTED})")
+        group_size = w["group_size"] if w["strategy"] == "group" else None
+        if w["num_bits"] == 8 and group_size is not None:
+            raise UnsupportedQuantization(f"compressed-tensors scheme of config group {name!r}: 8-bit weights in "
+                                          f"groups of {group_size} are not supported (8-bit: strategy channel)")
+        groups.append((tuple(group.get("targets") or ()), int(w["num_bits"]), group_size))
+    if not groups:
+        raise UnsupportedQuantization("compressed-tensors quantization_config has no config_groups")
+    return StoredQuantization(tuple(groups), tuple(config.get("ignore") or ()))
+
+
+def stored_weights(shapes: Mapping[str, tuple[int, ...]],
+                   stored: StoredQuantization) -> dict[str, tuple[tuple[int, int], QuantFormat]]:
+    """The checkpoint's packed layers as the float weights they stand for: ``X.weight`` -> ([N, K], format),
+    from the ``X.weight_packed`` headers (K = words * 32 / bits). Raises UnsupportedQuantization for a packed
+    layer no config group covers, or one without its scale."""
+    out = {}
+    for name, shape in shapes.items():
+        if not name.endswith(".weight_packed"):
+            continue
+        module = name[: -len(".weight_packed")]
+        if module + ".weight_scale" not in shapes:
+            raise UnsupportedQuantization(f"{module}: weight_packed without weight_scale")
+        for bits in (4, 8):
+            fmt = stored.format_for(module, shape[-1] * 32 // bits)
+            if fmt is not None and fmt.bits == bits:
+                break
+        else:
+            raise UnsupportedQuantization(f"{module} is stored packed but no config group of its quantization_config "
+                                          "covers it (or it is listed in ignore)")
+        out[module + ".weight"] = ((shape[0], shape[-1] * 32 // fmt.bits), fmt)
+    return out
+
+
+def unpack(packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (weight_packed, weight_scale) -> (int8 values [N, K] in the format's range, float32 scales
+    [N, groups])."""
+    if sys.byteorder != "little":
+        raise UnsupportedQuantization("reading pack-quantized weights needs a little-endian host")
+    data = packed.contiguous().view(torch.uint8)
+    if fmt.bits == 4:
+        low = (data & 0x0F).to(torch.int8) - 8
+        high = (data >> 4).to(torch.int8) - 8
+        values = torch.stack((low, high), dim=-1).flatten(-2)
+    else:
+        values = (data.to(torch.int16) - 128).to(torch.int8)
+    return values, scale.float().reshape(values.shape[0], -1)
+
+
+def pack(values: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """int8 values [N, K] in the format's range -> ``weight_packed`` (int32 [N, K * bits / 32]; ``unpack``'s
+    inverse)."""
+    if sys.byteorder != "little":
+        raise UnsupportedQuantization("writing pack-quantized weights needs a little-endian host")
+    if fmt.bits == 4:
+        data = pack_nibbles(values)
+    else:
+        data = (values.to(torch.int16) + 128).to(torch.uint8)
+    if data.shape[-1] % 4:
+        raise ValueError(f"{values.shape[-1]} values per row do not fill whole int32 words at {fmt.bits} bits")
+    return data.contiguous().view(torch.int32)
+
+
+def stored_scales(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float scales ([N] per channel, [N, groups]) -> ``weight_scale`` ([N, 1] or [N, groups])."""
+    return (scales[:, None] if scales.dim() == 1 else scales).to(dtype).contiguous()
+
+
+def quantization_config(groups: list[tuple[list[str], QuantFormat]], ignore: list[str]) -> dict[str, Any]:
+    """config.json's ``quantization_config`` for ``groups`` (module targets, format) and ``ignore``."""
+    config_groups = {}
+    for i, (targets, fmt) in enumerate(groups):
+        config_groups[f"group_{i}"] = {
+            "targets": list(targets),
+            "weights": {"num_bits": fmt.bits, "type": "int", "symmetric": True, "dynamic": False,
+                        "strategy": "channel" if fmt.bits == 8 else "group",
+                        "group_size": None if fmt.bits == 8 else fmt.group_size, "observer": "minmax",
+                        "actorder": None},
+            "input_activations": None, "output_activations": None, "format": "pack-quantized",
+        }
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": list(ignore), "kv_cache_scheme": None}

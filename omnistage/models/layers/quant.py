@@ -1,0 +1,279 @@
+"""Weight-only quantized weights: their formats, quantization, and the matrix products that read them.
+
+A weight [N, K] (output channels x inputs) is quantized symmetrically, row by row: int8 with one scale per output
+channel, or int4 with one scale per group of ``group_size`` consecutive inputs of a row (128 by default, the
+group size compressed-tensors' W4A16 uses). Values are ``round(w / scale)`` clamped to [-127, 127] (int8) or
+[-8, 7] (int4, scale = amax / 7). Activations stay in the serving dtype; scales are kept in it too.
+
+Quantization is row-local, so the rows of a fused weight (q/k/v, stacked experts) can be quantized as their
+checkpoint parts arrive, one tensor at a time (``QuantBuffer.write_rows``), and packed for the kernels once all
+rows are in (``QuantBuffer.pack``).
+
+The packed weight (``QuantWeight``, a frozen dataclass) carries its format and layout, and ``quant_matmul``
+chooses the kernel by it:
+
+- ``int8``: int8 [.., N, K] + scales [.., N] -> ``torch.ops.aten._weight_int8pack_mm`` on CPU: float32
+  accumulation of ``x * q``, times the row's scale, rounded once to the activations' dtype (bit-equal to
+  that computation in float32 on this machine's torch 2.13; ``tests/models/test_quant.py``).
+- ``int4pack``: torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``: uint8 [.., N, K/2], interleaved
+  in blocks of 64 rows) + scales-and-zeros [.., K/g, N, 2] -> ``_weight_int4pack_mm_for_cpu``, which dequantizes
+  ``(q + 8 - 8) * scale + 0`` in registers; needs N % 16 == 0 and a group of 32/64/128/256.
+- ``nibbles``: the portable layout (two values per byte, even column in the low nibble, offset by 8) for weights
+  those kernels do not take (other devices, odd shapes): dequantized per call, then one GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127
+INT4_MAX = 7  # symmetric: -8 is representable but a scale of amax / 7 never produces it
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+LAYOUTS = ("int8", "int4pack", "nibbles")
+DEFAULT_GROUP_SIZE = 128
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How a weight is quantized: ``bits`` 8 (one scale per output channel) or 4 (one per ``group_size`` inputs)."""
+
+    bits: int
+    group_size: int | None = None  # int4 only; None for int8
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
+        if self.bits == 8 and self.group_size is not None:
+            raise ValueError("int8 weights are quantized per output channel (group_size None)")
+        if self.bits == 4 and not (isinstance(self.group_size, int) and not isinstance(self.group_size, bool)
+                                   and self.group_size >= 2 and self.group_size % 2 == 0):
+            raise ValueError(f"int4 needs an even group_size >= 2, got {self.group_size!r}")
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.bits == 8 else f"int4 (groups of {self.group_size})"
+
+    def groups(self, in_features: int) -> int:
+        """Scales per row; raises ValueError when ``in_features`` does not divide into whole groups."""
+        if self.bits == 8:
+            return 1
+        if in_features % self.group_size:
+            raise ValueError(f"{in_features} inputs do not divide into int4 groups of {self.group_size}")
+        return in_features // self.group_size
+
+    def for_inputs(self, in_features: int) -> QuantFormat:
+        """This format for a weight with ``in_features`` inputs: a row shorter than one group is one group."""
+        if self.bits == 4 and in_features < self.group_size:
+            return QuantFormat(4, in_features)
+        self.groups(in_features)
+        return self
+
+    def weight_bytes(self, rows: int, in_features: int, scale_bytes: int) -> int:
+        """Bytes of ``rows`` quantized rows and their scales."""
+        return rows * (in_features * self.bits // 8 + self.groups(in_features) * scale_bytes)
+
+
+def packed_bytes(fmt: QuantFormat, rows: int, in_features: int, scale_bytes: int, device: torch.device) -> int:
+    """Bytes a [rows, in_features] weight takes in the layout ``pack_weight`` chooses on ``device`` (torch's int4
+    layout stores a zero point, 0 here, beside each scale)."""
+    zeros = rows * fmt.groups(in_features) * scale_bytes if int4_kernel_takes(rows, fmt, device) else 0
+    return fmt.weight_bytes(rows, in_features, scale_bytes) + zeros
+
+
+def quantize(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (values, float32 scales): int8 [N, K] and [N] (int8), or int8 [N, K] in [-8, 7] and
+    [N, K/g] (int4). Computed in float32 whatever the weight's dtype."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if fmt.bits == 8:
+        scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        return torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    g = fmt.group_size
+    grouped = w.view(n, fmt.groups(k), g)
+    scales = (grouped.abs().amax(dim=2) / INT4_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(grouped / scales[..., None]).clamp_(-INT4_MAX - 1, INT4_MAX)
+    return q.view(n, k).to(torch.int8), scales
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """int4 values [..., K] in [-8, 7] -> uint8 [..., K/2]: even column in the low nibble, each offset by 8."""
+    u = (values.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_nibbles``' inverse: uint8 [..., K/2] -> int8 [..., K] in [-8, 7]."""
+    low = (packed & 0x0F).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """(int8 values [..., N, K], scales [..., N] or [..., N, K/g]) -> float32 weight [..., N, K]."""
+    v = values.float()
+    if fmt.bits == 8:
+        return v * scales.float()[..., None]
+    shape = v.shape
+    return (v.view(*shape[:-1], -1, fmt.group_size) * scales.float()[..., None]).view(shape)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A packed quantized weight: ``data`` and ``scales`` in ``layout`` (see the module docstring), stacked along
+    leading dims for experts ([E, N, ...]); ``select(e)`` is expert ``e``'s weight."""
+
+    fmt: QuantFormat
+    layout: str
+    data: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if (self.layout == "int8") != (self.fmt.bits == 8):
+            raise ValueError(f"layout {self.layout!r} does not hold {self.fmt.name} weights")
+        n, k = self.out_features, self.in_features
+        width = k if self.layout == "int8" else k // 2
+        if tuple(self.data.shape[-2:]) != (n, width):
+            raise ValueError(f"{self.layout} data of a [{n}, {k}] weight must end in [{n}, {width}], "
+                             f"got {tuple(self.data.shape)}")
+        groups = self.fmt.groups(k)
+        tail = {"int8": (n,), "nibbles": (n, groups), "int4pack": (groups, n, 2)}[self.layout]
+        if tuple(self.scales.shape[len(self.scales.shape) - len(tail):]) != tail:
+            raise ValueError(f"{self.layout} scales of a [{n}, {k}] weight must end in {list(tail)}, "
+                             f"got {tuple(self.scales.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def select(self, index: int) -> QuantWeight:
+        return QuantWeight(self.fmt, self.layout, self.data[index], self.scales[index], self.out_features,
+                           self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the kernels compute with, [..., N, K] in ``dtype``."""
+        if self.layout == "int8":
+            values, scales = self.data, self.scales
+        elif self.layout == "nibbles":
+            values, scales = unpack_nibbles(self.data), self.scales
+        else:  # recover the values through the kernel itself: an identity input reads every column once
+            return _int4pack_dense(self).to(dtype)
+        return dequantize(values, scales, self.fmt).to(dtype)
+
+
+def int4_kernel_takes(out_features: int, fmt: QuantFormat, device: torch.device) -> bool:
+    """Whether torch's CPU int4 kernel takes a [out_features, K] weight of ``fmt``."""
+    return (device.type == "cpu" and fmt.bits == 4 and out_features % 16 == 0
+            and fmt.group_size in INT4_KERNEL_GROUPS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+
+
+def pack_weight(values: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> QuantWeight:
+    """Quantized (values [..., N, K], float scales) -> the layout its kernel reads, scales in ``dtype`` (the
+    activations')."""
+    n, k = values.shape[-2:]
+    scales = scales.to(dtype)
+    if fmt.bits == 8:
+        return QuantWeight(fmt, "int8", values.to(torch.int8).contiguous(), scales.contiguous(), n, k)
+    if not int4_kernel_takes(n, fmt, values.device):
+        return QuantWeight(fmt, "nibbles", pack_nibbles(values).contiguous(), scales.contiguous(), n, k)
+    data = torch.stack([_int4pack(v) for v in values.reshape(-1, n, k)]).view(*values.shape[:-2], n, k // 2)
+    return QuantWeight(fmt, "int4pack", data, _scales_and_zeros(scales), n, k)
+
+
+def _int4pack(values: torch.Tensor) -> torch.Tensor:
+    """int4 values [N, K] in [-8, 7] -> torch's CPU int4 layout (which stores them offset by 8)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32) + 8, 1)
+
+
+def _scales_and_zeros(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [..., N, K/g] -> torch's int4 kernel's [..., K/g, N, 2] (scale, zero point 0: symmetric)."""
+    return torch.stack((scales, torch.zeros_like(scales)), dim=-1).transpose(-3, -2).contiguous()
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (the serving dtype) times ``weight``'s [N, K] transposed -> [..., N] in x's dtype."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if weight.layout == "int8" and x.device.type == "cpu":
+        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight.data, _in(weight.scales, x.dtype))
+    elif weight.layout == "int4pack":
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), weight.data, weight.fmt.group_size,
+                                                         _in(weight.scales, x.dtype))
+    else:
+        out = F.linear(rows, weight.dequantize(x.dtype))
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], weight.out_features)
+
+
+def _in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _int4pack_dense(weight: QuantWeight) -> torch.Tensor:
+    eye = torch.eye(weight.in_features, dtype=torch.float32, device=weight.data.device)
+    lead = weight.data.shape[:-2]
+    if not lead:
+        return quant_matmul(eye, _float_scales(weight)).T.contiguous()
+    flat = [_int4pack_dense(weight.select(i)) for i in range(lead.numel())]
+    return torch.stack(flat).view(*lead, weight.out_features, weight.in_features)
+
+
+def _float_scales(weight: QuantWeight) -> QuantWeight:
+    return QuantWeight(weight.fmt, weight.layout, weight.data, weight.scales.float(), weight.out_features,
+                       weight.in_features)
+
+
+class QuantBuffer:
+    """Rows of a quantized weight filled as checkpoint tensors arrive (``write_rows``), packed once complete.
+
+    Holds the values as the weight will (int8 [rows, K], int4 as nibbles [rows, K/2]: no wider copy while
+    loading) and float32 scales; ``shape`` shapes the rows back into stacked experts ([E, N, K])."""
+
+    def __init__(self, shape: tuple[int, ...], fmt: QuantFormat, device: torch.device) -> None:
+        *lead, n, k = shape
+        self.shape, self.fmt = tuple(shape), fmt
+        rows = n * (torch.Size(lead).numel() if lead else 1)
+        width, dtype = (k, torch.int8) if fmt.bits == 8 else (k // 2, torch.uint8)
+        self.values = torch.empty(rows, width, dtype=dtype, device=device)
+        self.scales = torch.empty(rows, fmt.groups(k), dtype=torch.float32, device=device)
+        self.filled = torch.zeros(rows, dtype=torch.bool)
+
+    def write_rows(self, start: int, weight: torch.Tensor) -> None:
+        """Quantize the float rows ``weight`` [r, K] into rows ``start``.. of the buffer."""
+        values, scales = quantize(weight.reshape(-1, self.shape[-1]), self.fmt)
+        self.write_quantized(start, values, scales)
+
+    def write_quantized(self, start: int, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """Already-quantized rows (int8 values [r, K], int4 ones in [-8, 7]; scales [r, K/g] or [r]) into rows
+        ``start``.."""
+        end = start + values.shape[0]
+        if end > self.values.shape[0] or values.shape[1] != self.shape[-1]:
+            raise ValueError(f"rows {start}..{end} x {values.shape[1]} do not fit a {list(self.shape)} weight")
+        self.values[start:end] = values if self.fmt.bits == 8 else pack_nibbles(values)
+        self.scales[start:end] = scales.reshape(values.shape[0], -1)
+        self.filled[start:end] = True
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.filled.all())
+
+    def pack(self, dtype: torch.dtype) -> QuantWeight:
+        """The complete weight in its kernel's layout (scales in ``dtype``)."""
+        if not self.complete:
+            raise ValueError(f"a {list(self.shape)} weight has {int((~self.filled).sum())} rows not loaded")
+        *lead, n, k = self.shape
+        scales = self.scales.view(*lead, n, -1)
+        if self.fmt.bits == 8:
+            return pack_weight(self.values.view(*lead, n, k), scales[..., 0], self.fmt, dtype)
+        if not int4_kernel_takes(n, self.fmt, self.values.device):
+            return QuantWeight(self.fmt, "nibbles", self.values.view(*lead, n, k // 2), scales.to(dtype), n, k)
+        flat = self.values.view(-1, n, k // 2)
+        data = torch.stack([_int4pack(unpack_nibbles(v)) for v in flat]).view(*lead, n, k // 2)
+        return QuantWeight(self.fmt, "int4pack", data, _scales_and_zeros(scales.to(dtype)), n, k)
