@@ -88,6 +88,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU kernels: oneDNN on weights packed at load and a fused code-predictor frame (default); "
                         "--no-fast: the reference's kernels, bit-identical to transformers' float32 arithmetic. The "
                         "fast kernels round differently: a near-tie may pick another greedy token")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="AR stages reuse the KV of prompt prefixes they have computed before (a conversation's "
+                        "history, a shared system prompt); outputs are identical either way (default: on)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -105,5 +108,5 @@ def serve_from_args(args: argparse.Namespace) -> int:
                           realtime=realtime)
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
-          fast=args.fast, voice_map=args.voice_map)
+          fast=args.fast, voice_map=args.voice_map, enable_prefix_caching=args.enable_prefix_caching)
     return 0

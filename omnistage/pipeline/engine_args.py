@@ -22,6 +22,7 @@ class EngineArgs:
     fast: bool = True  # packed oneDNN kernels on CPU (rounding differs from the reference's; False: reference kernels)
     distributed_executor_backend: str | None = None  # inproc | mp | ray; None: the pipeline config's
     worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
+    enable_prefix_caching: bool = True  # False: no AR stage shares KV blocks (overrides the stage configs)
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
@@ -29,6 +30,8 @@ class EngineArgs:
                              f"{self.distributed_executor_backend!r}")
         if not (isinstance(self.worker_startup_timeout, (int, float)) and self.worker_startup_timeout > 0):
             raise ValueError(f"worker_startup_timeout must be > 0, got {self.worker_startup_timeout!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not Path(self.model).is_dir():
