@@ -34,6 +34,15 @@ class ServerMetrics:
         self.encoder_entries = Gauge("omnistage_encoder_cache_entries",
                                      "Media encoder outputs a stage holds for prompts not yet prefilled", ["stage"],
                                      registry=r)
+        # Prefix caching, cumulative since the engine started (read from the stages at scrape time).
+        self.prefix_queries = Gauge("omnistage_prefix_cache_queried_tokens", "Prompt tokens of admitted requests "
+                                    "looked up in a stage's prefix cache", ["stage"], registry=r)
+        self.prefix_hits = Gauge("omnistage_prefix_cache_hit_tokens", "Prompt tokens served from a stage's prefix "
+                                 "cache instead of being prefilled", ["stage"], registry=r)
+        self.prefix_blocks = Gauge("omnistage_prefix_cache_blocks", "KV blocks registered in a stage's prefix cache "
+                                   "(held or free)", ["stage"], registry=r)
+        self.prefix_evictions = Gauge("omnistage_prefix_cache_evictions", "Cached KV blocks a stage reclaimed for "
+                                      "other content", ["stage"], registry=r)
         self.pending = Gauge("omnistage_pending_payloads", "Upstream payloads queued in a stage, not yet run",
                              ["stage"], registry=r)
         self.in_flight = Gauge("omnistage_requests_in_flight", "Requests tracked by the orchestrator", registry=r)
@@ -91,6 +100,11 @@ class ServerMetrics:
                 self.pending.labels(stage).set(s["pending_chunks"])
             if "encoder_entries" in s:
                 self.encoder_entries.labels(stage).set(s["encoder_entries"])
+            if "prefix_cache_queries" in s:
+                self.prefix_queries.labels(stage).set(s["prefix_cache_queries"])
+                self.prefix_hits.labels(stage).set(s["prefix_cache_hits"])
+                self.prefix_blocks.labels(stage).set(s["prefix_cached_blocks"])
+                self.prefix_evictions.labels(stage).set(s["prefix_cache_evictions"])
         self.in_flight.set(stats.get("requests", 0))
 
     def render(self) -> bytes:

@@ -99,8 +99,10 @@ class ThinkerStageModel:
         return int(torch.nonzero(hidden)[0, 0])
 
     def resource_stats(self) -> dict[str, int]:
-        """Cached encoder outputs and the requests holding any (both 0 once every prompt is prefilled)."""
-        return {"encoder_entries": len(self.encoders), "encoder_holders": len(self.encoders.held)}
+        """Encoder outputs held for prompts not yet prefilled and the requests holding any (both 0 once every
+        prompt is prefilled), and the unheld ones kept for later requests (count, bytes)."""
+        return {"encoder_entries": len(self.encoders), "encoder_holders": len(self.encoders.held),
+                "encoder_kept_entries": len(self.encoders.kept), "encoder_kept_bytes": self.encoders.kept_bytes}
 
     def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
         """Positions become float (decode rows of media requests sit at fractional ids after a video):
