@@ -80,22 +80,29 @@ def params_for(speech: bool, thinker_tokens: int, talker_tokens: int) -> dict:
     return p
 
 
+def both(engines: dict[bool, object], k: int) -> list[tuple[bool, object]]:
+    """The two engines, the one that goes first alternating with k (neither always runs on a warmer machine)."""
+    pair = list(engines.items())
+    return pair if k % 2 == 0 else pair[::-1]
+
+
 def conversation(engines: dict[bool, object], turns: int, thinker_tokens: int, talker_tokens: int) -> list[str]:
     rng = random.Random(0)
     system = {"role": "system", "content": words(rng, 330)}
     users = [words(rng, 120) for _ in range(turns)]
-    rows: dict[bool, list[tuple]] = {}
-    for on, engine in engines.items():
-        history = [system]
-        rows[on] = []
-        for k in range(turns):
-            history.append({"role": "user", "content": users[k]})
+    rows: dict[bool, list[tuple]] = {True: [], False: []}
+    history: dict[bool, list[dict]] = {True: [system], False: [system]}
+    for k in range(turns):
+        for on, engine in both(engines, k):
+            history[on].append({"role": "user", "content": users[k]})
             before = thinker_stats(engine)["prefix_cache_hits"]
-            (t,) = drive(engine, [(list(history), ["text", "audio"], params_for(True, thinker_tokens, talker_tokens))])
+            (t,) = drive(engine, [(list(history[on]), ["text", "audio"],
+                                   params_for(True, thinker_tokens, talker_tokens))])
             cached = thinker_stats(engine)["prefix_cache_hits"] - before
-            n_prompt = len(engine.render_prompt(history).token_ids)
+            n_prompt = len(engine.render_prompt(history[on]).token_ids)
             rows[on].append((n_prompt, cached, t.first_token, t.first_audio))
-            history.append({"role": "assistant", "content": engine.tokenizer.decode(t.tokens, skip_special_tokens=True)})
+            answer = engine.tokenizer.decode(t.tokens, skip_special_tokens=True)
+            history[on].append({"role": "assistant", "content": answer})
     out = ["| turn | prompt tokens | cached (on) | TTFT on (s) | TTFT off (s) | TTFA on (s) | TTFA off (s) |",
            "|---:|---:|---:|---:|---:|---:|---:|"]
     for k in range(turns):
@@ -114,10 +121,10 @@ def shared_prompt(engines: dict[bool, object], n: int, thinker_tokens: int) -> l
     out = ["| case | system prompt tokens | rows from cache (on) | TTFT p50 on (s) | TTFT p50 off (s) | off / on |",
            "|---|---:|---:|---:|---:|---:|"]
     n_system = len(engines[True].render_prompt([system]).token_ids)
-    for case in ("warm", "cold"):
+    for k, case in enumerate(("warm", "cold")):
         p50 = {}
         frac = 0.0
-        for on, engine in engines.items():
+        for on, engine in both(engines, k):
             if case == "warm":  # an earlier request saw the system prompt (its own question differs)
                 drive(engine, [([system, {"role": "user", "content": questions[n]}], ["text"],
                                 params_for(False, 1, 0))])
@@ -142,9 +149,9 @@ def nothing_shared(engines: dict[bool, object], n: int, thinker_tokens: int, rep
     out = ["| caching | wall (s, median of runs) | TTFT p50 (s) |", "|---|---:|---:|"]
     walls: dict[bool, list[float]] = {True: [], False: []}
     ttft: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(repeats):
+    for k in range(repeats):
         prompts = [[{"role": "user", "content": f"{i} {words(rng, 60)}"}] for i in range(n)]
-        for on, engine in engines.items():  # the same distinct prompts for both, alternating
+        for on, engine in both(engines, k):  # the same distinct prompts for both
             t0 = time.perf_counter()
             timings = drive(engine, [(p, ["text", "audio"], params_for(True, 16, 24)) for p in prompts])
             walls[on].append(time.perf_counter() - t0)
@@ -184,8 +191,11 @@ def main() -> None:
           "talker": {"scheduler": {"kv_cache_bytes": args.kv_mib["talker"] << 20}}}
     engines = {on: OmniEngine(EngineArgs(model, enable_prefix_caching=on), load_pipeline_config("qwen3_omni", {"stages": kv}))
                for on in (True, False)}
-    for engine in engines.values():  # warm-up: lazily built kernels and buffers are not timed
-        drive(engine, [([{"role": "user", "content": "warm up"}], ["text", "audio"], params_for(True, 4, 8))])
+    rng = random.Random(99)
+    for engine in engines.values():  # warm-up: lazily built (and compiled) parts are not timed
+        drive(engine, [([{"role": "user", "content": words(rng, 400)}], ["text", "audio"], params_for(True, 8, 16))])
+        drive(engine, [([{"role": "user", "content": words(rng, 30)}], ["text", "audio"], params_for(True, 8, 16))
+                       for _ in range(args.concurrency)])
     print(f"# prefix caching: {args.preset} preset, CPU {platform.processor() or platform.machine()}, "
           f"torch.set_num_threads({args.threads}), torch {torch.__version__}")
     if "conversation" in args.parts:

@@ -71,8 +71,8 @@ class ARStageModel(Protocol):
     ``client_outputs(ctx, output, sampled)`` (extra per-request client outputs),
     ``input_ready(state, request)`` (default True: False pauses the request, keeping its KV, until more
     upstream input arrives), ``resource_stats()`` (counts of what the model holds per request, e.g. cached
-    encoder outputs; merged into the stage's stats). Prefix caching is on for a stage only when its model
-    provides ``block_extra_key(state, request, start, end) -> bytes | None`` (everything besides token ids
+    encoder outputs; merged into the stage's stats). The stage builder keeps prefix caching on for a stage
+    only when its model provides ``block_extra_key(state, request, start, end) -> bytes | None`` (everything besides token ids
     that decides the KV of rows [start, end); None: those rows cannot be cached) and optionally
     ``cache_hit_limit(state, request) -> int | None`` (at most that many leading rows may come from the cache).
     """
