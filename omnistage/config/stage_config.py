@@ -356,3 +356,13 @@ def _topological_order(stages: tuple[StageConfig, ...]) -> tuple[str, ...]:
         for deps in pending.values():
             deps.difference_update(ready)
     return tuple(order)
+
+
+def without_prefix_caching(pipeline: PipelineConfig) -> PipelineConfig:
+    """The pipeline with prefix caching off in every AR stage (``--no-enable-prefix-caching``)."""
+    stages = tuple(
+        dataclasses.replace(s, scheduler=dataclasses.replace(s.scheduler, enable_prefix_caching=False))
+        if s.execution is ExecutionType.AR else s
+        for s in pipeline.stages
+    )
+    return dataclasses.replace(pipeline, stages=stages)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from omnistage.core.block_hash import BlockKey, ExtraKeyFn
 from omnistage.core.sampling_params import SamplingParams
 
 
@@ -83,6 +84,15 @@ class Request:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Prefix caching. ``extra_key``: what besides token ids decides a block's KV (None: token ids only);
+        # ``hit_limit``: at most this many leading tokens may come from the cache (None: no limit beyond the
+        # scheduler's). Both are set by the stage that owns the request.
+        self.extra_key: ExtraKeyFn | None = None
+        self.hit_limit: Callable[[], int | None] | None = None
+        self.block_keys: list[BlockKey] = []  # keys of its full blocks, as far as they are known
+        self.block_keys_stopped = False  # a block could not be keyed: no later block gets a key
+        self.num_registered_blocks = 0  # leading blocks of its current table that are in the cache
+        self.num_cached_tokens = 0  # prompt tokens served from the cache at its first admission
 
     @property
     def num_prompt_tokens(self) -> int:

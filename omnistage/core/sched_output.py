@@ -33,6 +33,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Finished or aborted since the previous schedule() (never a preempted one).
     finished_req_ids: set[str] = field(default_factory=set)
+    # Admitted this step with a prefix-cache hit: how many leading tokens came from the cache (their KV is
+    # in the first blocks of the table; the model never saw those rows for this request).
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
 
     @property

@@ -1,7 +1,9 @@
 """Token/KV scheduler for autoregressive stages (Thinker, Talker).
 
 Continuous batching with chunked prefill, recompute-style preemption, requests that are registered
-before their input exists (WAITING_FOR_INPUT) and stage-driven pauses. One step is
+before their input exists (WAITING_FOR_INPUT), stage-driven pauses and prefix caching (an admitted request
+takes the longest run of cached full blocks its tokens and extra keys match, never its last schedulable
+token, and prefills the rest; its blocks are registered in the cache as they fill). One step is
 schedule() -> runner -> update_from_output(); the scheduler refuses to run two steps interleaved.
 """
 
@@ -11,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from omnistage.core.block_hash import extend_block_keys
 from omnistage.core.kv_cache import KVCacheManager, KVCacheStats
 from omnistage.core.request import Request, RequestStatus, finished_status_for
 from omnistage.core.sched_output import Phase, SchedulerOutput
@@ -41,7 +44,7 @@ class ARScheduler:
                 f"{config.max_model_len}"
             )
         self.num_blocks = num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()  # not admitted, schedulable (+ finished ones until purged)
         self._running: dict[str, Request] = {}  # admitted (hold KV blocks), in admission order
@@ -210,6 +213,7 @@ class ARScheduler:
         # this step: the freed blocks are for the running requests, and a request must not be both
         # dropped and re-added in one output.
         new_ids: set[str] = set()
+        cached_now: dict[str, int] = {}
         if not preempted_now:
             while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
                 request = self._waiting[0]
@@ -219,12 +223,22 @@ class ARScheduler:
                     request.status = RequestStatus.WAITING_FOR_INPUT
                     self._idle[request.req_id] = request
                     continue
+                cached = self._cached_prefix(request, n)
+                num_cached = len(cached) * cfg.block_size
+                n -= num_cached
                 if n > budget and not cfg.enable_chunked_prefill:
                     break
                 n = min(n, budget)
-                if self.kv.allocate_slots(request.req_id, request.num_computed_tokens + n) is None:
+                if self.kv.allocate_slots(request.req_id, num_cached + n, cached) is None:
                     break
                 self._waiting.popleft()
+                self.kv.note_query(self._num_schedulable(request))  # before num_computed_tokens moves
+                request.num_computed_tokens = num_cached
+                request.num_registered_blocks = len(cached)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_cached
+                if num_cached:
+                    cached_now[request.req_id] = num_cached
                 request.status = RequestStatus.RUNNING
                 self._running[request.req_id] = request
                 self._preempted.discard(request.req_id)
@@ -236,6 +250,7 @@ class ARScheduler:
             new_req_ids=new_ids,
             finished_req_ids=finished_ids,
             preempted_req_ids={r.req_id for r in preempted_now},
+            num_cached_tokens=cached_now,
             step_id=self._step,
         )
         for req_id, n in scheduled.items():
@@ -263,6 +278,40 @@ class ARScheduler:
         known = request.num_tokens if request.input_finished else request.num_tokens - 1
         return max(0, known - request.num_computed_tokens)
 
+    def _cached_prefix(self, request: Request, num_schedulable: int) -> list[int]:
+        """Cached blocks for a request admitted from position 0: at most ``num_schedulable - 1`` tokens (the
+        last one is computed so that it can be sampled) and at most the request's own ``hit_limit``."""
+        if not self.kv.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        limit = num_schedulable - 1
+        if request.hit_limit is not None:
+            own = request.hit_limit()
+            if own is not None:
+                limit = min(limit, own)
+        num_blocks = max(0, limit) // self.config.block_size
+        self._extend_keys(request, num_blocks * self.config.block_size)
+        return self.kv.cached_prefix(request.block_keys[:num_blocks])
+
+    def _extend_keys(self, request: Request, num_tokens: int) -> None:
+        if request.block_keys_stopped:
+            return
+        if not extend_block_keys(
+            request.block_keys, request.all_token_ids, self.config.block_size, num_tokens, request.extra_key
+        ):
+            request.block_keys_stopped = True
+
+    def _register_computed_blocks(self, request: Request) -> None:
+        """Put the request's newly completed blocks in the prefix cache."""
+        full = request.num_computed_tokens // self.config.block_size
+        if full <= request.num_registered_blocks:
+            return
+        self._extend_keys(request, full * self.config.block_size)
+        upto = min(full, len(request.block_keys))
+        first = request.num_registered_blocks
+        if upto > first:
+            self.kv.register_blocks(request.req_id, first, request.block_keys[first:upto])
+            request.num_registered_blocks = upto
+
     def _pick_victim(self) -> Request:
         candidates = [r for r in self._running.values() if r.req_id not in self._paused]
         # The most recently arrived loses; admission order breaks ties.
@@ -273,6 +322,7 @@ class ARScheduler:
         del self._running[request.req_id]
         self.kv.free(request.req_id)
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self._preempted.add(request.req_id)
@@ -310,6 +360,8 @@ class ARScheduler:
         for req_id in alive:
             request = self._running[req_id]
             request.num_computed_tokens += sched_out.num_scheduled_tokens[req_id]
+            if self.kv.enable_prefix_caching:
+                self._register_computed_blocks(request)
             if req_id not in sched_out.sample_req_ids:
                 continue
             accepted: list[int] = []

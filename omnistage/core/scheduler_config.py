@@ -27,6 +27,8 @@ class SchedulerConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     enable_chunked_prefill: bool = True
+    # Keep full KV blocks content-addressed so requests sharing a prefix reuse them (core.kv_cache).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -37,6 +39,7 @@ class SchedulerConfig:
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("set num_blocks or kv_cache_bytes, not both")
         check_bool(self.enable_chunked_prefill, "enable_chunked_prefill")
+        check_bool(self.enable_prefix_caching, "enable_prefix_caching")
         if self.num_blocks is not None and self.num_blocks < self.blocks_per_seq:
             raise ValueError(
                 f"num_blocks ({self.num_blocks}) * block_size ({self.block_size}) must cover max_model_len "

@@ -42,7 +42,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, device=args.device,
                 distributed_executor_backend=args.distributed_executor_backend, fast=args.fast,
-                quantization=args.quantization, quantization_group_size=args.quantization_group_size)
+                quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                enable_prefix_caching=args.enable_prefix_caching)
     modalities = ["text", "audio"] if args.audio else ["text"]
     info = omni.info
     params = {info.text_stage: SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)}

@@ -37,6 +37,15 @@ class ServerMetrics:
         self.encoder_entries = Gauge("omnistage_encoder_cache_entries",
                                      "Media encoder outputs a stage holds for prompts not yet prefilled", ["stage"],
                                      registry=r)
+        # Prefix caching, cumulative since the engine started (read from the stages at scrape time).
+        self.prefix_queries = Gauge("omnistage_prefix_cache_queried_tokens", "Prompt tokens of admitted requests "
+                                    "looked up in a stage's prefix cache", ["stage"], registry=r)
+        self.prefix_hits = Gauge("omnistage_prefix_cache_hit_tokens", "Prompt tokens served from a stage's prefix "
+                                 "cache instead of being prefilled", ["stage"], registry=r)
+        self.prefix_blocks = Gauge("omnistage_prefix_cache_blocks", "KV blocks registered in a stage's prefix cache "
+                                   "(held or free)", ["stage"], registry=r)
+        self.prefix_evictions = Gauge("omnistage_prefix_cache_evictions", "Cached KV blocks a stage reclaimed for "
+                                      "other content", ["stage"], registry=r)
         self.pending = Gauge("omnistage_pending_payloads", "Upstream payloads queued in a stage, not yet run",
                              ["stage"], registry=r)
         self.weight_bytes = Gauge("omnistage_stage_weight_bytes", "Bytes of weights a stage holds, per component "
@@ -107,6 +116,11 @@ class ServerMetrics:
             worker = s.get("worker")
             if isinstance(worker, Mapping) and "resident_bytes" in worker:
                 self.resident.labels(stage).set(worker["resident_bytes"])
+            if "prefix_cache_queries" in s:
+                self.prefix_queries.labels(stage).set(s["prefix_cache_queries"])
+                self.prefix_hits.labels(stage).set(s["prefix_cache_hits"])
+                self.prefix_blocks.labels(stage).set(s["prefix_cached_blocks"])
+                self.prefix_evictions.labels(stage).set(s["prefix_cache_evictions"])
         self.resident.labels("server").set(resident_bytes())
         self.in_flight.set(stats.get("requests", 0))
 

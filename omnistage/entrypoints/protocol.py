@@ -180,6 +180,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}: served from the prefix cache
     completion_tokens_details: dict[str, int] | None = None
 
 

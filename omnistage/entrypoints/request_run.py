@@ -64,6 +64,7 @@ class RequestRun:
         self.finish_reason: str | None = None
         self.num_tokens = 0
         self.num_frames = 0
+        self.cached_tokens = 0  # prompt tokens the engine served from its prefix cache
         self._agen: Any = None
         self._first: Any = None
         self.text = ""  # the answer text released so far (stop strings cut off)
@@ -94,6 +95,8 @@ class RequestRun:
         try:
             while True:
                 new = d.new_token_ids
+                if d.cached_tokens is not None:
+                    self.cached_tokens = d.cached_tokens
                 if new:
                     self.num_tokens += len(new)
                     self.timer.tokens(len(new))
@@ -136,7 +139,8 @@ class RequestRun:
     def usage(self) -> Usage:
         details = {"audio_tokens": self.num_frames} if self.job.wants_audio else None
         n = self.job.num_prompt_tokens
-        return Usage(prompt_tokens=n, completion_tokens=self.num_tokens, total_tokens=n + self.num_tokens, completion_tokens_details=details)
+        return Usage(prompt_tokens=n, completion_tokens=self.num_tokens, total_tokens=n + self.num_tokens,
+                     prompt_tokens_details={"cached_tokens": self.cached_tokens}, completion_tokens_details=details)
 
 
 

@@ -100,6 +100,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "stage config overrides; default: %(default)s)")
     p.add_argument("--quantization-group-size", type=int, default=128,
                    help="int4: inputs per scale (default: %(default)s)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="AR stages reuse the KV of prompt prefixes they have computed before (a conversation's "
+                        "history, a shared system prompt); outputs are identical either way (default: on)")
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
@@ -118,5 +121,5 @@ def serve_from_args(args: argparse.Namespace) -> int:
     serve(args.model, args.stage_config, args.host, args.port, args.max_waiting, args.served_model_name,
           args.dtype, args.device, limits=limits, distributed_executor_backend=args.distributed_executor_backend,
           fast=args.fast, voice_map=args.voice_map, quantization=args.quantization,
-          quantization_group_size=args.quantization_group_size)
+          quantization_group_size=args.quantization_group_size, enable_prefix_caching=args.enable_prefix_caching)
     return 0

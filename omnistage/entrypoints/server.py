@@ -345,7 +345,7 @@ def serve(model: str | None = None, stage_config: str | None = None, host: str =
           device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
           distributed_executor_backend: str | None = None, fast: bool = True,
           voice_map: Mapping[str, str] | None = None, quantization: str = "none",
-          quantization_group_size: int = 128) -> None:
+          quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 
@@ -353,7 +353,8 @@ def serve(model: str | None = None, stage_config: str | None = None, host: str =
     omni = AsyncOmni(model, stage_config=stage_config, dtype=dtype, device=device,
                      max_waiting_requests=max_waiting, on_step=metrics.observe_step,
                      distributed_executor_backend=distributed_executor_backend, fast=fast,
-                     quantization=quantization, quantization_group_size=quantization_group_size)
+                     quantization=quantization, quantization_group_size=quantization_group_size,
+                     enable_prefix_caching=enable_prefix_caching)
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:

@@ -33,7 +33,19 @@ class ARStage(BridgedStage):
         waits = request.prompt_token_ids is None
         req = Request(request.req_id, list(request.prompt_token_ids or ()), request.sampling_params,
                       eos_token_ids=request.eos_token_ids)
+        self._attach_prefix_keys(req)
         self.scheduler.add_request(req, wait_for_input=waits)
+
+    def _attach_prefix_keys(self, req: Request) -> None:
+        """The model's view of what decides a block's KV, read from the request's record when asked (the
+        scheduler asks only while the record exists)."""
+        extra = getattr(self.model, "block_extra_key", None)
+        limit = getattr(self.model, "cache_hit_limit", None)
+        state, req_id = self.runner.state, req.req_id
+        if extra is not None:
+            req.extra_key = lambda start, end: extra(state(req_id), req, start, end)
+        if limit is not None:
+            req.hit_limit = lambda: limit(state(req_id), req)
 
     def _create_record(self, request: StageRequest) -> None:
         self.runner.add_request(self.scheduler.get_request(request.req_id), request.data)
@@ -107,6 +119,10 @@ class ARStage(BridgedStage):
                 if u.finished and u.finish_reason == "stop" and tokens:
                     tokens = tokens[:-1]  # the EOS / stop token that ended the answer is not part of it
                 events.client_outputs[u.req_id] = {"token_ids": tokens}
+                req = self.scheduler.get_request(u.req_id)
+                if req is not None and req.num_output_tokens == len(u.new_token_ids):
+                    # With the first answer tokens: how much of the prompt came from the prefix cache (usage).
+                    events.client_outputs[u.req_id]["cached_tokens"] = req.num_cached_tokens
             if u.finished:
                 events.finished[u.req_id] = u.finish_reason or "stop"
                 self._free(u.req_id)
@@ -127,6 +143,10 @@ class ARStage(BridgedStage):
             "kv_usage": kv.usage,
             "kv_free_blocks": kv.num_free_blocks,
             "kv_blocks": kv.num_blocks,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "prefix_cached_blocks": kv.num_cached_blocks,
+            "prefix_cache_evictions": kv.evictions,
             "records": len(self.runner.records),
             "batch_size": len(self.runner.batch),
             "bridge_entries": self._bridge_entries(),

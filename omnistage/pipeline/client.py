@@ -24,6 +24,8 @@ class RequestDelta:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why the request failed (finish_reason "error")
+    # With a request's first answer tokens: its prompt tokens served from the text stage's prefix cache.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from omnistage.config import ConfigError, ExecutionType, PipelineConfig, validate_pipeline
+from omnistage.config import (
+    ConfigError,
+    ExecutionType,
+    PipelineConfig,
+    validate_pipeline,
+    without_prefix_caching,
+)
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import PreparedPrompt
 from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
@@ -51,6 +57,8 @@ class OmniEngine:
             raise ConfigError(f"the pipeline config is for model family {pipeline.family!r}, but {args.model} "
                               f"holds a {family_cls.name!r} checkpoint", field="family")
         self.pipeline = family_cls.validate_pipeline(pipeline)
+        if not args.enable_prefix_caching:
+            self.pipeline = without_prefix_caching(self.pipeline)  # before any stage (or worker) is built
         runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
         self.family = family_cls(args.model)
         self.backend = args.distributed_executor_backend or self.pipeline.distributed_executor_backend

@@ -25,6 +25,7 @@ class EngineArgs:
     worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
     quantization: str = "none"  # none | int8 | int4: weight-only, online while loading (a stage may override)
     quantization_group_size: int = 128  # int4: inputs per scale
+    enable_prefix_caching: bool = True  # False: no AR stage shares KV blocks (overrides the stage configs)
 
     @property
     def quant(self) -> Quantization:
@@ -37,6 +38,8 @@ class EngineArgs:
         if not (isinstance(self.worker_startup_timeout, (int, float)) and self.worker_startup_timeout > 0):
             raise ValueError(f"worker_startup_timeout must be > 0, got {self.worker_startup_timeout!r}")
         Quantization(self.quantization, self.quantization_group_size)  # raises on a bad method or group size
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not Path(self.model).is_dir():

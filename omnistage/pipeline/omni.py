@@ -43,6 +43,7 @@ class OmniRequestOutput:
     sample_rate: int | None = None
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class _Collector:
@@ -56,6 +57,8 @@ class _Collector:
 
     def add(self, d: RequestDelta) -> None:
         self.out.token_ids.extend(d.new_token_ids)
+        if d.cached_tokens is not None:
+            self.out.num_cached_tokens = d.cached_tokens
         if d.codes is not None:
             self.codes.append(d.codes)
         if d.audio is not None:
@@ -86,10 +89,10 @@ def _resolve_model(model: str | Path | None) -> str:
 
 def _engine_args(model: str | Path | None, stage_config: str | None, dtype: str, device: str, fast: bool,
                  distributed_executor_backend: str | None, quantization: str = "none",
-                 quantization_group_size: int = 128) -> EngineArgs:
+                 quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> EngineArgs:
     return EngineArgs(_resolve_model(model), stage_config, dtype, device, fast,
                       distributed_executor_backend=distributed_executor_backend, quantization=quantization,
-                      quantization_group_size=quantization_group_size)
+                      quantization_group_size=quantization_group_size, enable_prefix_caching=enable_prefix_caching)
 
 
 class Omni:
@@ -99,9 +102,9 @@ class Omni:
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, fast: bool = True,
                  distributed_executor_backend: str | None = None, quantization: str = "none",
-                 quantization_group_size: int = 128) -> None:
+                 quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> None:
         self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
-                                              quantization, quantization_group_size), pipeline)
+                                              quantization, quantization_group_size, enable_prefix_caching), pipeline)
 
     @property
     def info(self) -> ModelInfo:
@@ -188,10 +191,11 @@ class AsyncOmni:
                  device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
                  on_step: Callable[[Any], None] | None = None, fast: bool = True,
                  distributed_executor_backend: str | None = None, quantization: str = "none",
-                 quantization_group_size: int = 128) -> None:
+                 quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> None:
         # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
         self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
-                                              quantization, quantization_group_size), pipeline, on_step)
+                                              quantization, quantization_group_size, enable_prefix_caching),
+                                 pipeline, on_step)
         self.info = self.engine.info
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.Queue = queue.Queue()

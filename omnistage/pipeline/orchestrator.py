@@ -117,7 +117,8 @@ class Orchestrator:
         for req_id, out in ev.client_outputs.items():
             if req_id in self.requests:
                 self.sink(RequestDelta(req_id, new_token_ids=list(out.get("token_ids", ())),
-                                       audio=out.get("audio"), codes=out.get("codes")))
+                                       audio=out.get("audio"), codes=out.get("codes"),
+                                       cached_tokens=out.get("cached_tokens")))
         for req_id, payload in ev.stage_outputs.items():
             tracked = self.requests.get(req_id)
             if tracked is not None:

@@ -4,6 +4,7 @@ and the bridge of its incoming edge."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -53,4 +54,7 @@ def build_stage(family: ModelFamily, stage: StageConfig, runner: str, args: Engi
                                                 dtype=dtype, device=args.device, graph_config=graph)
     else:
         ar_runner = ARRunner(model, num_blocks=num_blocks, block_size=s.block_size, dtype=dtype, device=args.device)
+    if s.enable_prefix_caching and not hasattr(model, "block_extra_key"):
+        # A model that does not say what besides token ids decides its KV cannot share blocks safely.
+        s = dataclasses.replace(s, enable_prefix_caching=False)
     return ARStage(stage.name, ARScheduler(s, num_blocks), ar_runner, bridge, faults)

@@ -121,6 +121,7 @@ class ARRunner:
             num_tokens_padded=padded,
             sample_req_ids=[r for r in order if r in so.sample_req_ids],
             attn_meta=meta,
+            num_cached=[so.num_cached_tokens.get(r, 0) for r in order] if so.num_cached_tokens else [],
         )
 
     def _stage_updates(self, ctx: StepContext, updates: list[Mapping[str, Any] | None]) -> dict[str, dict[str, Any]]:

@@ -45,6 +45,9 @@ class StepContext:
     num_tokens_padded: int
     sample_req_ids: list[str]  # requests sampled this step, in batch order (= logits rows)
     attn_meta: AttentionMetadata | None = None
+    # Per request in batch order: leading tokens taken from the prefix cache at its admission this step
+    # (rows [0, num_cached) are in its KV but the model never saw them for this request); empty = none.
+    num_cached: list[int] = field(default_factory=list)
 
     def index(self, req_id: str) -> int:
         return self.req_ids.index(req_id)
@@ -68,7 +71,10 @@ class ARStageModel(Protocol):
     ``client_outputs(ctx, output, sampled)`` (extra per-request client outputs),
     ``input_ready(state, request)`` (default True: False pauses the request, keeping its KV, until more
     upstream input arrives), ``resource_stats()`` (counts of what the model holds per request, e.g. cached
-    encoder outputs; merged into the stage's stats).
+    encoder outputs; merged into the stage's stats). The stage builder keeps prefix caching on for a stage
+    only when its model provides ``block_extra_key(state, request, start, end) -> bytes | None`` (everything besides token ids
+    that decides the KV of rows [start, end); None: those rows cannot be cached) and optionally
+    ``cache_hit_limit(state, request) -> int | None`` (at most that many leading rows may come from the cache).
     """
 
     num_layers: int

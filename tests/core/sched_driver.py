@@ -3,7 +3,9 @@
 It keeps its own per-request copy of the tokens that are "in the KV cache" and the block table, built
 only from SchedulerOutput deltas; the next token is a pure function of that KV content. So a request
 whose KV was recomputed after preemption, or that ran in any mix of other requests, must produce
-exactly the same tokens as when it ran alone.
+exactly the same tokens as when it ran alone. It also keeps what was written into every block slot: a
+request admitted with a prefix-cache hit reads its first tokens from the blocks it was given (they must
+hold exactly its tokens), and a write into a block another request holds, or into a cached block, fails.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class FakeRunner:
     kv_tokens: dict[str, list[int]] = field(default_factory=dict)
     blocks: dict[str, list[int]] = field(default_factory=dict)
     outputs: list[SchedulerOutput] = field(default_factory=list)
+    block_slots: dict[int, list[int | None]] = field(default_factory=dict)  # what was written where
+    cached_tokens: int = 0  # tokens new requests took from the prefix cache
 
     def step(self) -> tuple[SchedulerOutput, list]:
         sched = self.sched
@@ -48,8 +52,12 @@ class FakeRunner:
         for req_id in out.num_scheduled_tokens:
             if req_id in out.new_req_ids:
                 assert req_id not in self.kv_tokens, f"{req_id} re-added while the runner still holds it"
-                assert out.num_computed_tokens[req_id] == 0
-                self.kv_tokens[req_id] = []
+                start = out.num_computed_tokens[req_id]
+                assert start == out.num_cached_tokens.get(req_id, 0) and start % cfg.block_size == 0
+                kv = self._read(out.block_tables[req_id], start)
+                assert kv == sched.get_request(req_id).all_token_ids[:start], f"{req_id}: wrong cached KV"
+                self.cached_tokens += start
+                self.kv_tokens[req_id] = kv
             else:
                 assert req_id in self.kv_tokens, f"cached {req_id} unknown to the runner"
                 assert out.num_computed_tokens[req_id] == len(self.kv_tokens[req_id])
@@ -78,6 +86,7 @@ class FakeRunner:
             prompt_part = start < req.num_prompt_tokens
             if prompt_part:
                 assert out.phases[req_id] is Phase.PREFILL
+            self._write(req_id, start, req.all_token_ids[start : start + n])
             kv.extend(req.all_token_ids[start : start + n])
             assert len(self.blocks[req_id]) * cfg.block_size >= len(kv)
             assert self.blocks[req_id] == sched.kv.block_ids(req_id)
@@ -85,12 +94,24 @@ class FakeRunner:
             assert (req_id in out.sample_req_ids) == should_sample
             if should_sample:
                 sampled[req_id] = [self.token_fn(req, list(kv))]
-        all_blocks = [b for table in self.blocks.values() for b in table]
-        assert len(all_blocks) == len(set(all_blocks)), "two requests share a KV block"
 
         updates = sched.update_from_output(out, sampled)
         sched.check_invariants()
         return out, updates
+
+    def _read(self, table: list[int], num_tokens: int) -> list[int | None]:
+        bs = self.sched.config.block_size
+        return [self.block_slots.get(table[i // bs], [None] * bs)[i % bs] for i in range(num_tokens)]
+
+    def _write(self, req_id: str, start: int, tokens: list[int]) -> None:
+        bs = self.sched.config.block_size
+        table = self.blocks[req_id]
+        for i, tok in enumerate(tokens, start=start):
+            block = table[i // bs]
+            holders = [r for r, t in self.blocks.items() if block in t]
+            assert holders == [req_id], f"{req_id} writes block {block} held by {holders}"
+            assert block not in self.sched.kv.pool._keys, f"{req_id} writes cached block {block}"
+            self.block_slots.setdefault(block, [None] * bs)[i % bs] = tok
 
     def run(
         self, max_steps: int = 1000, before_step: Callable[[int], None] | None = None, min_steps: int = 0

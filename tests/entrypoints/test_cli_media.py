@@ -59,13 +59,9 @@ def test_generate_speaks_about_audio_image_and_video_files(tmp_path, checkpoint,
     assert {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id} <= set(answer.prompt_token_ids)
 
 
-@pytest.mark.parametrize("flags, packed", [([], True), (["--fast"], True), (["--no-fast"], False)])
-def test_generate_runs_fast_kernels_by_default_and_reference_ones_with_no_fast(tiny_ckpt, capsys, monkeypatch, flags,
-                                                                              packed):
-    """The fast kernels are the default and reach every stage's build (linear layers on oneDNN-packed weights);
-    `--no-fast` keeps the reference's kernels everywhere."""
+def _generate_with(flags, tiny_ckpt, capsys, monkeypatch) -> Omni:
+    """Run `omnistage generate` with flags; returns the Omni it built."""
     import omnistage
-    from omnistage.models.layers.fast_linear import PackedLinear
 
     built = []
 
@@ -77,7 +73,25 @@ def test_generate_runs_fast_kernels_by_default_and_reference_ones_with_no_fast(t
     monkeypatch.setattr(omnistage, "Omni", Spy)
     assert main(["generate", "Hello", "--model", str(tiny_ckpt), *flags, "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
-    stages = built[0].engine.orchestrator.stages
+    return built[0]
+
+
+@pytest.mark.parametrize("flags, on", [([], True), (["--no-enable-prefix-caching"], False)])
+def test_generate_caches_prefixes_by_default_and_not_with_the_flag(tiny_ckpt, capsys, monkeypatch, flags, on):
+    omni = _generate_with(flags, tiny_ckpt, capsys, monkeypatch)
+    for name in ("thinker", "talker"):
+        assert omni.engine.pipeline.stage(name).scheduler.enable_prefix_caching is on, name
+    assert (omni.engine.resource_stats()["thinker"]["prefix_cache_queries"] > 0) is on  # a text answer: Thinker only
+
+
+@pytest.mark.parametrize("flags, packed", [([], True), (["--fast"], True), (["--no-fast"], False)])
+def test_generate_runs_fast_kernels_by_default_and_reference_ones_with_no_fast(tiny_ckpt, capsys, monkeypatch, flags,
+                                                                              packed):
+    """The fast kernels are the default and reach every stage's build (linear layers on oneDNN-packed weights);
+    `--no-fast` keeps the reference's kernels everywhere."""
+    from omnistage.models.layers.fast_linear import PackedLinear
+
+    stages = _generate_with(flags, tiny_ckpt, capsys, monkeypatch).engine.orchestrator.stages
     models = {"thinker": stages["thinker"].runner.model.thinker, "talker": stages["talker"].runner.model.talker}
     for name, model in models.items():
         assert any(isinstance(m, PackedLinear) for m in model.modules()) == packed, name

@@ -303,3 +303,34 @@ def test_health_models_metrics(server, client, engine):
         if plan.kv_bytes:
             assert value(rf'omnistage_stage_kv_cache_bytes\{{stage="{plan.stage}"\}}') == plan.kv_bytes
     assert value('omnistage_process_resident_bytes{process="server"}') > 50e6
+
+
+def test_cached_prompt_tokens_in_usage_and_prefix_cache_metrics(server, engine, client):
+    """A conversation's second turn re-sends the first: the Thinker serves the shared full blocks from its
+    prefix cache, and the usage says how many prompt tokens that was (non-streamed and streamed)."""
+    omni, _ = engine
+    system = {"role": "system", "content": "You answer questions about lighthouses, tides and harbour charts, "
+                                           "briefly, in one sentence, and never about anything else at all."}
+    turn1 = [system, {"role": "user", "content": "Why do lighthouses blink?"}]
+    first = client.chat.completions.create(model=MODEL, messages=turn1, temperature=0, max_tokens=4)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # nothing of this system prompt was seen
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And tides?"}]
+    ids1, ids2 = (omni.engine.render_prompt(m).token_ids for m in (turn1, turn2))
+    common = next(i for i, (a, b) in enumerate(zip(ids1, ids2)) if a != b) if ids2[: len(ids1)] != ids1 else len(ids1)
+    block = omni.engine.pipeline.stage("thinker").scheduler.block_size
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(model=MODEL, messages=turn2, temperature=0, max_tokens=4,
+                                                         stream=True, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+        else:
+            usage = client.chat.completions.create(model=MODEL, messages=turn2, temperature=0, max_tokens=4).usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert usage.prompt_tokens == len(ids2)
+        assert cached % block == 0 and common // block * block <= cached < len(ids2), (cached, common)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("queried_tokens", "hit_tokens", "blocks", "evictions"):
+        assert re.search(rf'omnistage_prefix_cache_{name}\{{stage="talker"\}} ', text), name
+    hits = re.search(r'omnistage_prefix_cache_hit_tokens\{stage="thinker"\} ([0-9.e+-]+)', text)
+    assert hits and float(hits.group(1)) >= 2 * (common // block * block) > 0

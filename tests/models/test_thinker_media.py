@@ -311,3 +311,37 @@ def test_encoder_budget_splits_calls_without_changing_outputs(ckpt):
         assert diff <= 1e-5
     split.release("r")
     assert len(split) == 0
+
+
+def test_encoder_outputs_outlive_their_request_within_a_byte_budget(ckpt):
+    """A finished request's encoder outputs stay (unheld) for later requests with the same content: the same
+    image again is not encoded again (prefix caching off, so the Thinker needs those rows again), with the
+    reference's tokens; the store keeps at most cache_bytes, dropping the least recently used first."""
+    from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
+
+    engine = OmniEngine(EngineArgs(ckpt, enable_prefix_caching=False), load_pipeline_config("qwen3_omni"))
+    encoders = _thinker(engine).encoders
+    want = _reference_tokens(ckpt, "image")
+    assert _run(engine, ["image"])[0]["image"] == want
+    assert len(encoders) == 0 and len(encoders.kept) == 1 and encoders.stats.items_encoded == 1
+    assert _run(engine, ["image"])[0]["image"] == want
+    assert encoders.stats.items_encoded == 1 and encoders.stats.items_reused == 1
+    assert engine.resource_stats()["thinker"]["encoder_kept_bytes"] == encoders.kept_bytes > 0
+
+    audio, vision = _towers(ckpt)
+    items = thinker_media(ours(ckpt)(*SCENARIOS["audio+image"]).data).items
+    probe = MediaEncoders(audio, vision)
+    probe.acquire([("r", item) for item in items])
+    sizes = {item.key: probe.entries[item.key].nbytes for item in items}
+    first, second = items[0], items[1]
+    small = MediaEncoders(audio, vision, cache_bytes=max(sizes.values()))  # room for one of the two
+    for item in (first, second):
+        small.acquire([(item.key, item)])
+        small.release(item.key)
+    assert list(small.kept) == [second.key] and small.kept_bytes == sizes[second.key]
+    small.acquire([("again", first)])  # evicted: encoded again
+    assert small.stats.items_encoded == 3 and small.stats.items_reused == 0
+    none = MediaEncoders(audio, vision, cache_bytes=0)
+    none.acquire([("r", first)])
+    none.release("r")
+    assert not none.kept

@@ -72,7 +72,9 @@ class Family:
 
 
 FAMILIES = {
-    "qwen3_omni": Family("qwen3_omni", "tiny_ckpt", 64, 22, 18, "code2wav", _code2wav_args, (0, 1, 2)),
+    # The Thinker pool is the smallest that holds one request: with prefix caching on (the default) the
+    # requests share the blocks of their common prompts, and a larger pool no longer preempts.
+    "qwen3_omni": Family("qwen3_omni", "tiny_ckpt", 64, 16, 18, "code2wav", _code2wav_args, (0, 1, 2)),
     # Prompts carry the ~100-token speech system prompt; Token2Wav's ODE noise follows the request's seed.
     "qwen2_5_omni": Family("qwen2_5_omni", "q25_ckpt", 160, 60, 56, "token2wav", _token2wav_args, (0, 1),
                            seed_every_talker=True, media_prompts=tuple(MEDIA_PROMPTS)),

@@ -186,3 +186,14 @@ def test_a_stage_that_cannot_start_is_named_with_its_traceback_and_nothing_is_le
                    pipeline.__class__(family="qwen3_omni", stages=(pipeline.stage("thinker"),)))
     assert time.monotonic() - t0 < 10
     assert {p.pid for p in worker_processes()} <= before
+
+
+def test_stage_workers_serve_repeated_prompts_from_their_prefix_caches(engines):
+    """Caching is on by default in stage workers too: the prompts above ran several times, so the Thinker's and
+    the Talker's workers both report hits (their stats cross the process boundary), and all blocks are free."""
+    mp, _ = engines
+    stats = mp.resource_stats()
+    for stage in ("thinker", "talker"):
+        s = stats[stage]
+        assert 0 < s["prefix_cache_hits"] <= s["prefix_cache_queries"] and s["prefix_cached_blocks"] > 0, (stage, s)
+    assert_all_free(mp)

@@ -11,12 +11,18 @@ would need the scheduler to size chunks by it: ``item_span`` tells which items a
 
 What is kept: one entry per content key (identical items of any requests share it) with the set of requests
 holding it. A request lets go of its entries once its prompt is fully prefilled or when it is freed
-(finish/abort); an entry with no holder is dropped. A preempted request keeps its entries until it has
-prefilled again; if it had already let go, its chunks simply encode again.
+(finish/abort). An entry with no holder moves to a least-recently-used store of at most ``cache_bytes``
+(default 256 MiB; 0 keeps nothing): a later request with the same content (a clip that is part of a
+conversation's history, the same image again) takes it back instead of running the tower, and the oldest
+unheld entries are dropped when the budget is exceeded. A preempted request keeps its entries until it has
+prefilled again; if it had already let go, they come back from that store or are encoded again.
+(Outputs are per item; a batch of other items changes only the last bits of the matmuls, as for items
+shared within a step.)
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +33,7 @@ from omnistage.models.qwen3_omni.processor import MediaItem
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 
 DEFAULT_MAX_ROWS_PER_CALL = 8192
+DEFAULT_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass
@@ -35,12 +42,18 @@ class EncodedItem:
     deepstack: torch.Tensor | None  # [num_deepstack, n, hidden] for visual items
     holders: set[str] = field(default_factory=set)
 
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.deepstack is None else self.deepstack.nbytes
+        return self.embeds.nbytes + extra
+
 
 @dataclass
 class EncoderStats:
     audio_calls: int = 0
     vision_calls: int = 0
     items_encoded: int = 0
+    items_reused: int = 0  # taken back from the store of unheld outputs instead of encoded again
 
 
 def item_span(item: MediaItem, lo: int, hi: int) -> tuple[int, int]:
@@ -56,9 +69,15 @@ class MediaEncoders:
         audio: AudioEncoder | None,
         vision: VisionEncoder | None,
         max_rows_per_call: int = DEFAULT_MAX_ROWS_PER_CALL,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         if max_rows_per_call <= 0:
             raise ValueError(f"max_rows_per_call must be positive, got {max_rows_per_call}")
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
+        self.cache_bytes = cache_bytes
+        self.kept: OrderedDict[str, EncodedItem] = OrderedDict()  # unheld outputs, least recently used first
+        self.kept_bytes = 0
         self.audio = audio
         self.vision = vision
         self.max_rows_per_call = max_rows_per_call
@@ -73,7 +92,14 @@ class MediaEncoders:
         """Make every (request, item) available; missing items are encoded now, batched per modality."""
         missing: dict[str, MediaItem] = {}
         for _, item in needs:
-            if item.key not in self.entries:
+            if item.key in self.entries:
+                continue
+            kept = self.kept.pop(item.key, None)
+            if kept is not None:
+                self.kept_bytes -= kept.nbytes
+                self.entries[item.key] = kept
+                self.stats.items_reused += 1
+            else:
                 missing.setdefault(item.key, item)
         audio = [i for i in missing.values() if not i.is_visual]
         visual = [i for i in missing.values() if i.is_visual]
@@ -94,6 +120,16 @@ class MediaEncoders:
             entry.holders.discard(req_id)
             if not entry.holders:
                 del self.entries[key]
+                self._keep(key, entry)
+
+    def _keep(self, key: str, entry: EncodedItem) -> None:
+        if entry.nbytes > self.cache_bytes:
+            return
+        self.kept[key] = entry
+        self.kept_bytes += entry.nbytes
+        while self.kept_bytes > self.cache_bytes:
+            _, old = self.kept.popitem(last=False)
+            self.kept_bytes -= old.nbytes
 
     def _batches(self, items: list[MediaItem]) -> Iterable[list[MediaItem]]:
         batch: list[MediaItem] = []

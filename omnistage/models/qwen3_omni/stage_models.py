@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,9 +66,43 @@ class ThinkerStageModel:
     def free(self, req_id: str) -> None:
         self.encoders.release(req_id)
 
+    # ---- prefix caching (see docs/prefix_caching.md) -------------------------------------------------
+    def block_extra_key(self, state: Mapping[str, Any], request: Request, start: int, end: int) -> bytes:
+        """What besides the token ids decides the KV of rows [start, end): the content key and output
+        rows of every media item that fills some of them, and their 3-D positions where those are not the
+        plain index (image/video prompts, rows after them)."""
+        media = thinker_media(state)
+        if media is None:
+            return b""
+        parts = []
+        for item in media.items:
+            o1, o2 = item_span(item, start, end)
+            if o1 < o2:
+                parts.append(f"{item.kind}:{item.key}:{o1}:{o2};".encode())
+        num_prompt = media.positions.shape[0]
+        index = torch.arange(start, end, dtype=torch.float32)
+        pos = (index + media.rope_delta)[:, None].expand(-1, 3).clone()
+        a, b = start, min(end, num_prompt)
+        if a < b:
+            pos[: b - a] = media.positions[a:b]
+        if not torch.equal(pos, index[:, None].expand(-1, 3)):
+            parts.append(pos.numpy().tobytes())
+        return b"".join(parts)
+
+    def cache_hit_limit(self, state: Mapping[str, Any], request: Request) -> int | None:
+        """A request that speaks needs the accept-layer rows of its user-turn media rows, which only a
+        forward pass gives: the cache may serve rows before the first of them only. (Text rows the
+        Talker reads are embeddings, re-made from the token ids for cached rows: ``stage_outputs``.)"""
+        hidden = state.get("talker_hidden_rows")
+        if hidden is None or not bool(hidden.any()):
+            return None
+        return int(torch.nonzero(hidden)[0, 0])
+
     def resource_stats(self) -> dict[str, int]:
-        """Cached encoder outputs and the requests holding any (both 0 once every prompt is prefilled)."""
-        return {"encoder_entries": len(self.encoders), "encoder_holders": len(self.encoders.held)}
+        """Encoder outputs held for prompts not yet prefilled and the requests holding any (both 0 once every
+        prompt is prefilled), and the unheld ones kept for later requests (count, bytes)."""
+        return {"encoder_entries": len(self.encoders), "encoder_holders": len(self.encoders.held),
+                "encoder_kept_entries": len(self.encoders.kept), "encoder_kept_bytes": self.encoders.kept_bytes}
 
     def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
         """Positions become float (decode rows of media requests sit at fractional ids after a video):
@@ -142,6 +177,7 @@ class ThinkerStageModel:
         prompt masks are host tensors), then one gather per kind on the model's device picks them all: no
         per-request device syncs or copies in the step.
         """
+        cached = self._cached_talker_rows(ctx)
         embed_picks, hidden_picks, owners = [], [], []
         for req_id, start, state in zip(ctx.req_ids, ctx.num_computed, ctx.states):
             needed = state.get("talker_rows")
@@ -162,7 +198,7 @@ class ThinkerStageModel:
                 hidden_picks.append(hrows + s)
                 owners.append((req_id, pos[rows], pos[hrows]))
         if not owners:
-            return {}
+            return cached
         mm = output.multimodal_outputs
         # Index-select copies: payloads own their rows, never a view of this step's buffers.
         embeds = mm["embeds"][torch.cat(embed_picks).to(mm["embeds"].device)]
@@ -175,6 +211,46 @@ class ThinkerStageModel:
             if hpos.numel():
                 out[req_id].update(hidden_positions=hpos, hidden=hidden[h0 : h0 + hpos.numel()])
                 h0 += hpos.numel()
+        for req_id, rows in cached.items():  # rows from the cache go first, in position order
+            mine = out.get(req_id)
+            if mine is None:
+                out[req_id] = rows
+            else:
+                mine["positions"] = torch.cat([rows["positions"], mine["positions"]])
+                mine["embeds"] = torch.cat([rows["embeds"], mine["embeds"]])
+        return out
+
+    def _cached_talker_rows(self, ctx: StepContext) -> dict[str, dict[str, Any]]:
+        """The Talker's rows among a request's cache-served rows [0, num_cached): all are embedding rows
+        (``cache_hit_limit`` keeps accept-layer rows out of the cache's reach), made by one embedding lookup
+        of their token ids — equal to what the forward would have produced for them."""
+        if not ctx.num_cached:
+            return {}
+        owners, ids = [], []
+        for req_id, request, state, c in zip(ctx.req_ids, ctx.requests, ctx.states, ctx.num_cached):
+            needed = state.get("talker_rows")
+            if c == 0 or needed is None:
+                continue
+            media_rows = state.get("talker_hidden_rows")
+            if media_rows is not None and bool(media_rows[:c].any()):
+                raise RuntimeError(f"request {req_id!r}: accept-layer rows were served from the prefix cache")
+            pos = torch.arange(c)
+            in_prompt = pos < needed.shape[0]
+            keep = ~in_prompt
+            keep[in_prompt] = needed[pos[in_prompt]]
+            pos = pos[keep]
+            if pos.numel():
+                owners.append((req_id, pos))
+                ids.append(torch.tensor(request.all_token_ids[:c], dtype=torch.long)[pos])
+        if not owners:
+            return {}
+        device = self.thinker.model.embed_tokens.weight.device
+        with torch.inference_mode():
+            embeds = self.thinker.embed(torch.cat(ids).to(device))
+        out, e0 = {}, 0
+        for req_id, pos in owners:
+            out[req_id] = {"positions": pos, "embeds": embeds[e0 : e0 + pos.numel()]}
+            e0 += pos.numel()
         return out
 
 
@@ -194,6 +270,22 @@ class TalkerStageModel:
         self.hidden_size = cfg.hidden_size
         self.codec_eos_id = talker.codec_eos_id
         self.num_code_groups = talker.num_code_groups
+
+    # ---- prefix caching (see docs/prefix_caching.md) -------------------------------------------------
+    def block_extra_key(self, state: Mapping[str, Any], request: Request, start: int, end: int) -> bytes | None:
+        """The digest of the prefill rows [start, end) (the projected Thinker rows, the codec-side rows,
+        the speaker: everything the token ids do not say) and their 3-D positions; None past the prefill
+        (decode rows depend on sampled codes: never cached)."""
+        prefill = state.get("prefill_embeds")
+        if prefill is None or end > prefill.shape[0]:
+            return None
+        rows = prefill[start:end].detach().contiguous().cpu()
+        h = hashlib.sha256(rows.view(torch.uint8).numpy().tobytes())
+        h.update(str(rows.dtype).encode())
+        positions = state.get("prefill_positions")
+        if positions is not None:
+            h.update(positions.table[start:end].contiguous().numpy().tobytes())
+        return h.digest()
 
     # ---- input construction (called by the Thinker -> Talker bridge) --------------------------------
     def build_prefill(
