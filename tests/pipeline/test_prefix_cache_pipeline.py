@@ -168,3 +168,30 @@ def test_media_prompts_are_identical_and_cached_only_where_the_rows_are_equal(ti
     system = first_audio // 16 * 16
     # same clip: everything but the last block; other clip: the system prompt; spoken: rows before the clip.
     assert hits(engine)["thinker"] == full + system + system
+
+
+def test_qwen2_5_omni_text_answers_reuse_the_thinker_and_spoken_ones_prefill_in_full(q25_ckpt):
+    """Qwen2.5-Omni's Talker reads the Thinker's embedding + final hidden row of every prompt position, which
+    only a forward pass gives: a request that speaks takes no cached block, a text answer does; both are
+    identical to caching off."""
+    schedule = {0: [("turn1", TURN1, ["text"], greedy())],
+                30: [("turn2", TURN2, ["text"], greedy())],
+                60: [("spoken", TURN2, SPEECH, greedy())]}
+    results, engines = [], []
+    for caching in (True, False):
+        engine = OmniEngine(EngineArgs(str(q25_ckpt), fast=False, enable_prefix_caching=caching),
+                            load_pipeline_config("qwen2_5_omni"))
+        results.append(run(engine, schedule))
+        assert_all_free(engine)
+        engines.append(engine)
+    on, off = results
+    for name in on:
+        assert on[name]["tokens"] == off[name]["tokens"] and on[name]["finish"] == off[name]["finish"], name
+    # (Token2Wav holds no KV: its waveform follows from these codes and the request's unseeded noise.)
+    assert on["spoken"]["codes"] is not None and torch.equal(on["spoken"]["codes"], off["spoken"]["codes"])
+    stats = [e.resource_stats()["thinker"] for e in engines]
+    assert stats[1]["prefix_cache_hits"] == 0
+    # Only turn2 (text) hit: the spoken request re-sent the same prompt and prefilled all of it.
+    block = engines[0].pipeline.stage("thinker").scheduler.block_size
+    prompt = len(engines[0].render_prompt(TURN2).token_ids)
+    assert 0 < stats[0]["prefix_cache_hits"] <= prompt - 1 and stats[0]["prefix_cache_hits"] % block == 0

@@ -63,6 +63,12 @@ class ThinkerStageModel(MediaThinkerStageModel):
     # Its only aux output is row-aligned (``embeds`` [N, H]): safe to rebuild after a graph replay.
     supports_full_graph_aux_outputs = True
 
+    def cache_hit_limit(self, state: Mapping[str, Any], request: Request) -> int | None:
+        """A request that speaks hands the Talker the embedding + final hidden row of every prompt position, and a
+        final hidden row only a forward pass gives: it prefills its whole prompt (no prefix-cache hit). A text
+        answer may take the Thinker's cached blocks (keyed as Qwen3-Omni's: token ids, media, 3-D positions)."""
+        return 0 if state.get(SPEECH_KEY) else None
+
     def forward(self, kv_caches, attn_meta: AttentionMetadata, input_ids, positions, **media) -> OmniOutput:
         with torch.inference_mode():
             out = self.thinker(input_ids, positions, kv_caches, attn_meta, **media)
