@@ -109,12 +109,17 @@ def test_short_and_odd_clips_equal_the_processors_features(samples):
     assert torch.equal(item.features, ref["input_features"][0, :, :n])
 
 
+def _tower(cls, cfg, prefix: str):
+    """One of our towers, loaded from the shared tiny checkpoint."""
+    tower = cls(cfg).eval()
+    load_into(tower, tiny_checkpoint(), prefix)
+    return tower
+
+
 @torch.no_grad()
 def test_audio_encoder_matches_transformers_batched_across_clips():
-    ckpt = tiny_checkpoint()
     cfg = loaded().config.thinker_config
-    tower = AudioEncoder(cfg.audio_config).eval()
-    load_into(tower, ckpt, "thinker.audio_tower.")
+    tower = _tower(AudioEncoder, cfg.audio_config, "thinker.audio_tower.")
     hf = loaded().hf.thinker.model
     clips = [AUDIO_5S, AUDIO_HALF, AUDIO_2S, noise(400)]
     messages = [{"role": "user", "content": [{"type": "audio", "audio": c} for c in clips]}]
@@ -132,10 +137,8 @@ def test_audio_encoder_matches_transformers_batched_across_clips():
 
 @torch.no_grad()
 def test_vision_encoder_matches_transformers_batched_across_images_and_a_video():
-    ckpt = tiny_checkpoint()
     cfg = loaded().config.thinker_config
-    tower = VisionEncoder(cfg.vision_config).eval()
-    load_into(tower, ckpt, "thinker.visual.")
+    tower = _tower(VisionEncoder, cfg.vision_config, "thinker.visual.")
     messages = [{"role": "user", "content": [
         *({"type": "image", "image": im} for im in (IMAGE_A, IMAGE_B, random_image(400, 260))),
         {"type": "video", "video": VIDEO, "fps": 1.5}]}]
