@@ -33,6 +33,7 @@ import gc
 import os
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from benchmarks.roofline import (
 from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
+from omnistage.runner.memory_use import weight_bytes_by_component
 from omnistage.runtime_env import release_free_heap, resident_bytes
 from omnistage.testing.reference import captured_codes
 
@@ -207,6 +209,18 @@ def trace_lines(trace: StageTrace, t0: float, t1: float, before: dict | None, af
     return lines
 
 
+_FRAME_FLOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (weak: an engine's model is freed with it)
+
+
+def code2wav_frame_flops(c2w) -> float:
+    """Counted matmul/conv flops of one Code2Wav frame (a 50-frame probe; once per loaded model)."""
+    if c2w not in _FRAME_FLOPS:
+        probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long,
+                            device=c2w.code_embedding.weight.device)
+        _FRAME_FLOPS[c2w] = count_flops(c2w, probe) / 50
+    return _FRAME_FLOPS[c2w]
+
+
 def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
     """Each stage's model calls, the Talker's code predictor and the AR sampler (these never nest). Work
     models (for the bound) where the model's shape is known: Qwen3-Omni's decoders and Code2Wav."""
@@ -219,11 +233,9 @@ def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
         if hasattr(model, "forward_batch"):  # a generation stage
             work = None
             if hasattr(model, "code2wav"):
-                c2w = model.code2wav
-                probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long,
-                                    device=c2w.code_embedding.weight.device)
-                weight_bytes = sum(p.numel() * p.element_size() for p in c2w.parameters())
-                work = code2wav_work(count_flops(c2w, probe) / 50, weight_bytes)
+                # (the weights as held: packed copies included)
+                weight_bytes = sum(weight_bytes_by_component(model).values())
+                work = code2wav_work(code2wav_frame_flops(model.code2wav), weight_bytes)
             timers.attach(model, "forward_batch", name, work)
             continue
         part = getattr(model, name, None)  # Qwen3-Omni: ThinkerStageModel.thinker, TalkerStageModel.talker
@@ -293,8 +305,7 @@ def depth_factors(engine) -> tuple[dict[str, float], str] | None:
         elif name == "code2wav" and hasattr(model, "code2wav"):
             c2w = model.code2wav
             cfg = c2w.config
-            probe = torch.zeros(1, cfg.num_quantizers, 50, dtype=torch.long, device=c2w.code_embedding.weight.device)
-            counted = count_flops(c2w, probe) / 50  # packed linears (the fast option) are not counted by torch
+            counted = code2wav_frame_flops(c2w)  # packed linears (the fast option) are not counted by torch
             h = cfg.hidden_size
             stack = 2 * cfg.num_hidden_layers * (4 * h * h + 3 * h * cfg.intermediate_size)  # per frame row
             packed = any(isinstance(m, PackedLinear) for m in c2w.pre_transformer.modules())
