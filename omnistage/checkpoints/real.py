@@ -22,6 +22,7 @@ and only matters for the built-in model's words).
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import replace
@@ -43,7 +44,7 @@ from omnistage.config.quantization import NO_QUANTIZATION, Quantization
 from omnistage.models.compressed_tensors import pack, quantization_config, stored_scales
 from omnistage.models.layers.quant import QuantFormat, quantize
 from omnistage.models.layers.quant_layers import QuantScheme
-from omnistage.models.qwen3_omni.family import quant_scheme
+from omnistage.models.qwen3_omni.family import TOWER_LAYERS, quant_scheme
 
 REAL_VOCAB = 152064
 STACKS = ("thinker", "talker", "code_predictor", "code2wav", "audio", "vision")
@@ -173,12 +174,13 @@ def _stored(hub: str, value: torch.Tensor, schemes: Mapping[str, QuantScheme | N
 def _with_quantization_config(out: Path, config_dict: dict, quantization: Quantization) -> dict:
     """config.json with the compressed-tensors ``quantization_config`` of Qwen3-Omni's scheme."""
     decoders = r"re:^(thinker|talker)\.model\.layers\..*"
-    predictor = r"re:^talker\.code_predictor\.model\.layers\..*"
+    int8_only = [r"re:^talker\.code_predictor\.model\.layers\..*"]
+    int8_only += [f"re:^thinker\\.{re.escape(prefix)}.*" for prefix in TOWER_LAYERS]
     int8 = QuantFormat(8)
     if quantization.method == "int8":
-        groups = [([decoders, predictor], int8)]
+        groups = [([decoders, *int8_only], int8)]
     else:
-        groups = [([decoders], QuantFormat(4, quantization.group_size)), ([predictor], int8)]
+        groups = [([decoders], QuantFormat(4, quantization.group_size)), (int8_only, int8)]
     ignore = [r"re:.*mlp\.gate$", r"re:.*mlp\.shared_expert_gate$"]
     config_dict = {**config_dict, "quantization_config": quantization_config(groups, ignore)}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.models.layers import quant_kernels
 from omnistage.models.layers.quant import (
     QuantBuffer,
     QuantFormat,
@@ -76,14 +77,21 @@ def _reference(x: torch.Tensor, fmt: QuantFormat, values: torch.Tensor, scales: 
     return x.float() @ dequantize(values, scales.to(x.dtype), fmt).T
 
 
+@pytest.mark.parametrize("own_kernels", [True, False], ids=["omnistage-kernels", "torch-ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", [INT8, INT4, QuantFormat(4, 128)], ids=["int8", "int4-g32", "int4-g128"])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_kernels_match_dequantized_weight(fmt: QuantFormat, dtype: torch.dtype, rows: int) -> None:
+def test_kernels_match_dequantized_weight(fmt: QuantFormat, dtype: torch.dtype, rows: int, own_kernels: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if not own_kernels:
+        monkeypatch.setenv("OMNISTAGE_CPU_KERNELS", "0")
+    elif not quant_kernels.available():
+        pytest.skip("no C compiler: omnistage's quantized kernels are not built")
     w = _weight()
     values, scales = quantize(w, fmt)
     packed = pack_weight(values, scales, fmt, dtype)
-    assert packed.layout == ("int8" if fmt.bits == 8 else "int4pack")
+    # int4 on the CPU: omnistage's kernel on the checkpoint's nibbles, else torch's int4pack
+    assert packed.layout == ("int8" if fmt.bits == 8 else "nibbles" if own_kernels else "int4pack")
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = quant_matmul(x, packed)
     ref = _reference(x, fmt, values, scales)
@@ -92,7 +100,7 @@ def test_kernels_match_dequantized_weight(fmt: QuantFormat, dtype: torch.dtype, 
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     elif fmt.bits == 8:  # float32 accumulation of x * q, times the row's scale, rounded once: bit-equal
         assert torch.equal(out, ((x.float() @ values.float().T) * scales.to(dtype).float()).to(dtype))
-    else:  # the int4 kernel rounds the product once too; its float32 summation order differs: one bf16 step
+    else:  # the int4 kernels round the product once too; their float32 summation order differs: one bf16 step
         torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-2)
     # the layout's own dequantization is the weight the kernel multiplies by
     torch.testing.assert_close(packed.dequantize(), dequantize(values, scales.to(dtype), fmt), rtol=0, atol=1e-6)

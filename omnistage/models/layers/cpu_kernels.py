@@ -39,13 +39,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import mmap
 import os
-import subprocess
-import sysconfig
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -53,12 +49,11 @@ from pathlib import Path
 
 import torch
 
-from omnistage.core.cache_dir import cache_root
+from omnistage.models.layers.c_build import build_library, scratch
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]  # glibc's vector math (the vocoder's sin)
 # Variants by weight type: float32, widened bfloat16, and "bf16dp" (AVX512-BF16 dot products), which is built
 # only where the CPU has them.
@@ -72,32 +67,12 @@ UP_PANEL, DOWN_PANEL = 16, 32
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
-# Per Python thread: the C functions by name, and scratch buffers reused across calls (a decode step makes
-# hundreds of small calls; allocating their scratch each time cost as much as a small call's arithmetic).
+# Per Python thread: the C functions by name (scratch buffers: ``c_build.scratch``).
 _local = threading.local()
 
 
-def _cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
 def _build() -> ctypes.CDLL:
-    source = _SOURCE.read_bytes()
-    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
-    # The build depends on the source, the flags and the host CPU (-march=native).
-    cpuinfo = Path("/proc/cpuinfo")
-    cpu = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
-    cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    key = hashlib.sha256(source + " ".join(_FLAGS + _LIBS).encode() + cpu_flags.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), *_LIBS], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(built, target)  # atomic: another process may build the same file at once
-    library = ctypes.CDLL(str(target))  # ctypes releases the GIL during calls
+    library = build_library(_SOURCE, tuple(_LIBS))
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for suffix in (*_SUFFIX.values(), _DOT):
         if not hasattr(library, f"moe_experts_{suffix}"):
@@ -177,17 +152,8 @@ def _function(name: str):
     return fn
 
 
-def _scratch(name: str, numel: int, dtype: torch.dtype, fill: float | None = None) -> torch.Tensor:
-    """A flat CPU buffer of at least ``numel`` elements, this thread's own, reused by later calls (so only valid
-    until this thread's next call with the same name); ``fill``: its value everywhere."""
-    buffers = _local.__dict__.setdefault("buffers", {})
-    buf = buffers.get(name)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)), dtype=dtype)
-        if fill is not None:
-            buf.fill_(fill)
-        buffers[name] = buf
-    return buf
+_scratch = scratch
+
 
 
 _LARGE_PAGE = 2 << 20

@@ -18,8 +18,12 @@ chooses the kernel by it:
 - ``int4pack``: torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``: uint8 [.., N, K/2], interleaved
   in blocks of 64 rows) + scales-and-zeros [.., K/g, N, 2] -> ``_weight_int4pack_mm_for_cpu``, which dequantizes
   ``(q + 8 - 8) * scale + 0`` in registers; needs N % 16 == 0 and a group of 32/64/128/256.
-- ``nibbles``: the portable layout (two values per byte, even column in the low nibble, offset by 8) for weights
-  those kernels do not take (other devices, odd shapes): dequantized per call, then one GEMM.
+- ``nibbles``: two values per byte, even column in the low nibble, offset by 8 (the checkpoint's own bytes) +
+  scales [.., N, K/g]: on the CPU, omnistage's kernels (``quant_kernels``: dequantized in registers, no zero
+  points, nothing repacked at load) where they build and take the shape, which is the layout int4 weights get
+  there first; elsewhere (other devices, odd shapes) dequantized per call, then one GEMM.
+- ``int4pack`` serves int4 on the CPU only where omnistage's kernels do not (no C compiler, groups not a
+  multiple of 32).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from omnistage.models.layers import quant_kernels
 
 INT8_MAX = 127
 INT4_MAX = 7  # symmetric: -8 is representable but a scale of amax / 7 never produces it
@@ -79,7 +85,7 @@ class QuantFormat:
 def packed_bytes(fmt: QuantFormat, rows: int, in_features: int, scale_bytes: int, device: torch.device) -> int:
     """Bytes a [rows, in_features] weight takes in the layout ``pack_weight`` chooses on ``device`` (torch's int4
     layout stores a zero point, 0 here, beside each scale)."""
-    zeros = rows * fmt.groups(in_features) * scale_bytes if int4_kernel_takes(rows, fmt, device) else 0
+    zeros = rows * fmt.groups(in_features) * scale_bytes if int4_layout(rows, in_features, fmt, device) == "int4pack" else 0
     return fmt.weight_bytes(rows, in_features, scale_bytes) + zeros
 
 
@@ -173,6 +179,13 @@ def int4_kernel_takes(out_features: int, fmt: QuantFormat, device: torch.device)
             and fmt.group_size in INT4_KERNEL_GROUPS and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
 
 
+def int4_layout(out_features: int, in_features: int, fmt: QuantFormat, device: torch.device) -> str:
+    """The layout an int4 [out_features, in_features] weight is packed in on ``device`` (module docstring)."""
+    if quant_kernels.takes(4, fmt.group_size, in_features, device):
+        return "nibbles"
+    return "int4pack" if int4_kernel_takes(out_features, fmt, device) else "nibbles"
+
+
 def pack_weight(values: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype) -> QuantWeight:
     """Quantized (values [..., N, K], float scales) -> the layout its kernel reads, scales in ``dtype`` (the
     activations')."""
@@ -180,7 +193,7 @@ def pack_weight(values: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat, dt
     scales = scales.to(dtype)
     if fmt.bits == 8:
         return QuantWeight(fmt, "int8", values.to(torch.int8).contiguous(), scales.contiguous(), n, k)
-    if not int4_kernel_takes(n, fmt, values.device):
+    if int4_layout(n, k, fmt, values.device) == "nibbles":
         return QuantWeight(fmt, "nibbles", pack_nibbles(values).contiguous(), scales.contiguous(), n, k)
     data = torch.stack([_int4pack(v) for v in values.reshape(-1, n, k)]).view(*values.shape[:-2], n, k // 2)
     return QuantWeight(fmt, "int4pack", data, _scales_and_zeros(scales), n, k)
@@ -200,6 +213,9 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     """x [..., K] (the serving dtype) times ``weight``'s [N, K] transposed -> [..., N] in x's dtype."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
+    if weight.layout == "nibbles" and own_kernel_takes(x, weight):
+        return quant_kernels.linear(rows, 4, weight.fmt.group_size, weight.data, weight.scales,
+                                    bias).view(*shape[:-1], weight.out_features)
     if weight.layout == "int8" and x.device.type == "cpu":
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight.data, _in(weight.scales, x.dtype))
     elif weight.layout == "int4pack":
@@ -210,6 +226,18 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.out_features)
+
+
+def own_kernel_takes(x: torch.Tensor, weight: QuantWeight) -> bool:
+    """Whether omnistage's quantized CPU kernels serve ``weight`` for activations ``x``."""
+    return (x.dtype in (torch.float32, torch.bfloat16) and weight.scales.dtype in (torch.float32, torch.bfloat16)
+            and weight.layout in ("nibbles", "int8") and weight.data.device.type == "cpu"
+            and quant_kernels.takes(weight.fmt.bits, weight.fmt.group_size, weight.in_features, x.device))
+
+
+def kernel_args(weight: QuantWeight) -> tuple[int, int | None, torch.Tensor, torch.Tensor]:
+    """``weight`` as ``quant_kernels`` takes it: (bits, group size, data, scales)."""
+    return weight.fmt.bits, weight.fmt.group_size, weight.data, weight.scales
 
 
 def _in(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -272,7 +300,7 @@ class QuantBuffer:
         scales = self.scales.view(*lead, n, -1)
         if self.fmt.bits == 8:
             return pack_weight(self.values.view(*lead, n, k), scales[..., 0], self.fmt, dtype)
-        if not int4_kernel_takes(n, self.fmt, self.values.device):
+        if int4_layout(n, k, self.fmt, self.values.device) == "nibbles":
             return QuantWeight(self.fmt, "nibbles", self.values.view(*lead, n, k // 2), scales.to(dtype), n, k)
         flat = self.values.view(-1, n, k // 2)
         data = torch.stack([_int4pack(unpack_nibbles(v)) for v in flat]).view(*lead, n, k // 2)

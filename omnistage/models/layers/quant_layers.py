@@ -20,9 +20,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from omnistage.models.layers import quant_kernels
 from omnistage.models.layers.mlp import swiglu
 from omnistage.models.layers.moe import StackedExperts
-from omnistage.models.layers.quant import QuantBuffer, QuantFormat, QuantWeight, packed_bytes, quant_matmul
+from omnistage.models.layers.quant import (
+    QuantBuffer,
+    QuantFormat,
+    QuantWeight,
+    kernel_args,
+    own_kernel_takes,
+    packed_bytes,
+    quant_matmul,
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,13 @@ class QuantScheme:
             if name.startswith(prefix):
                 return self.formats[prefix].for_inputs(shape[1])
         return None
+
+    def within(self, prefix: str) -> QuantScheme | None:
+        """This scheme for the weights under ``prefix`` (e.g. a tower the part loads on its own), names relative
+        to it; None where it quantizes nothing there."""
+        formats = {k[len(prefix):]: f for k, f in self.formats.items() if k.startswith(prefix)}
+        exact = {k[len(prefix):]: f for k, f in self.exact.items() if k.startswith(prefix)}
+        return QuantScheme(formats, self.exclude, exact) if formats or exact else None
 
     def weight_bytes(self, name: str, shape: tuple[int, ...], scale_bytes: int, device: torch.device) -> int | None:
         """Bytes tensor ``name`` takes once quantized and packed on ``device`` (None: not quantized)."""
@@ -95,7 +111,8 @@ class QuantLinear(nn.Module):
 
 
 class QuantExperts(nn.Module):
-    """``StackedExperts`` on quantized weights: each expert's rows through its own two weight-only GEMMs."""
+    """``StackedExperts`` on quantized weights: on the CPU the whole layer in one ``quant_kernels.moe`` call,
+    else each expert's rows through its own two weight-only GEMMs."""
 
     # What the fast option's kernels look for on experts: no panel layout, no oneDNN copies.
     panels = None
@@ -135,6 +152,8 @@ class QuantExperts(nn.Module):
         weight-only GEMM pair per expert with rows)."""
         if self.gate_up_q is None:
             raise RuntimeError("QuantExperts used before their weights were loaded")
+        if own_kernel_takes(x, self.gate_up_q) and own_kernel_takes(x, self.down_q):
+            return quant_kernels.moe(x, counts, kernel_args(self.gate_up_q), kernel_args(self.down_q))
         out = torch.empty_like(x)
         start = 0
         for e, count in enumerate(counts.tolist()):

@@ -1,0 +1,141 @@
+"""omnistage's weight-only quantized CPU kernels (``csrc/quant_kernels.c``): a linear layer on an int4 or int8
+weight, and a whole routed-expert SwiGLU layer on quantized experts in one call, dequantizing in registers.
+
+Why not torch's weight-only ops: on this project's AVX2 machines ``_weight_int4pack_mm_for_cpu`` reads an int4
+weight at about 5.6 GB/s at 1 row and 1.6 GB/s at 8 (2 threads, a 1536 x 2048 expert; the machine reads ~13
+GB/s), its layout stores a zero point beside every scale (0.45 GiB of zeros in the released Thinker) and has
+to be repacked from the checkpoint's bytes at load; a MoE layer through it is one call per expert and
+projection. Here the weight stays in the checkpoint's own int4 byte layout (``quant`` layout ``nibbles``),
+scales in the serving dtype, and a MoE layer is one call (``benchmarks/quant_kernels.py`` compares them).
+
+Which weights a kernel takes (``takes``): CPU tensors, int4 with groups of a multiple of 32 inputs, int8 with a
+multiple of 32 inputs; others keep torch's ops or the dequantizing fallback. ``OMNISTAGE_CPU_KERNELS=0`` turns
+these kernels off with the others; without a C compiler they are unavailable (logged once). Sums are float32
+in a fixed order per row (rounding differs from dequantize-then-GEMM: compared within float tolerance in
+``tests/models/test_quant_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from omnistage.models.layers.c_build import build_library, scratch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "quant_kernels.c"
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _build() -> ctypes.CDLL:
+    library = build_library(_SOURCE, ("-lm",))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.quant_isa.restype = i32
+    library.quant_isa.argtypes = []
+    library.quant_linear.restype = None
+    library.quant_linear.argtypes = [i32, i64, i64, i64, i64, p, p, i32, p, i32, p, p, i32, p, p, i32]
+    library.quant_moe.restype = None
+    library.quant_moe.argtypes = ([i32, i32] + [i64] * 6 + [p, p, i32, p, p, p, p, i32, p, i32, p, p, p, p, i32])
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels are built (building them on the first call); False, logged once, when they cannot
+    be, and while ``OMNISTAGE_CPU_KERNELS=0``."""
+    global _library, _failure
+    if os.environ.get("OMNISTAGE_CPU_KERNELS", "1") == "0":
+        return False
+    if _library is not None or _failure is not None:
+        return _library is not None
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = _build()
+            except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: torch's ops serve
+                stderr = getattr(exc, "stderr", b"") or b""
+                _failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
+                log.warning("quantized CPU kernels unavailable, torch's weight-only ops serve: %s", _failure)
+    return _library is not None
+
+
+def isa() -> str:
+    """The instruction set the kernels were built for: ``avx2`` or ``portable``."""
+    return "avx2" if available() and _library.quant_isa() == 2 else "portable"
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"the quantized CPU kernels are unavailable: {_failure or 'OMNISTAGE_CPU_KERNELS=0'}")
+
+
+def takes(bits: int, group_size: int | None, in_features: int, device: torch.device) -> bool:
+    """Whether a quantized weight (``bits``, int4 ``group_size``) with ``in_features`` inputs takes these
+    kernels on ``device``."""
+    if device.type != "cpu" or in_features % 32:
+        return False
+    if bits == 4 and (group_size is None or group_size % 32 or in_features % group_size):
+        return False
+    return available()
+
+
+def _group(bits: int, group_size: int | None, in_features: int) -> int:
+    return in_features if bits == 8 else int(group_size)
+
+
+def linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tensor, scales: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 / bfloat16, CPU) times the quantized weight (``data``: int4 uint8 [N, K/2] or int8
+    [N, K]; ``scales`` [N, K/g] or [N], float32 / bfloat16) transposed (+ ``bias``) -> [M, N] in x's dtype."""
+    _require()
+    if x.dtype not in _DTYPES or scales.dtype not in _DTYPES:
+        raise ValueError(f"activations and scales must be float32 or bfloat16, got {x.dtype} and {scales.dtype}")
+    rows, k = x.shape
+    n = data.shape[0]
+    x = x.contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype)
+    bias_f = None if bias is None else bias.float().contiguous()
+    xp = scratch("q-x", rows * k, torch.float32)
+    yf = scratch("q-y", rows * n, torch.float32)
+    _library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
+                          int(scales.dtype == torch.bfloat16), x.data_ptr(), int(x.dtype == torch.bfloat16),
+                          None if bias_f is None else bias_f.data_ptr(), out.data_ptr(),
+                          int(x.dtype == torch.bfloat16), xp.data_ptr(), yf.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, torch.Tensor, torch.Tensor],
+        down: tuple[int, int | None, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rows x [S, H] sorted by expert (``counts`` [E] rows each) through their experts' SwiGLU: ``gate_up`` and
+    ``down`` are (bits, group_size, data [E, 2I, ...], scales [E, 2I, ...]) and (.., data [E, H, ...], ..), gate
+    rows first -> [S, H] in x's dtype (unweighted: the caller weights and sums each token's slots)."""
+    _require()
+    bits_up, group_up, data_up, scales_up = gate_up
+    bits_down, group_down, data_down, scales_down = down
+    if scales_up.dtype != scales_down.dtype or x.dtype not in _DTYPES or scales_up.dtype not in _DTYPES:
+        raise ValueError("activations and scales must be float32 or bfloat16, one scale dtype for both weights")
+    rows, hidden = x.shape
+    experts, up_rows = data_up.shape[:2]
+    inter = up_rows // 2
+    x = x.contiguous()
+    counts = counts.to(torch.int64).contiguous()
+    out = torch.empty_like(x)
+    xp = scratch("q-x", rows * hidden, torch.float32)
+    h = scratch("q-h", rows * up_rows, torch.float32)
+    hp = scratch("q-hp", rows * inter, torch.float32)
+    starts = scratch("q-starts", 2 * experts + 1, torch.int64)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _library.quant_moe(bits_up, bits_down, rows, experts, hidden, inter, _group(bits_up, group_up, hidden),
+                       _group(bits_down, group_down, inter), counts.data_ptr(), x.data_ptr(), bf16,
+                       data_up.data_ptr(), scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(),
+                       int(scales_up.dtype == torch.bfloat16), out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(),
+                       hp.data_ptr(), starts.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,0 +1,105 @@
+"""omnistage's quantized CPU kernels (``quant_kernels``) against the dequantized weights: linear layers at
+decode and prefill row counts, with and without a bias, float32 and bfloat16; a row's result independent of its
+batch; the one-call MoE layer against each expert's SwiGLU; the shapes they refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.models.layers import quant_kernels
+from omnistage.models.layers.quant import QuantFormat, dequantize, pack_nibbles, quantize
+
+pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler: the kernels are not built")
+
+FORMATS = [QuantFormat(4, 32), QuantFormat(4, 128), QuantFormat(8)]
+IDS = ["int4-g32", "int4-g128", "int8"]
+
+
+def _quantized(n: int, k: int, fmt: QuantFormat, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    values, scales = quantize(w, fmt)
+    data = pack_nibbles(values) if fmt.bits == 4 else values
+    scales = scales.to(dtype)
+    return data, scales, dequantize(values, scales.float(), fmt)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    if dtype is torch.float32:  # float32 sums in another order than the GEMM
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:  # one bfloat16 rounding of the float32 result
+        torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=2**-7 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("shape", [(48, 128), (33, 256), (7, 384)], ids=["48x128", "33x256-odd-rows", "7x384"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 37])
+def test_linear_matches_dequantized_weight(fmt: QuantFormat, dtype: torch.dtype, shape: tuple[int, int],
+                                           rows: int) -> None:
+    n, k = shape
+    fmt = fmt.for_inputs(k)
+    if k % (fmt.group_size or k):
+        pytest.skip("shape not in whole groups")
+    data, scales, weight = _quantized(n, k, fmt, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    out = quant_kernels.linear(x, fmt.bits, fmt.group_size, data, scales, bias)
+    _close(out, x.float() @ weight.T + bias, dtype)
+    _close(quant_kernels.linear(x, fmt.bits, fmt.group_size, data, scales), x.float() @ weight.T, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_row_results_do_not_depend_on_the_batch(fmt: QuantFormat) -> None:
+    data, scales, _ = _quantized(40, 256, fmt, torch.bfloat16)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = quant_kernels.linear(x, fmt.bits, fmt.group_size, data, scales)
+    for start, stop in ((0, 1), (3, 4), (1, 3), (2, 7), (6, 7)):
+        part = quant_kernels.linear(x[start:stop], fmt.bits, fmt.group_size, data, scales)
+        assert torch.equal(part, whole[start:stop])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(quant_kernels.linear(x, fmt.bits, fmt.group_size, data, scales), whole)
+    finally:
+        torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("formats", [(QuantFormat(4, 32), QuantFormat(4, 32)), (QuantFormat(4, 64), QuantFormat(8)),
+                                     (QuantFormat(8), QuantFormat(8))], ids=["int4", "int4-int8", "int8"])
+def test_moe_layer_matches_each_experts_swiglu(formats: tuple[QuantFormat, QuantFormat], dtype: torch.dtype) -> None:
+    experts, hidden, inter = 6, 64, 96
+    fmt_up, fmt_down = formats
+    ups = [_quantized(2 * inter, hidden, fmt_up, dtype, seed=10 + e) for e in range(experts)]
+    downs = [_quantized(hidden, inter, fmt_down, dtype, seed=20 + e) for e in range(experts)]
+    counts = torch.tensor([3, 0, 1, 5, 0, 2])  # experts without rows are skipped
+    x = torch.randn(int(counts.sum()), hidden, generator=torch.Generator().manual_seed(4)).to(dtype)
+    stack = lambda parts, i: torch.stack([p[i] for p in parts])  # noqa: E731
+    out = quant_kernels.moe(x, counts, (fmt_up.bits, fmt_up.group_size, stack(ups, 0), stack(ups, 1)),
+                            (fmt_down.bits, fmt_down.group_size, stack(downs, 0), stack(downs, 1)))
+    ref, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        rows = x[start:start + count].float()
+        h = rows @ ups[e][2].T
+        ref.append((F.silu(h[:, :inter]) * h[:, inter:]) @ downs[e][2].T)
+        start += count
+    _close(out, torch.cat(ref), dtype)
+
+
+def test_shapes_the_kernels_take() -> None:
+    cpu = torch.device("cpu")
+    assert quant_kernels.takes(4, 128, 2048, cpu) and quant_kernels.takes(8, None, 1024, cpu)
+    assert not quant_kernels.takes(4, 16, 256, cpu)  # groups of 16: torch's ops or the fallback serve
+    assert not quant_kernels.takes(4, 128, 192, cpu)  # not whole groups
+    assert not quant_kernels.takes(8, None, 80, cpu)  # inputs not a multiple of 32
+    assert not quant_kernels.takes(4, 128, 2048, torch.device("meta"))
+
+
+def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNISTAGE_CPU_KERNELS", "0")
+    assert not quant_kernels.takes(4, 128, 2048, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="OMNISTAGE_CPU_KERNELS=0"):
+        quant_kernels.linear(torch.randn(1, 64), 4, 32, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2))
