@@ -71,6 +71,56 @@ def full_depth_weight_bytes(method: str, group: int, dtype: torch.dtype) -> dict
     return out
 
 
+def decode_step_bytes(omni, batch: int) -> float:
+    """Bytes one Thinker decode step of ``batch`` rows reads at least: every weight but the experts and the
+    embedding table, each MoE layer's experts in the expected share a batch selects (1 - (1 - k/E)^batch of
+    them, for uniformly routed tokens), and one embedding row per request; the KV cache of short prompts is
+    left out (it adds to the bound, so leaving it out makes the ratio stricter)."""
+    from omnistage.models.layers.moe import SparseMoE
+    from omnistage.models.layers.quant_layers import QuantExperts
+    from omnistage.runner.memory_use import weight_bytes_by_component
+
+    stage_model = omni.engine.orchestrator.stages["thinker"].runner.model
+    thinker = stage_model.thinker
+    weights = {k: v for k, v in weight_bytes_by_component(stage_model).items() if not k.startswith("encoders")}
+    total = sum(weights.values())
+    embed = thinker.model.embed_tokens.weight
+    expert_bytes = selected = 0.0
+    for layer in thinker.modules():
+        if isinstance(layer, SparseMoE) and isinstance(layer.experts, QuantExperts):
+            nbytes = layer.experts.gate_up_q.nbytes + layer.experts.down_q.nbytes
+            expert_bytes += nbytes
+            selected += nbytes * (1 - (1 - layer.top_k / layer.num_experts) ** batch)
+    embed_bytes = embed.numel() * embed.element_size()
+    return total - expert_bytes - embed_bytes + selected + batch * embed_bytes / embed.shape[0]
+
+
+def decode_run(omni, n: int, max_tokens: int) -> tuple[float, float, int]:
+    """``n`` text requests of ``max_tokens`` greedy tokens at once -> (seconds to the last request's first
+    token, seconds per decode step after it, tokens generated)."""
+    from benchmarks.thinker_throughput import prompts
+    from omnistage import SamplingParams
+
+    engine = omni.engine
+    t0 = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+    ids = {engine.add_request(t, ["text"], params) for t in prompts(n)}
+    started: set[str] = set()
+    first = None
+    tokens = 0
+    while ids:
+        for d in engine.step():
+            tokens += len(d.new_token_ids)
+            if d.new_token_ids:
+                started.add(d.req_id)
+            if d.finished:
+                ids.discard(d.req_id)
+        if first is None and len(started) == n:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - t0, (end - first) / max(1, max_tokens - 1), tokens
+
+
 def head_seconds(omni, rows: int, reps: int = 5) -> float:
     """One Thinker output-head call over ``rows`` rows, as the engine runs it."""
     thinker = omni.engine.orchestrator.stages["thinker"].runner.model.thinker
@@ -85,8 +135,6 @@ def head_seconds(omni, rows: int, reps: int = 5) -> float:
 
 def main() -> None:
     from benchmarks.pipeline_bench import run_omnistage as run_speech
-    from benchmarks.thinker_throughput import lengths, prompts
-    from benchmarks.thinker_throughput import run_omnistage as run_text
     from omnistage import Omni
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,14 +145,21 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--speech-frames", type=int, default=50, help="Talker frames of the spoken answer (12.5 / s)")
+    p.add_argument("--speech-requests", type=int, nargs="+", default=[1, 4])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--project", action="store_true")
+    p.add_argument("--stage-config", default=None, help="pipeline YAML (e.g. KV budgets for the full depth)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from omnistage.models.layers import quant_kernels
+
+    bandwidth = quant_kernels.read_bandwidth()
+    print(f"# streaming read, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s (quantized kernels: "
+          f"{quant_kernels.isa()})")
     print(f"# {args.model}, {args.quantization} (groups of {args.group_size}), {args.dtype}: "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
-    omni = Omni(args.model, dtype=args.dtype, quantization=args.quantization,
+    omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, quantization=args.quantization,
                 quantization_group_size=args.group_size)
     load = time.perf_counter() - t0
     now, peak = rss_gib()
@@ -114,14 +169,21 @@ def main() -> None:
           + ", ".join(f"{s} {m.weight_bytes / (1 << 30):.2f} GiB weights + {m.kv_bytes / (1 << 30):.2f} GiB KV"
                       for s, m in plan.items()))
     steps = {}
+    decode_run(omni, 1, 2)  # warm-up: the first requests compile and fill caches
     for n in args.concurrency:
-        wall, tokens = run_text(omni, prompts(n), lengths(n, args.max_tokens, False))
-        steps[n] = wall / args.max_tokens
-        print(f"thinker decode, {n:>2} requests: {tokens / wall:7.1f} tokens/s aggregate "
-              f"({1000 * steps[n]:.0f} ms per step incl. prefill)")
-    run = run_speech(omni.engine, ["Say something short."], 8, args.speech_frames)
-    print(f"spoken answer (8 text tokens, {args.speech_frames} frames): first audio {run.latency:.2f} s, "
-          f"{run.audio_s:.2f} s of audio in {run.wall:.2f} s: RTF {run.wall / run.audio_s:.2f}")
+        prefill, step, tokens = decode_run(omni, n, args.max_tokens)
+        steps[n] = step
+        bound = decode_step_bytes(omni, n) / bandwidth
+        print(f"thinker decode, {n:>2} requests: {n / step:7.1f} tokens/s aggregate, {1000 * step:.0f} ms per "
+              f"step (bandwidth bound {1000 * bound:.0f} ms: {100 * bound / step:.0f}% of it); all first tokens "
+              f"after {prefill:.2f} s")
+    for n in args.speech_requests:
+        run = run_speech(omni.engine, [f"Say something short ({i})." for i in range(n)], 8, args.speech_frames)
+        print(f"spoken answers, {n} requests (8 text tokens, {args.speech_frames} frames each): first audio "
+              f"{run.latency:.2f} s (median), {run.audio_s:.2f} s of audio in {run.wall:.2f} s: "
+              f"{run.audio_s / run.wall:.2f} audio-s/s aggregate, RTF {run.wall * n / run.audio_s:.2f} per request")
+    now, peak = rss_gib()
+    print(f"resident after the runs {now:.2f} GiB (peak {peak:.2f} GiB)")
     if args.project:
         layers = len(omni.engine.orchestrator.stages["thinker"].runner.model.thinker.model.layers)
         for n, step in steps.items():

@@ -104,3 +104,13 @@ def resident_bytes() -> int:
         return 0
     line = next((x for x in status.read_text().splitlines() if x.startswith("RssAnon:")), "RssAnon: 0 kB")
     return int(line.split()[1]) * 1024
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX) that torch's CPU kernels use; without it
+    bfloat16 GEMMs and convolutions are emulated (widened per call, some on slow reference paths)."""
+    import torch
+
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())

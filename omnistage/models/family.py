@@ -184,6 +184,12 @@ class ModelFamily(ABC):
     def build_bridge(self, name: str, model: Any, args: Mapping[str, Any]) -> Bridge:
         """The bridge ``name`` feeding ``model`` (the downstream stage's model)."""
 
+    def weight_dtype(self, part: str, dtype: torch.dtype, device: str) -> torch.dtype:
+        """The dtype ``part`` holds its weights (and computes) in when the engine serves in ``dtype`` on
+        ``device`` (the memory plan and the build agree on it): float32 for a ``float32_weights`` part, else
+        ``dtype``."""
+        return torch.float32 if self.parts[part].float32_weights else dtype
+
     def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
         """Which of ``part``'s checkpoint weights (names relative to its prefix) ``quantization`` quantizes, in
         which format; None when it quantizes none. Raises ValueError where the family cannot quantize."""

@@ -104,13 +104,12 @@ def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtyp
                 sizes.pop(base + suffix, None)
             sizes[name] = (shape, None)
             packed[name] = fmt
-    itemsize = torch.empty((), dtype=dtype).element_size()
     plans = []
     for name in pipeline.order:
         stage = pipeline.stage(name)
         part = family.parts[stage.model_part]
-        width = 4 if part.float32_weights else itemsize
         stage_device = (placement or {}).get(name, device)
+        width = family.weight_dtype(stage.model_part, dtype, stage_device).itemsize
         try:
             scheme = family.quant_scheme(stage.model_part, quantization.for_stage(stage.quantization))
         except ValueError as exc:

@@ -45,6 +45,8 @@ def _build() -> ctypes.CDLL:
     library.quant_linear.argtypes = [i32, i64, i64, i64, i64, p, p, i32, p, i32, p, p, i32, p, p, i32]
     library.quant_moe.restype = None
     library.quant_moe.argtypes = ([i32, i32] + [i64] * 6 + [p, p, i32, p, p, p, p, i32, p, i32, p, p, p, p, i32])
+    library.read_bytes.restype = i64
+    library.read_bytes.argtypes = [p, i64, i32]
     return library
 
 
@@ -103,7 +105,7 @@ def linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tenso
     x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype)
     bias_f = None if bias is None else bias.float().contiguous()
-    xp = scratch("q-x", rows * k, torch.float32)
+    xp = scratch("q-x", rows * k + 2 * rows * (k // 32), torch.float32)
     yf = scratch("q-y", rows * n, torch.float32)
     _library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
                           int(scales.dtype == torch.bfloat16), x.data_ptr(), int(x.dtype == torch.bfloat16),
@@ -128,9 +130,9 @@ def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, t
     x = x.contiguous()
     counts = counts.to(torch.int64).contiguous()
     out = torch.empty_like(x)
-    xp = scratch("q-x", rows * hidden, torch.float32)
+    xp = scratch("q-x", rows * hidden + 2 * rows * (hidden // 32), torch.float32)
     h = scratch("q-h", rows * up_rows, torch.float32)
-    hp = scratch("q-hp", rows * inter, torch.float32)
+    hp = scratch("q-hp", rows * inter + 2 * rows * (inter // 32), torch.float32)
     starts = scratch("q-starts", 2 * experts + 1, torch.int64)
     bf16 = int(x.dtype == torch.bfloat16)
     _library.quant_moe(bits_up, bits_down, rows, experts, hidden, inter, _group(bits_up, group_up, hidden),
@@ -139,3 +141,20 @@ def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, t
                        int(scales_up.dtype == torch.bfloat16), out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(),
                        hp.data_ptr(), starts.data_ptr(), torch.get_num_threads())
     return out
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 3) -> float:
+    """Bytes per second a streaming read of ``nbytes`` reaches over ``torch.get_num_threads()`` threads (best of
+    ``reps``): the bound the benchmarks hold decode steps against."""
+    import time
+
+    _require()
+    buf = torch.ones(nbytes // 4096 * 4096, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        total = _library.read_bytes(buf.data_ptr(), buf.numel(), torch.get_num_threads())
+        best = min(best, time.perf_counter() - t0)
+    if total != buf.numel():
+        raise RuntimeError("read_bytes summed the buffer wrongly")
+    return buf.numel() / best

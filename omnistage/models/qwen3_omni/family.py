@@ -56,6 +56,7 @@ from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
 from omnistage.models.registry import register_family
 from omnistage.models.tool_calls import QWEN_TOOL_CALLS
+from omnistage.runtime_env import cpu_computes_bf16
 
 PREFERRED_VOICE = "ethan"
 TOWER_LAYERS = ("audio_tower.layers.", "visual.blocks.")  # (relative to "thinker.") what quantization covers
@@ -141,6 +142,16 @@ class Qwen3OmniFamily(HFChatFamily):
     def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
         return quant_scheme(part, quantization)
 
+    def weight_dtype(self, part: str, dtype: torch.dtype, device: str) -> torch.dtype:
+        """Code2Wav runs in float32 where bfloat16 would be served on a CPU without bfloat16 arithmetic: there
+        torch's bfloat16 GEMMs and convolutions fall back to slow paths (the released widths, AVX2, 2 threads:
+        37 of 50 s of a spoken answer were Code2Wav's bfloat16 addmm and dilated convolutions); float32 costs
+        its 0.22 B parameters 0.4 GiB more."""
+        if part == "code2wav" and dtype == torch.bfloat16 and torch.device(device).type == "cpu" \
+                and not cpu_computes_bf16():
+            return torch.float32
+        return super().weight_dtype(part, dtype, device)
+
     def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
         cfg = {"thinker": self.config.thinker_config, "talker": self.config.talker_config}.get(part)
         if cfg is None:
@@ -173,9 +184,10 @@ class Qwen3OmniFamily(HFChatFamily):
             fast_kernels(talker, ctx.fast).code_predictor.warm_up()
             return TalkerStageModel(talker, self.ids, specials)
         if part == "code2wav":
-            with building(ctx.dtype, ctx.device):
+            dtype = self.weight_dtype(part, ctx.dtype, ctx.device)
+            with building(dtype, ctx.device):
                 code2wav = Code2Wav(self.config.code2wav_config)
-            load_into(code2wav, self.model_dir, "code2wav.", ctx.dtype)
+            load_into(code2wav, self.model_dir, "code2wav.", dtype)
             return Code2WavStageModel(fast_kernels(code2wav.eval(), ctx.fast))
         raise ValueError(f"unknown part {part!r}")
 

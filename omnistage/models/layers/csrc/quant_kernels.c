@@ -74,6 +74,9 @@ static inline void widen_row(int bits, int64_t K, const void *src, int bf16, flo
             for (int i = 0; i < 8; i++) dst[k + 8 * j + i] = load_act(src, bf16, k + 4 * i + j);
 }
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2048
+#endif
 #if Q_AVX2
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -122,6 +125,7 @@ static inline __attribute__((always_inline)) void tile(const int bits, const int
             acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
         for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
             __m256 f[4];
+            __builtin_prefetch(w + (bits == 4 ? k / 2 : k) + PREFETCH_AHEAD, 0, 0);
             weights32(bits, w, k, f);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++)
@@ -138,6 +142,99 @@ static inline __attribute__((always_inline)) void tile(const int bits, const int
     }
 #pragma GCC unroll 2
     for (int m = 0; m < MR; m++) out[m * ldo] = hsum8(total[m]);
+}
+
+/* The bfloat16 path: activation rows as 16-bit fixed point per group of inputs (`quantize_row_i16`), weights
+ * widened to int16 in registers, products summed exactly in int32 by vpmaddwd (16 per instruction), each
+ * group's sum scaled once (weight scale x activation scale). 32 weights cost 10 instructions here against 20
+ * on the float path. */
+static inline __attribute__((always_inline)) void iweights32(const int bits, const uint8_t *w, int64_t k,
+                                                             __m256i *a, __m256i *b) {
+    if (bits == 4) { /* 16 bytes: low nibbles are inputs k, k+2, .., high ones k+1, k+3, .. (0..15, offset 8) */
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        __m128i v = _mm_loadu_si128((const __m128i *)(w + k / 2));
+        *a = _mm256_cvtepu8_epi16(_mm_and_si128(v, mask));
+        *b = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    } else {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + k));
+        *a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+        *b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+    }
+}
+
+/* 64 int4 weights at input k (32 bytes) as four int16 vectors: low nibbles of bytes 0-7 | 16-23, 8-15 | 24-31,
+ * then the high nibbles likewise (`order_row_i16` puts the inputs in this order). */
+static inline __attribute__((always_inline)) void iweights64(const uint8_t *w, int64_t k, __m256i v[4]) {
+    const __m256i mask = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    __m256i b = _mm256_loadu_si256((const __m256i *)(w + k / 2));
+    __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    v[0] = _mm256_unpacklo_epi8(lo, zero);
+    v[1] = _mm256_unpackhi_epi8(lo, zero);
+    v[2] = _mm256_unpacklo_epi8(hi, zero);
+    v[3] = _mm256_unpackhi_epi8(hi, zero);
+}
+
+static inline int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One output row x MR (1..4) activation rows of int16 (xq, ldx) quantized in chunks of `ag` inputs (a divisor
+ * of the weight's group; at most 128, so an int32 sum cannot overflow: 127 x 32767 x 128 < 2^31), their scales
+ * xs and sums xsum ([MR][chunks], ldg): out[m * ldo]. Each chunk's int32 sums are converted and scaled as a
+ * vector (no horizontal sum per chunk); int4's offset of 8 is taken off once per chunk through xsum. The
+ * integer sums are exact, so a row's result does not depend on MR. */
+static inline __attribute__((always_inline)) void itile(const int bits, const int MR, int64_t K, int64_t group,
+                                                        int64_t ag, const uint8_t *w, const void *s, int s_bf16,
+                                                        const int16_t *xq, int64_t ldx, const float *xs,
+                                                        const int32_t *xsum, int64_t ldg, float *out, int64_t ldo) {
+    __m256 total[4];
+    float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) total[m] = _mm256_setzero_ps();
+    const int wide = bits == 4 && ag % 64 == 0;
+    for (int64_t c = 0; c < K / ag; c++) {
+        __m256i acc[4];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_si256();
+        if (wide) {
+            for (int64_t k = c * ag; k < (c + 1) * ag; k += 64) {
+                __m256i v[4];
+                iweights64(w, k, v);
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++) {
+                    const __m256i *x = (const __m256i *)(xq + m * ldx + k);
+                    __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(v[0], _mm256_loadu_si256(x)),
+                                                  _mm256_madd_epi16(v[1], _mm256_loadu_si256(x + 1)));
+                    __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(v[2], _mm256_loadu_si256(x + 2)),
+                                                  _mm256_madd_epi16(v[3], _mm256_loadu_si256(x + 3)));
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(p0, p1));
+                }
+            }
+        } else {
+            for (int64_t k = c * ag; k < (c + 1) * ag; k += 32) {
+                __m256i a, b;
+                iweights32(bits, w, k, &a, &b);
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++) {
+                    const __m256i *x = (const __m256i *)(xq + m * ldx + k);
+                    acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(a, _mm256_loadu_si256(x)),
+                                                                       _mm256_madd_epi16(b, _mm256_loadu_si256(x + 1))));
+                }
+            }
+        }
+        float sw = scale_at(s, s_bf16, c * ag / group);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+            float sc = sw * xs[m * ldg + c];
+            total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(sc), total[m]);
+            if (bits == 4) offset[m] += sc * (float)(8 * xsum[m * ldg + c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) out[m * ldo] = hsum8(total[m]) - offset[m];
 }
 #else
 /* Weight j of a 32-input block at input k, in `widen_row`'s order. */
@@ -178,6 +275,119 @@ static inline __attribute__((always_inline)) void rows_range_of(const int bits, 
     }
 }
 
+#if Q_AVX2
+/* The int16 path's activation chunk: the weight's group where it is at most 128 inputs, else 128 (int8 rows:
+ * 128 where K allows, else 32). */
+static inline int64_t act_chunk(int bits, int64_t K, int64_t group) {
+    int64_t g = bits == 4 ? group : K;
+    return g <= 128 ? g : (g % 128 == 0 ? 128 : 32);
+}
+
+/* Row `src` ([K], float32 or bfloat16) -> int16 `dst` in the order `iweights32` gives the weights (int4: per
+ * 32-input block, inputs 0, 2, .., 30 then 1, 3, .., 31), per chunk of `ag` inputs one scale (its largest
+ * magnitude / 32767: rounding error at most 2^-16 of it, below bfloat16's own 2^-9) and the sum of its values. */
+static inline __m256 load8(const void *src, int bf16, int64_t k) {
+    if (bf16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)src + k))), 16));
+    return _mm256_loadu_ps((const float *)src + k);
+}
+
+/* [a0 .. a7], [b0 .. b7] -> evens [a0 a2 a4 a6 b0 b2 b4 b6], odds [a1 .. b7]. */
+static inline void deinterleave(__m256 a, __m256 b, __m256 *even, __m256 *odd) {
+    __m256 e = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), o = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* 16 int32 (two vectors, in order) -> 16 int16 at dst. */
+static inline void store16(int16_t *dst, __m256i lo, __m256i hi) {
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+static void quantize_row_i16(int64_t K, int64_t ag, const void *src, int bf16, int16_t *dst, float *xs,
+                             int32_t *xsum) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t c = 0; c < K / ag; c++) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t k = c * ag; k < (c + 1) * ag; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(load8(src, bf16, k), magnitude));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+        __m256i sum = _mm256_setzero_si256();
+        for (int64_t k = c * ag; k < (c + 1) * ag; k += 32) {
+            __m256 v0 = load8(src, bf16, k), v1 = load8(src, bf16, k + 8), v2 = load8(src, bf16, k + 16),
+                   v3 = load8(src, bf16, k + 24);
+            /* (round to nearest even, as lrintf; |v| * inv <= 32767) */
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+            store16(dst + k, i0, i1);
+            store16(dst + k + 16, i2, i3);
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+        }
+        xs[c] = amax / 32767.0f;
+        xsum[c] = hsum_i32(sum);
+    }
+}
+
+/* Row `src` (int16, natural order) -> `dst` in the order the int path reads the weights: int4 in chunks that
+ * are multiples of 64 inputs as `iweights64` unpacks them, else per 32 inputs evens then odds (`iweights32`);
+ * int8 unchanged. */
+static void order_row_i16(int bits, int64_t K, int64_t ag, const int16_t *src, int16_t *dst) {
+    if (bits == 8) {
+        memcpy(dst, src, (size_t)K * sizeof(int16_t));
+        return;
+    }
+    if (ag % 64 == 0) {
+        for (int64_t k = 0; k < K; k += 64)
+            for (int i = 0; i < 64; i++) {
+                int j = i / 2, lane = j / 16, b = j % 16, vec = 2 * (i & 1) + (b >= 8);
+                dst[k + 16 * vec + 8 * lane + b % 8] = src[k + i];
+            }
+        return;
+    }
+    for (int64_t k = 0; k < K; k += 32)
+        for (int i = 0; i < 32; i++) dst[k + (i & 1 ? 16 + i / 2 : i / 2)] = src[k + i];
+}
+
+static inline __attribute__((always_inline)) void irows_range_of(const int bits, int64_t M, int64_t K,
+                                                                 int64_t group, const uint8_t *w, const void *s,
+                                                                 int s_bf16, const int16_t *xq, const float *xs,
+                                                                 const int32_t *xsum, float *y, int64_t ldo,
+                                                                 int64_t n0, int64_t n1) {
+    int64_t row_bytes = bits == 4 ? K / 2 : K, groups = bits == 4 ? K / group : 1, scale_bytes = s_bf16 ? 2 : 4;
+    int64_t ag = act_chunk(bits, K, group), ldg = K / ag;
+    int64_t wgroup = bits == 4 ? group : K;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *wn = w + n * row_bytes;
+        const void *sn = (const char *)s + n * groups * scale_bytes;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)
+            itile(bits, 4, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg,
+                  y + m * ldo + n, ldo);
+        switch (M - m) {
+        case 3: itile(bits, 3, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
+        case 2: itile(bits, 2, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
+        case 1: itile(bits, 1, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
+        default: break;
+        }
+    }
+}
+
+static void irows_range_4(int64_t M, int64_t K, int64_t group, const uint8_t *w, const void *s, int s_bf16,
+                          const int16_t *xq, const float *xs, const int32_t *xsum, float *y, int64_t ldo, int64_t n0,
+                          int64_t n1) {
+    irows_range_of(4, M, K, group, w, s, s_bf16, xq, xs, xsum, y, ldo, n0, n1);
+}
+
+static void irows_range_8(int64_t M, int64_t K, int64_t group, const uint8_t *w, const void *s, int s_bf16,
+                          const int16_t *xq, const float *xs, const int32_t *xsum, float *y, int64_t ldo, int64_t n0,
+                          int64_t n1) {
+    irows_range_of(8, M, K, group, w, s, s_bf16, xq, xs, xsum, y, ldo, n0, n1);
+}
+#endif
+
 /* The tiles specialised per format (a constant `bits` lets the compiler keep the accumulators in registers). */
 static void rows_range_4(int64_t M, int64_t K, int64_t group, const uint8_t *w, const void *s, int s_bf16,
                          const float *xp, int64_t ldx, float *y, int64_t ldo, int64_t n0, int64_t n1) {
@@ -195,22 +405,74 @@ static inline void rows_range(int bits, int64_t M, int64_t K, int64_t group, con
     (bits == 4 ? rows_range_4 : rows_range_8)(M, K, group, w, s, s_bf16, xp, ldx, y, ldo, n0, n1);
 }
 
+/* Activations of one call, widened once: float32 rows (`xp`, float path), or int16 rows + chunk scales + sums
+ * (bfloat16 on AVX2), carved from one scratch of M * K + 2 * M * (K / 32) floats. */
+typedef struct {
+    int int16;
+    int64_t rows;
+    float *xp;
+    int16_t *xq;
+    float *xs;
+    int32_t *xsum;
+} Acts;
+
+static inline Acts acts_in(int x_bf16, int64_t M, int64_t K, float *scratch) {
+    Acts a = {0, M, scratch, 0, 0, 0};
+#if Q_AVX2
+    if (x_bf16) { /* int16 rows, then as many int16 for each row before ordering, then scales and sums */
+        a.int16 = 1;
+        a.xq = (int16_t *)scratch;
+        a.xs = scratch + M * K;
+        a.xsum = (int32_t *)(a.xs + M * (K / 32));
+    }
+#endif
+    return a;
+}
+
+static inline void acts_row(int bits, int64_t K, int64_t group, const void *src, int bf16, Acts a, int64_t m) {
+#if Q_AVX2
+    if (a.int16) {
+        int64_t ag = act_chunk(bits, K, group);
+        int16_t *natural = a.xq + (a.rows + m) * K;
+        quantize_row_i16(K, ag, src, bf16, natural, a.xs + m * (K / ag), a.xsum + m * (K / ag));
+        order_row_i16(bits, K, ag, natural, a.xq + m * K);
+        return;
+    }
+#endif
+    widen_row(bits, K, src, bf16, a.xp + m * K);
+}
+
+/* Output rows [n0, n1) for activation rows [r0, r0 + M) of `a`. */
+static inline void rows_of(int bits, int64_t M, int64_t K, int64_t group, const uint8_t *w, const void *s,
+                           int s_bf16, Acts a, int64_t r0, float *y, int64_t ldo, int64_t n0, int64_t n1) {
+#if Q_AVX2
+    if (a.int16) {
+        int64_t ag = act_chunk(bits, K, group);
+        (bits == 4 ? irows_range_4 : irows_range_8)(M, K, group, w, s, s_bf16, a.xq + r0 * K, a.xs + r0 * (K / ag),
+                                                    a.xsum + r0 * (K / ag), y, ldo, n0, n1);
+        return;
+    }
+#endif
+    rows_range(bits, M, K, group, w, s, s_bf16, a.xp + r0 * K, K, y, ldo, n0, n1);
+}
+
 #define CHUNK 16 /* output rows per work item */
 
-/* y[M, N] = x[M, K] . W^T (+ bias[N], float32, optional), x and y float32 or bfloat16. `xp`: scratch of M * K
- * floats; `yf`: scratch of M * N floats. */
+/* y[M, N] = x[M, K] . W^T (+ bias[N], float32, optional), x and y float32 or bfloat16. `xp`: scratch of
+ * M * K + 2 * M * (K / 32) floats; `yf`: scratch of M * N floats. */
 void quant_linear(int bits, int64_t M, int64_t N, int64_t K, int64_t group, const uint8_t *w, const void *s,
                   int s_bf16, const void *x, int x_bf16, const float *bias, void *y, int y_bf16, float *xp,
                   float *yf, int threads) {
     int64_t items = (N + CHUNK - 1) / CHUNK;
+    Acts acts = acts_in(x_bf16, M, K, xp);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) widen_row(bits, K, (const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, xp + m * K);
+        for (int64_t m = 0; m < M; m++) acts_row(bits, K, group, (const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, acts, m);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < items; i++) {
             int64_t n0 = i * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-            rows_range(bits, M, K, group, w, s, s_bf16, xp, K, yf, N, n0, n1);
+            rows_of(bits, M, K, group, w, s, s_bf16, acts, 0, yf, N, n0, n1);
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
@@ -220,7 +482,8 @@ void quant_linear(int bits, int64_t M, int64_t N, int64_t K, int64_t group, cons
 
 /* A routed SwiGLU expert layer: x [S, H] (rows sorted by expert, `counts` [E] rows each) -> out [S, H], each
  * row through its expert's gate_up [E, 2I, H] (gate rows first) and down [E, H, I]; no routing weights (the
- * caller weights and sums the slots). Scratch: xp S * H, h S * 2I, hp S * I floats, starts E + 1 int64. One
+ * caller weights and sums the slots). Scratch (floats): xp S * H + 2 * S * (H / 32), h S * 2I,
+ * hp S * I + 2 * S * (I / 32); starts 2E + 1 int64. One
  * parallel region, a barrier between the phases; each phase's work items are (expert, 16 output rows). */
 void quant_moe(int bits_up, int bits_down, int64_t S, int64_t E, int64_t H, int64_t I, int64_t group_up,
                int64_t group_down, const int64_t *counts, const void *x, int x_bf16, const uint8_t *wu,
@@ -235,41 +498,57 @@ void quant_moe(int bits_up, int bits_down, int64_t S, int64_t E, int64_t H, int6
     int64_t up_rows = 2 * I, up_bytes = bits_up == 4 ? H / 2 : H, down_bytes = bits_down == 4 ? I / 2 : I;
     int64_t up_items = (up_rows + CHUNK - 1) / CHUNK, down_items = (H + CHUNK - 1) / CHUNK;
     int64_t up_groups = H / group_up, down_groups = I / group_down, sb = s_bf16 ? 2 : 4;
+    Acts up = acts_in(x_bf16, S, H, xp), down = acts_in(x_bf16, S, I, hp);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < S; m++) widen_row(bits_up, H, (const char *)x + m * H * (x_bf16 ? 2 : 4), x_bf16, xp + m * H);
+        for (int64_t m = 0; m < S; m++) acts_row(bits_up, H, group_up, (const char *)x + m * H * (x_bf16 ? 2 : 4), x_bf16, up, m);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < active * up_items; i++) {
             int64_t e = ids[i / up_items], n0 = (i % up_items) * CHUNK;
             int64_t n1 = n0 + CHUNK < up_rows ? n0 + CHUNK : up_rows, r0 = starts[e];
-            rows_range(bits_up, counts[e], H, group_up, wu + e * up_rows * up_bytes,
-                       (const char *)su + e * up_rows * up_groups * sb, s_bf16, xp + r0 * H, H, h + r0 * up_rows,
-                       up_rows, n0, n1);
+            rows_of(bits_up, counts[e], H, group_up, wu + e * up_rows * up_bytes,
+                    (const char *)su + e * up_rows * up_groups * sb, s_bf16, up, r0, h + r0 * up_rows, up_rows, n0, n1);
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < S; m++) {
-            const float *g = h + m * up_rows, *u = g + I;
-            float *dst = hp + m * I;
-            for (int64_t k = 0; k < I; k++) {
-                float v = g[k] / (1.0f + expf(-g[k])) * u[k];
-                int64_t at = k;
-                if (bits_down == 4) { /* widen_row's int4 input order */
-                    int64_t base = k & ~(int64_t)31, r = k & 31;
-                    at = base + 8 * (r & 3) + r / 4;
-                }
-                dst[at] = v;
-            }
+            float *g = h + m * up_rows; /* SwiGLU written over the gate half, then taken as the down rows */
+            const float *u = g + I;
+            for (int64_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+            acts_row(bits_down, I, group_down, g, 0, down, m);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < active * down_items; i++) {
             int64_t e = ids[i / down_items], n0 = (i % down_items) * CHUNK;
             int64_t n1 = n0 + CHUNK < H ? n0 + CHUNK : H, r0 = starts[e];
-            rows_range(bits_down, counts[e], I, group_down, wd + e * H * down_bytes,
-                       (const char *)sd + e * H * down_groups * sb, s_bf16, hp + r0 * I, I, xp + r0 * H, H, n0, n1);
+            /* (the up phase's activations are done with: its scratch takes the float output) */
+            rows_of(bits_down, counts[e], I, group_down, wd + e * H * down_bytes,
+                    (const char *)sd + e * H * down_groups * sb, s_bf16, down, r0, xp + r0 * H, H, n0, n1);
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < S; m++)
             for (int64_t n = 0; n < H; n++) store_act(out, out_bf16, m * H + n, xp[m * H + n]);
     }
+}
+
+/* Read n bytes (a multiple of 32) once over `threads` threads and return their byte sum: the machine's read
+ * bandwidth as a streaming kernel sees it (the benchmarks' memory-bandwidth bound). */
+int64_t read_bytes(const uint8_t *p, int64_t n, int threads) {
+    int64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
+    for (int64_t block = 0; block < n / 4096; block++) {
+        const uint8_t *q = p + block * 4096;
+#if Q_AVX2
+        __m256i acc = _mm256_setzero_si256();
+        for (int i = 0; i < 4096; i += 32)
+            acc = _mm256_add_epi64(acc, _mm256_sad_epu8(_mm256_loadu_si256((const __m256i *)(q + i)),
+                                                        _mm256_setzero_si256()));
+        int64_t lanes[4];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        total += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+        for (int i = 0; i < 4096; i++) total += q[i];
+#endif
+    }
+    return total;
 }
