@@ -19,7 +19,13 @@ from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
-from omnistage.models.layers.fast_linear import PackedLinear, can_pack, fast_kernels, onednn_available
+from omnistage.models.layers.fast_linear import (
+    DenseBf16Linear,
+    PackedLinear,
+    can_pack,
+    fast_kernels,
+    onednn_available,
+)
 from omnistage.models.layers.mlp import GatedMLP
 from omnistage.models.layers.moe import WIDENED_BF16_MAX_ROWS_PER_EXPERT, SparseMoE
 from omnistage.models.qwen3_omni.code_predictor import (
@@ -271,7 +277,8 @@ def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(
 def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype, tol):
     """``fast`` linear layers on panels: the products of ``F.linear`` (bias included, output widths off the
     panel width padded, any leading dims) in float32, and in bfloat16 where the CPU has its dot products (else
-    such layers keep oneDNN); a row's bits do not depend on its batch mates or the thread count."""
+    oneDNN's packed layout, or where oneDNN cannot pack bfloat16 omnistage's dense bfloat16 kernel); a row's bits
+    do not depend on its batch mates or the thread count."""
     linear = _seeded(torch.nn.Linear(48, 37), std=0.2).to(dtype)
     x = torch.randn(2, 20, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = linear(x).float()
@@ -279,10 +286,11 @@ def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype,
     if dtype == torch.bfloat16 and not cpu_kernels.supports_linear(torch.empty(1, 48, dtype=dtype)):
         if can_pack(torch.empty(1, 48, dtype=dtype)):
             assert linear.panels is None and linear.packed_weight is not None
-        else:  # no oneDNN bfloat16 on this CPU either: torch's own GEMM, the weight kept
-            assert type(linear) is torch.nn.Linear and linear.weight.numel() == 48 * 37
-        return
-    assert linear.panels is not None and linear.packed_weight is None and linear.weight.numel() == 0
+            return
+        # no oneDNN bfloat16 on this CPU either: omnistage's dense bfloat16 kernel, the weight kept
+        assert type(linear) is DenseBf16Linear and linear.weight.numel() == 48 * 37
+    else:
+        assert linear.panels is not None and linear.packed_weight is None and linear.weight.numel() == 0
     got = linear(x)
     assert got.shape == (2, 20, 37) and got.dtype == dtype
     assert (got.float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())

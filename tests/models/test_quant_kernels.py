@@ -89,6 +89,19 @@ def test_moe_layer_matches_each_experts_swiglu(formats: tuple[QuantFormat, Quant
     _close(out, torch.cat(ref), dtype)
 
 
+def test_moe_layer_in_parts_equals_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    fmt = QuantFormat(4, 32)
+    ups = [_quantized(64, 64, fmt, torch.bfloat16, seed=e) for e in range(4)]
+    downs = [_quantized(64, 32, fmt, torch.bfloat16, seed=9 + e) for e in range(4)]
+    up = (4, 32, torch.stack([u[0] for u in ups]), torch.stack([u[1] for u in ups]))
+    dn = (4, 32, torch.stack([d[0] for d in downs]), torch.stack([d[1] for d in downs]))
+    counts = torch.tensor([5, 0, 9, 3])
+    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    whole = quant_kernels.moe(x, counts, up, dn)
+    monkeypatch.setattr(quant_kernels, "MOE_ROWS_PER_CALL", 6)  # expert 2 alone exceeds it
+    assert torch.equal(quant_kernels.moe(x, counts, up, dn), whole)
+
+
 def test_shapes_the_kernels_take() -> None:
     cpu = torch.device("cpu")
     assert quant_kernels.takes(4, 128, 2048, cpu) and quant_kernels.takes(8, None, 1024, cpu)
@@ -103,3 +116,16 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not quant_kernels.takes(4, 128, 2048, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="OMNISTAGE_CPU_KERNELS=0"):
         quant_kernels.linear(torch.randn(1, 64), 4, 32, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_bfloat16_linear(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(37, 96, generator=g).to(torch.bfloat16)
+    bias = torch.randn(37, generator=g)
+    x = torch.randn(9, 96, generator=g).to(dtype)
+    out = quant_kernels.dense_linear(x, weight, bias)
+    _close(out, x.float() @ weight.float().T + bias, dtype)
+    assert all(torch.equal(out[i:i + 1], quant_kernels.dense_linear(x[i:i + 1], weight, bias)) for i in (0, 4, 8))
+    assert quant_kernels.takes_dense(weight) and not quant_kernels.takes_dense(weight[:, :40])
+    assert not quant_kernels.takes_dense(weight.float())

@@ -4,7 +4,9 @@ At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs 
 call. A weight packed once streams faster: in omnistage's panel layout (``cpu_kernels``: float32, and
 bfloat16 on CPUs with AVX512-BF16 dot products; 1.2-2x faster than oneDNN at 1-16 rows, within a few percent at
 prefill sizes, measured on this machine's AMD EPYC at 2 threads), else in oneDNN's blocked layout (up to ~2x
-faster than the default GEMM). The price in float32 is a different summation order than the default GEMM's
+faster than the default GEMM); bfloat16 weights where oneDNN cannot pack them (AVX2 alone) through
+``quant_kernels.dense_linear`` (the released Thinker's output head at 1 / 4 / 16 rows, 2 threads: 48 / 75 / 175
+ms against torch's emulated bfloat16 GEMM's 53 / 152 / 558). The price in float32 is a different summation order than the default GEMM's
 (and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a different
 greedy token than the reference (the parity tests hold with it on every test checkpoint). In bfloat16 the
 default CPU GEMM already is oneDNN, and oneDNN-packed weights give the same bits.
@@ -24,9 +26,9 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from omnistage.models.layers import cpu_kernels
+from omnistage.models.layers import cpu_kernels, quant_kernels
 from omnistage.models.layers.cpu_kernels import pack_bias, pack_linear, panel_linear
-from omnistage.runtime_env import release_free_heap
+from omnistage.runtime_env import cpu_computes_bf16, release_free_heap
 
 # Row count the packed layout is tuned for (decode batches); any row count runs correctly.
 PACK_BATCH_HINT = 16
@@ -146,11 +148,24 @@ def _weight_bytes(module: nn.Module, recurse: bool) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters(recurse=recurse))
 
 
+class DenseBf16Linear(nn.Linear):
+    """A bfloat16 linear layer through ``quant_kernels.dense_linear`` (its weight as loaded: no copy), for CPUs
+    where oneDNN cannot pack bfloat16 and torch's bfloat16 GEMM is emulated."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        return quant_kernels.dense_linear(rows, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+
+
 def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
-    """Turn ``linear`` into a PackedLinear (its weight released); False where no kernel takes the weight."""
+    """Turn ``linear`` into a PackedLinear (its weight released), or a DenseBf16Linear; False where no kernel
+    takes the weight."""
     weight = linear.weight.detach()
     panels = pack_linear(weight) if cpu_kernels.supports_linear(weight) else None
     if panels is None and not can_pack(weight):
+        if quant_kernels.takes_dense(weight) and not cpu_computes_bf16():
+            linear.__class__ = DenseBf16Linear
+            return True
         return False
     linear.register_buffer("panels", panels, persistent=False)
     linear.register_buffer("panel_bias", None if panels is None else pack_bias(linear.bias, linear.out_features),

@@ -263,15 +263,18 @@ class QuantBuffer:
     """Rows of a quantized weight filled as checkpoint tensors arrive (``write_rows``), packed once complete.
 
     Holds the values as the weight will (int8 [rows, K], int4 as nibbles [rows, K/2]: no wider copy while
-    loading) and float32 scales; ``shape`` shapes the rows back into stacked experts ([E, N, K])."""
+    loading) and the scales in ``scale_dtype``, the dtype ``pack`` will be asked for (a float32 copy of every
+    layer's scales, freed layer by layer, was 0.9 GiB of load transient at the released widths); ``shape``
+    shapes the rows back into stacked experts ([E, N, K])."""
 
-    def __init__(self, shape: tuple[int, ...], fmt: QuantFormat, device: torch.device) -> None:
+    def __init__(self, shape: tuple[int, ...], fmt: QuantFormat, device: torch.device,
+                 scale_dtype: torch.dtype = torch.float32) -> None:
         *lead, n, k = shape
         self.shape, self.fmt = tuple(shape), fmt
         rows = n * (torch.Size(lead).numel() if lead else 1)
         width, dtype = (k, torch.int8) if fmt.bits == 8 else (k // 2, torch.uint8)
         self.values = torch.empty(rows, width, dtype=dtype, device=device)
-        self.scales = torch.empty(rows, fmt.groups(k), dtype=torch.float32, device=device)
+        self.scales = torch.empty(rows, fmt.groups(k), dtype=scale_dtype, device=device)
         self.filled = torch.zeros(rows, dtype=torch.bool)
 
     def write_rows(self, start: int, weight: torch.Tensor) -> None:

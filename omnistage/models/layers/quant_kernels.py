@@ -45,6 +45,8 @@ def _build() -> ctypes.CDLL:
     library.quant_linear.argtypes = [i32, i64, i64, i64, i64, p, p, i32, p, i32, p, p, i32, p, p, i32]
     library.quant_moe.restype = None
     library.quant_moe.argtypes = ([i32, i32] + [i64] * 6 + [p, p, i32, p, p, p, p, i32, p, i32, p, p, p, p, i32])
+    library.dense_bf16.restype = None
+    library.dense_bf16.argtypes = [i64, i64, i64, p, p, i32, p, p, i32, p, p, i32]
     library.read_bytes.restype = i64
     library.read_bytes.argtypes = [p, i64, i32]
     return library
@@ -96,7 +98,28 @@ def _group(bits: int, group_size: int | None, in_features: int) -> int:
 def linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tensor, scales: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (float32 / bfloat16, CPU) times the quantized weight (``data``: int4 uint8 [N, K/2] or int8
-    [N, K]; ``scales`` [N, K/g] or [N], float32 / bfloat16) transposed (+ ``bias``) -> [M, N] in x's dtype."""
+    [N, K]; ``scales`` [N, K/g] or [N], float32 / bfloat16) transposed (+ ``bias``) -> [M, N] in x's dtype.
+    Inside ``torch.compile`` an opaque custom op (``omnistage::quant_linear``); eager calls skip its dispatch."""
+    if torch.compiler.is_compiling():
+        return quant_linear_op(x, bits, group_size or 0, data, scales, bias)
+    return _linear(x, bits, group_size, data, scales, bias)
+
+
+@torch.library.custom_op("omnistage::quant_linear", mutates_args=())
+def quant_linear_op(x: torch.Tensor, bits: int, group_size: int, data: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` as a custom op (``group_size`` 0: none, int8)."""
+    return _linear(x, bits, group_size or None, data, scales, bias)
+
+
+@quant_linear_op.register_fake
+def _(x: torch.Tensor, bits: int, group_size: int, data: torch.Tensor, scales: torch.Tensor,
+      bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], data.shape[0])
+
+
+def _linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tensor, scales: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
     _require()
     if x.dtype not in _DTYPES or scales.dtype not in _DTYPES:
         raise ValueError(f"activations and scales must be float32 or bfloat16, got {x.dtype} and {scales.dtype}")
@@ -118,10 +141,57 @@ def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, t
         down: tuple[int, int | None, torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rows x [S, H] sorted by expert (``counts`` [E] rows each) through their experts' SwiGLU: ``gate_up`` and
     ``down`` are (bits, group_size, data [E, 2I, ...], scales [E, 2I, ...]) and (.., data [E, H, ...], ..), gate
-    rows first -> [S, H] in x's dtype (unweighted: the caller weights and sums each token's slots)."""
-    _require()
+    rows first -> [S, H] in x's dtype (unweighted: the caller weights and sums each token's slots). Inside
+    ``torch.compile`` an opaque custom op (``omnistage::quant_moe``)."""
     bits_up, group_up, data_up, scales_up = gate_up
     bits_down, group_down, data_down, scales_down = down
+    if torch.compiler.is_compiling():
+        return quant_moe_op(x, counts, bits_up, group_up or 0, data_up, scales_up, bits_down, group_down or 0,
+                            data_down, scales_down)
+    if x.shape[0] > MOE_ROWS_PER_CALL:  # (prefill: bounded scratch, whole experts per call)
+        return _moe_in_parts(x, counts, gate_up, down)
+    return _moe(x, counts, bits_up, group_up, data_up, scales_up, bits_down, group_down, data_down, scales_down)
+
+
+# A MoE call's rows at most (prefill chunks give up to 16k selections): its float32 scratch grows with the rows
+# (~12 KB per row at the released widths) and stays allocated, so larger batches go in parts of whole experts.
+MOE_ROWS_PER_CALL = 2048
+
+
+def _moe_in_parts(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
+    out = torch.empty_like(x)
+    ends = torch.cumsum(counts, 0).tolist()
+    start_e, start_row = 0, 0
+    for e, end in enumerate(ends):
+        last = e == len(ends) - 1
+        if last or ends[e + 1] - start_row > MOE_ROWS_PER_CALL:
+            part = torch.zeros_like(counts)
+            part[start_e:e + 1] = counts[start_e:e + 1]
+            out[start_row:end] = _moe(x[start_row:end], part, *gate_up, *down)  # (one expert may exceed it)
+            start_e, start_row = e + 1, end
+    return out
+
+
+@torch.library.custom_op("omnistage::quant_moe", mutates_args=())
+def quant_moe_op(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int, data_up: torch.Tensor,
+                 scales_up: torch.Tensor, bits_down: int, group_down: int, data_down: torch.Tensor,
+                 scales_down: torch.Tensor) -> torch.Tensor:
+    """``moe`` as a custom op (group sizes 0: none, int8)."""
+    return _moe(x, counts, bits_up, group_up or None, data_up, scales_up, bits_down, group_down or None, data_down,
+                scales_down)
+
+
+@quant_moe_op.register_fake
+def _(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int, data_up: torch.Tensor,
+      scales_up: torch.Tensor, bits_down: int, group_down: int, data_down: torch.Tensor,
+      scales_down: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _moe(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int | None, data_up: torch.Tensor,
+         scales_up: torch.Tensor, bits_down: int, group_down: int | None, data_down: torch.Tensor,
+         scales_down: torch.Tensor) -> torch.Tensor:
+    _require()
     if scales_up.dtype != scales_down.dtype or x.dtype not in _DTYPES or scales_up.dtype not in _DTYPES:
         raise ValueError("activations and scales must be float32 or bfloat16, one scale dtype for both weights")
     rows, hidden = x.shape
@@ -140,6 +210,48 @@ def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, t
                        data_up.data_ptr(), scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(),
                        int(scales_up.dtype == torch.bfloat16), out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(),
                        hp.data_ptr(), starts.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def takes_dense(weight: torch.Tensor) -> bool:
+    """Whether ``dense_linear`` serves this [N, K] weight: bfloat16 on the CPU, K a multiple of 16."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 16 == 0 and weight.is_contiguous() and available())
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (float32 / bfloat16) times a bfloat16 weight [N, K] transposed (+ ``bias``) -> [M, N] in x's
+    dtype (for CPUs without bfloat16 arithmetic; an opaque custom op inside ``torch.compile``)."""
+    if torch.compiler.is_compiling():
+        return dense_linear_op(x, weight, bias)
+    return _dense(x, weight, bias)
+
+
+@torch.library.custom_op("omnistage::dense_bf16", mutates_args=())
+def dense_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _dense(x, weight, bias)
+
+
+@dense_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _require()
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"activations must be float32 or bfloat16, got {x.dtype}")
+    rows, k = x.shape
+    n = weight.shape[0]
+    x = x.contiguous()
+    out = torch.empty(rows, n, dtype=x.dtype)
+    bias_f = None if bias is None else bias.float().contiguous()
+    xp = scratch("q-x", rows * k, torch.float32)
+    yf = scratch("q-y", rows * n, torch.float32)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _library.dense_bf16(rows, n, k, weight.data_ptr(), x.data_ptr(), bf16,
+                        None if bias_f is None else bias_f.data_ptr(), out.data_ptr(), bf16, xp.data_ptr(),
+                        yf.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -91,7 +91,7 @@ class QuantLinear(nn.Module):
         self.bias = linear.bias
         self.dtype = dtype
         self.buffer: QuantBuffer | None = QuantBuffer((self.out_features, self.in_features), fmt,
-                                                      linear.weight.device)
+                                                      linear.weight.device, dtype)
         self.weight_q: QuantWeight | None = None
 
     def buffers_to_pack(self) -> list[QuantBuffer]:
@@ -126,8 +126,8 @@ class QuantExperts(nn.Module):
         self.dtype = dtype
         device = experts.gate_up_proj.device
         self.loading: dict[str, QuantBuffer] | None = {
-            "gate_up_proj": QuantBuffer(tuple(experts.gate_up_proj.shape), fmt_gate_up, device),
-            "down_proj": QuantBuffer(tuple(experts.down_proj.shape), fmt_down, device),
+            "gate_up_proj": QuantBuffer(tuple(experts.gate_up_proj.shape), fmt_gate_up, device, dtype),
+            "down_proj": QuantBuffer(tuple(experts.down_proj.shape), fmt_down, device, dtype),
         }
         self.gate_up_q: QuantWeight | None = None
         self.down_q: QuantWeight | None = None
