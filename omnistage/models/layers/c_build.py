@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from omnistage.core.cache_dir import cache_root
+
+log = logging.getLogger(__name__)
 
 # Per Python thread: scratch buffers reused across calls (a decode step makes hundreds of small calls;
 # allocating their scratch each time cost as much as a small call's arithmetic).
@@ -53,3 +57,35 @@ def scratch(name: str, numel: int, dtype: torch.dtype, fill: float | None = None
             buf.fill_(fill)
         buffers[name] = buf
     return buf
+
+
+class LazyLibrary:
+    """A kernel library built on first use, once per process (``build`` compiles and declares it). Unavailable,
+    logged once as ``what`` + its fallback, when it cannot be built (no compiler, a failed build), and while
+    ``OMNISTAGE_CPU_KERNELS=0``."""
+
+    def __init__(self, build: Callable[[], ctypes.CDLL], what: str, fallback: str) -> None:
+        self._build, self._what, self._fallback = build, what, fallback
+        self._lock = threading.Lock()
+        self.library: ctypes.CDLL | None = None
+        self.failure: str | None = None
+
+    def available(self) -> bool:
+        if os.environ.get("OMNISTAGE_CPU_KERNELS", "1") == "0":
+            return False
+        if self.library is not None or self.failure is not None:
+            return self.library is not None
+        with self._lock:
+            if self.library is None and self.failure is None:
+                try:
+                    self.library = self._build()
+                except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the fallback serves
+                    stderr = getattr(exc, "stderr", b"") or b""
+                    self.failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
+                    log.warning("%s unavailable, %s: %s", self._what, self._fallback, self.failure)
+        return self.library is not None
+
+    def require(self) -> ctypes.CDLL:
+        if not self.available():
+            raise RuntimeError(f"the {self._what} are unavailable: {self.failure or 'OMNISTAGE_CPU_KERNELS=0'}")
+        return self.library

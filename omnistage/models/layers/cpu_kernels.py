@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.models.layers.c_build import build_library, scratch
+from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,7 @@ _ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 3 other
 # output columns.
 UP_PANEL, DOWN_PANEL = 16, 32
 
-_lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_failure: str | None = None
 # Per Python thread: the C functions by name (scratch buffers: ``c_build.scratch``).
 _local = threading.local()
 
@@ -100,23 +98,16 @@ def _build() -> ctypes.CDLL:
     return library
 
 
+_lazy = LazyLibrary(_build, "CPU kernels", "layers keep oneDNN's packed GEMMs")
+
+
 def available() -> bool:
     """Whether the kernel is built (building it on the first call); False, logged once, when it cannot be, and
     while ``OMNISTAGE_CPU_KERNELS=0`` (weights packed meanwhile keep oneDNN's layouts)."""
-    global _library, _failure
-    if os.environ.get("OMNISTAGE_CPU_KERNELS", "1") == "0":
-        return False
-    if _library is not None or _failure is not None:
-        return _library is not None
-    with _lock:
-        if _library is None and _failure is None:
-            try:
-                _library = _build()
-            except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: the oneDNN kernels serve
-                stderr = getattr(exc, "stderr", b"") or b""
-                _failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
-                log.warning("CPU kernels unavailable, layers keep oneDNN's packed GEMMs: %s", _failure)
-    return _library is not None
+    global _library
+    ok = _lazy.available()
+    _library = _lazy.library
+    return ok
 
 
 PANELS_ENV = "OMNISTAGE_PANEL_KERNELS"
@@ -140,8 +131,8 @@ def _tile_rows() -> int:
 
 
 def _require() -> None:
-    if not available():
-        raise RuntimeError(f"the CPU kernels are unavailable: {_failure or 'OMNISTAGE_CPU_KERNELS=0'}")
+    global _library
+    _library = _lazy.require()
 
 
 def _function(name: str):

@@ -19,20 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-from omnistage.models.layers.c_build import build_library, scratch
+from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quant_kernels.c"
-_lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_failure: str | None = None
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -52,23 +48,16 @@ def _build() -> ctypes.CDLL:
     return library
 
 
+_lazy = LazyLibrary(_build, "quantized CPU kernels", "torch's weight-only ops serve")
+
+
 def available() -> bool:
     """Whether the kernels are built (building them on the first call); False, logged once, when they cannot
     be, and while ``OMNISTAGE_CPU_KERNELS=0``."""
-    global _library, _failure
-    if os.environ.get("OMNISTAGE_CPU_KERNELS", "1") == "0":
-        return False
-    if _library is not None or _failure is not None:
-        return _library is not None
-    with _lock:
-        if _library is None and _failure is None:
-            try:
-                _library = _build()
-            except Exception as exc:  # noqa: BLE001 - no compiler, a failed build: torch's ops serve
-                stderr = getattr(exc, "stderr", b"") or b""
-                _failure = f"{type(exc).__name__}: {exc} {stderr.decode(errors='replace')[-500:]}".strip()
-                log.warning("quantized CPU kernels unavailable, torch's weight-only ops serve: %s", _failure)
-    return _library is not None
+    global _library
+    ok = _lazy.available()
+    _library = _lazy.library
+    return ok
 
 
 def isa() -> str:
@@ -77,8 +66,8 @@ def isa() -> str:
 
 
 def _require() -> None:
-    if not available():
-        raise RuntimeError(f"the quantized CPU kernels are unavailable: {_failure or 'OMNISTAGE_CPU_KERNELS=0'}")
+    global _library
+    _library = _lazy.require()
 
 
 def takes(bits: int, group_size: int | None, in_features: int, device: torch.device) -> bool:
@@ -126,15 +115,26 @@ def _linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tens
     rows, k = x.shape
     n = data.shape[0]
     x = x.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype)
-    bias_f = None if bias is None else bias.float().contiguous()
-    xp = scratch("q-x", rows * k + 2 * rows * (k // 32), torch.float32)
-    yf = scratch("q-y", rows * n, torch.float32)
+    out, bias_p, xp, yf = _linear_buffers(x, n, bias, rows * k + 2 * rows * (k // 32))
+    bf16 = int(x.dtype == torch.bfloat16)
     _library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
-                          int(scales.dtype == torch.bfloat16), x.data_ptr(), int(x.dtype == torch.bfloat16),
-                          None if bias_f is None else bias_f.data_ptr(), out.data_ptr(),
-                          int(x.dtype == torch.bfloat16), xp.data_ptr(), yf.data_ptr(), torch.get_num_threads())
+                          int(scales.dtype == torch.bfloat16), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16,
+                          xp, yf, torch.get_num_threads())
     return out
+
+
+def _linear_buffers(x: torch.Tensor, n: int, bias: torch.Tensor | None, x_floats: int):
+    """A linear call's output [M, n], bias pointer (float32, or None) and scratch pointers (``x_floats`` for the
+    activations, M * n floats for the sums)."""
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    bias_p = None
+    if bias is not None:
+        bias_f = scratch("q-bias", n, torch.float32)
+        bias_f[:n] = bias
+        bias_p = bias_f.data_ptr()
+    xp = scratch("q-x", x_floats, torch.float32)
+    yf = scratch("q-y", x.shape[0] * n, torch.float32)
+    return out, bias_p, xp.data_ptr(), yf.data_ptr()
 
 
 def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, torch.Tensor, torch.Tensor],
@@ -244,14 +244,10 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype)
-    bias_f = None if bias is None else bias.float().contiguous()
-    xp = scratch("q-x", rows * k, torch.float32)
-    yf = scratch("q-y", rows * n, torch.float32)
+    out, bias_p, xp, yf = _linear_buffers(x, n, bias, rows * k)
     bf16 = int(x.dtype == torch.bfloat16)
-    _library.dense_bf16(rows, n, k, weight.data_ptr(), x.data_ptr(), bf16,
-                        None if bias_f is None else bias_f.data_ptr(), out.data_ptr(), bf16, xp.data_ptr(),
-                        yf.data_ptr(), torch.get_num_threads())
+    _library.dense_bf16(rows, n, k, weight.data_ptr(), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16, xp, yf,
+                        torch.get_num_threads())
     return out
 
 
