@@ -13,6 +13,7 @@ from omnistage.models.registry import family_for_checkpoint, load_pipeline_confi
 from omnistage.pipeline import memory_plan
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
+from omnistage.runtime_env import cpu_computes_bf16
 
 
 def _held_bytes(stage_model) -> int:
@@ -43,11 +44,14 @@ def test_plan_equals_what_the_loaded_engine_holds(tiny_ckpt, dtype):
             assert plan.device == "cpu"
     finally:
         engine.shutdown()
-    # bfloat16 halves the weights and the KV of float32.
+    # bfloat16 halves the weights and the KV of float32 (Code2Wav's weights: where this CPU has bfloat16
+    # arithmetic; without it Code2Wav runs in float32, its weights as in a float32 engine).
     if dtype == "bfloat16":
         f32 = memory_plan.plan_memory(engine.family, engine.pipeline, torch.float32, "cpu")
         for a, b in zip(engine.memory_plan, f32, strict=True):
-            assert abs(2 * a.weight_bytes - b.weight_bytes) <= 64 and 2 * a.kv_bytes == b.kv_bytes
+            halved = a.stage != "code2wav" or cpu_computes_bf16()
+            assert abs((2 if halved else 1) * a.weight_bytes - b.weight_bytes) <= 64, a.stage
+            assert 2 * a.kv_bytes == b.kv_bytes
 
 
 class _Built(Exception):
