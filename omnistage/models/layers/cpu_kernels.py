@@ -105,6 +105,8 @@ def available() -> bool:
     """Whether the kernel is built (building it on the first call); False, logged once, when it cannot be, and
     while ``OMNISTAGE_CPU_KERNELS=0`` (weights packed meanwhile keep oneDNN's layouts)."""
     global _library
+    if _library is not None and os.environ.get("OMNISTAGE_CPU_KERNELS", "1") != "0":
+        return True  # (built: no store to a global, which torch.compile cannot trace)
     ok = _lazy.available()
     _library = _lazy.library
     return ok

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -55,6 +56,8 @@ def available() -> bool:
     """Whether the kernels are built (building them on the first call); False, logged once, when they cannot
     be, and while ``OMNISTAGE_CPU_KERNELS=0``."""
     global _library
+    if _library is not None and os.environ.get("OMNISTAGE_CPU_KERNELS", "1") != "0":
+        return True  # (built: no store to a global, which torch.compile cannot trace)
     ok = _lazy.available()
     _library = _lazy.library
     return ok
