@@ -118,7 +118,8 @@ def _linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tens
     rows, k = x.shape
     n = data.shape[0]
     x = x.contiguous()
-    out, bias_p, xp, yf = _linear_buffers(x, n, bias, rows * k + 2 * rows * (k // 32))
+    out, bias_f, xp, yf = _linear_buffers(x, n, bias, rows * k + 2 * rows * (k // 32))
+    bias_p = None if bias_f is None else bias_f.data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
     _library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
                           int(scales.dtype == torch.bfloat16), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16,
@@ -127,17 +128,14 @@ def _linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tens
 
 
 def _linear_buffers(x: torch.Tensor, n: int, bias: torch.Tensor | None, x_floats: int):
-    """A linear call's output [M, n], bias pointer (float32, or None) and scratch pointers (``x_floats`` for the
+    """A linear call's output [M, n], float32 bias (or None) and scratch pointers (``x_floats`` for the
     activations, M * n floats for the sums)."""
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    bias_p = None
-    if bias is not None:
-        bias_f = scratch("q-bias", n, torch.float32)
-        bias_f[:n] = bias
-        bias_p = bias_f.data_ptr()
+    # (a new tensor, not a scratch buffer written in place: a scratch made under inference mode refuses that)
+    bias_f = None if bias is None else bias.float().contiguous()
     xp = scratch("q-x", x_floats, torch.float32)
     yf = scratch("q-y", x.shape[0] * n, torch.float32)
-    return out, bias_p, xp.data_ptr(), yf.data_ptr()
+    return out, bias_f, xp.data_ptr(), yf.data_ptr()
 
 
 def moe(x: torch.Tensor, counts: torch.Tensor, gate_up: tuple[int, int | None, torch.Tensor, torch.Tensor],
@@ -247,7 +245,8 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
-    out, bias_p, xp, yf = _linear_buffers(x, n, bias, rows * k)
+    out, bias_f, xp, yf = _linear_buffers(x, n, bias, rows * k)
+    bias_p = None if bias_f is None else bias_f.data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
     _library.dense_bf16(rows, n, k, weight.data_ptr(), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16, xp, yf,
                         torch.get_num_threads())
