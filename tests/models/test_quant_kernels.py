@@ -129,3 +129,18 @@ def test_dense_bfloat16_linear(dtype: torch.dtype) -> None:
     assert all(torch.equal(out[i:i + 1], quant_kernels.dense_linear(x[i:i + 1], weight, bias)) for i in (0, 4, 8))
     assert quant_kernels.takes_dense(weight) and not quant_kernels.takes_dense(weight[:, :40])
     assert not quant_kernels.takes_dense(weight.float())
+
+
+def test_calls_inside_and_outside_inference_mode() -> None:
+    """Scratch buffers made under inference mode serve later calls outside it (and the other way round)."""
+    data, scales, weight = _quantized(40, 256, QuantFormat(4, 128), torch.bfloat16)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    bias = torch.randn(40)
+    with torch.inference_mode():
+        inside = quant_kernels.linear(x, 4, 128, data, scales, bias)
+    outside = quant_kernels.linear(x, 4, 128, data, scales, bias)
+    assert torch.equal(inside, outside)
+    dense = weight.to(torch.bfloat16)
+    with torch.inference_mode():
+        inside = quant_kernels.dense_linear(x, dense, bias)
+    assert torch.equal(quant_kernels.dense_linear(x, dense, bias), inside)
