@@ -64,7 +64,6 @@ _ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 3 other
 # output columns.
 UP_PANEL, DOWN_PANEL = 16, 32
 
-_library: ctypes.CDLL | None = None
 # Per Python thread: the C functions by name (scratch buffers: ``c_build.scratch``).
 _local = threading.local()
 
@@ -104,12 +103,7 @@ _lazy = LazyLibrary(_build, "CPU kernels", "layers keep oneDNN's packed GEMMs")
 def available() -> bool:
     """Whether the kernel is built (building it on the first call); False, logged once, when it cannot be, and
     while ``OMNISTAGE_CPU_KERNELS=0`` (weights packed meanwhile keep oneDNN's layouts)."""
-    global _library
-    if _library is not None and os.environ.get("OMNISTAGE_CPU_KERNELS", "1") != "0":
-        return True  # (built: no store to a global, which torch.compile cannot trace)
-    ok = _lazy.available()
-    _library = _lazy.library
-    return ok
+    return _lazy.available()
 
 
 PANELS_ENV = "OMNISTAGE_PANEL_KERNELS"
@@ -129,19 +123,18 @@ def panels_preferred() -> bool:
 
 @functools.cache
 def _tile_rows() -> int:
-    return _library.tile_rows()  # (a build's constant; asked once: the vocoder asks per residual unit)
+    return _lazy.library.tile_rows()  # (a build's constant; asked once: the vocoder asks per residual unit)
 
 
 def _require() -> None:
-    global _library
-    _library = _lazy.require()
+    _lazy.require()
 
 
 def _function(name: str):
     functions = _local.__dict__.setdefault("functions", {})
     fn = functions.get(name)
     if fn is None:
-        fn = functions[name] = getattr(_library, name)
+        fn = functions[name] = getattr(_lazy.library, name)
     return fn
 
 
@@ -180,7 +173,7 @@ def supports(weight: torch.Tensor) -> bool:
 
 def _dot_bf16(dtype: torch.dtype, inputs: int) -> bool:
     """Whether bfloat16 weights take the dot-product variant (pairs of input indices: an even input size)."""
-    return dtype == torch.bfloat16 and inputs % 2 == 0 and hasattr(_library, f"moe_experts_{_DOT}")
+    return dtype == torch.bfloat16 and inputs % 2 == 0 and hasattr(_lazy.library, f"moe_experts_{_DOT}")
 
 
 def _suffix(dtype: torch.dtype, inputs: int) -> str:
@@ -323,7 +316,7 @@ def _kept(kind: str, key: tuple, make: Callable[[], list[torch.Tensor]]) -> list
 
 
 def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    if _library is None:
+    if _lazy.library is None:
         _require()
     in_features = panels.shape[1]
     if x.shape[-1] != in_features or x.dtype != panels.dtype or x.device.type != "cpu":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +29,6 @@ from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "quant_kernels.c"
-_library: ctypes.CDLL | None = None
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -55,22 +54,16 @@ _lazy = LazyLibrary(_build, "quantized CPU kernels", "torch's weight-only ops se
 def available() -> bool:
     """Whether the kernels are built (building them on the first call); False, logged once, when they cannot
     be, and while ``OMNISTAGE_CPU_KERNELS=0``."""
-    global _library
-    if _library is not None and os.environ.get("OMNISTAGE_CPU_KERNELS", "1") != "0":
-        return True  # (built: no store to a global, which torch.compile cannot trace)
-    ok = _lazy.available()
-    _library = _lazy.library
-    return ok
+    return _lazy.available()
 
 
 def isa() -> str:
     """The instruction set the kernels were built for: ``avx2`` or ``portable``."""
-    return "avx2" if available() and _library.quant_isa() == 2 else "portable"
+    return "avx2" if available() and _lazy.library.quant_isa() == 2 else "portable"
 
 
 def _require() -> None:
-    global _library
-    _library = _lazy.require()
+    _lazy.require()
 
 
 def takes(bits: int, group_size: int | None, in_features: int, device: torch.device) -> bool:
@@ -121,7 +114,7 @@ def _linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tens
     out, bias_f, xp, yf = _linear_buffers(x, n, bias, rows * k + 2 * rows * (k // 32))
     bias_p = None if bias_f is None else bias_f.data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
-    _library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
+    _lazy.library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
                           int(scales.dtype == torch.bfloat16), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16,
                           xp, yf, torch.get_num_threads())
     return out
@@ -206,7 +199,7 @@ def _moe(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int | No
     hp = scratch("q-hp", rows * inter + 2 * rows * (inter // 32), torch.float32)
     starts = scratch("q-starts", 2 * experts + 1, torch.int64)
     bf16 = int(x.dtype == torch.bfloat16)
-    _library.quant_moe(bits_up, bits_down, rows, experts, hidden, inter, _group(bits_up, group_up, hidden),
+    _lazy.library.quant_moe(bits_up, bits_down, rows, experts, hidden, inter, _group(bits_up, group_up, hidden),
                        _group(bits_down, group_down, inter), counts.data_ptr(), x.data_ptr(), bf16,
                        data_up.data_ptr(), scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(),
                        int(scales_up.dtype == torch.bfloat16), out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(),
@@ -248,7 +241,7 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     out, bias_f, xp, yf = _linear_buffers(x, n, bias, rows * k)
     bias_p = None if bias_f is None else bias_f.data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
-    _library.dense_bf16(rows, n, k, weight.data_ptr(), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16, xp, yf,
+    _lazy.library.dense_bf16(rows, n, k, weight.data_ptr(), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16, xp, yf,
                         torch.get_num_threads())
     return out
 
@@ -256,14 +249,12 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 3) -> float:
     """Bytes per second a streaming read of ``nbytes`` reaches over ``torch.get_num_threads()`` threads (best of
     ``reps``): the bound the benchmarks hold decode steps against."""
-    import time
-
     _require()
     buf = torch.ones(nbytes // 4096 * 4096, dtype=torch.uint8)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        total = _library.read_bytes(buf.data_ptr(), buf.numel(), torch.get_num_threads())
+        total = _lazy.library.read_bytes(buf.data_ptr(), buf.numel(), torch.get_num_threads())
         best = min(best, time.perf_counter() - t0)
     if total != buf.numel():
         raise RuntimeError("read_bytes summed the buffer wrongly")

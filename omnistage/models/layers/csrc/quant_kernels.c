@@ -74,9 +74,6 @@ static inline void widen_row(int bits, int64_t K, const void *src, int bf16, flo
             for (int i = 0; i < 8; i++) dst[k + 8 * j + i] = load_act(src, bf16, k + 4 * i + j);
 }
 
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2048
-#endif
 #if Q_AVX2
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -125,7 +122,6 @@ static inline __attribute__((always_inline)) void tile(const int bits, const int
             acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
         for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
             __m256 f[4];
-            __builtin_prefetch(w + (bits == 4 ? k / 2 : k) + PREFETCH_AHEAD, 0, 0);
             weights32(bits, w, k, f);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++)
