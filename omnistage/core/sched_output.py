@@ -27,9 +27,10 @@ class SchedulerOutput:
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     phases: dict[str, Phase] = field(default_factory=dict)
     sample_req_ids: set[str] = field(default_factory=set)
-    # Admitted this step (first time, or again after preemption: recomputed from position 0).
+    # Admitted this step (first time, or again after preemption: recomputed from position 0), or admitted by
+    # a step that was cancelled before it ran (told again).
     new_req_ids: set[str] = field(default_factory=set)
-    # Preempted since the previous schedule(): they leave the batch and lose their KV, but live on.
+    # Preempted since the previous step that ran: they leave the batch and lose their KV, but live on.
     preempted_req_ids: set[str] = field(default_factory=set)
     # Finished or aborted since the previous schedule() (never a preempted one).
     finished_req_ids: set[str] = field(default_factory=set)

@@ -54,6 +54,11 @@ class ARScheduler:
         self._finished: dict[str, Request] = {}  # finished since the last schedule(); reported next
         self._step = 0
         self._pending_step: int | None = None  # non-empty output not yet given to update_from_output
+        # What a cancelled step's output told the runner, which never saw it: its admissions (req_id -> tokens
+        # from the cache; the model re-makes what cached rows would have produced, e.g. the Talker's rows, in
+        # the step that admits) and its preemptions. Told again by the next output that schedules them.
+        self._untold_admissions: dict[str, int] = {}
+        self._untold_preemptions: set[str] = set()
 
     # ----------------------------------------------------------------- registration and input
     def add_request(self, request: Request, wait_for_input: bool = False) -> None:
@@ -246,10 +251,26 @@ class ARScheduler:
                 budget -= n
                 new_ids.add(request.req_id)
 
+        for req_id, num_cached in list(self._untold_admissions.items()):
+            # Told when the request is next scheduled; preempted or finished before that, its re-admission (if
+            # any) is told on its own.
+            request = self._running.get(req_id)
+            if request is None or request.num_computed_tokens != num_cached:
+                del self._untold_admissions[req_id]
+            elif req_id in scheduled:
+                new_ids.add(req_id)
+                if num_cached:
+                    cached_now[req_id] = num_cached
+                del self._untold_admissions[req_id]
+        preempted_ids = {r.req_id for r in preempted_now}
+        if self._untold_preemptions:
+            # One re-admitted in this step is only told as admitted: never both dropped and re-added.
+            preempted_ids |= (self._untold_preemptions & self._requests.keys()) - new_ids
+            self._untold_preemptions.clear()
         out = SchedulerOutput(
             new_req_ids=new_ids,
             finished_req_ids=finished_ids,
-            preempted_req_ids={r.req_id for r in preempted_now},
+            preempted_req_ids=preempted_ids,
             num_cached_tokens=cached_now,
             step_id=self._step,
         )
@@ -387,10 +408,14 @@ class ARScheduler:
     def cancel_step(self, sched_out: SchedulerOutput) -> None:
         """Forget a scheduled step that did not run (it failed before any result): nothing advances, so the
         same tokens are scheduled again next step. Admissions, block allocations and preemptions made by
-        schedule() stay (they are consistent on their own)."""
+        schedule() stay (they are consistent on their own); what the output told the runner about them
+        (admissions with their cache hits, preemptions) is told again by the next output that schedules them."""
         if self._pending_step != sched_out.step_id:
             raise RuntimeError(f"cancel_step() got step {sched_out.step_id}, expected step {self._pending_step}")
         self._pending_step = None
+        for req_id in sched_out.new_req_ids:
+            self._untold_admissions[req_id] = sched_out.num_computed_tokens[req_id]
+        self._untold_preemptions |= sched_out.preempted_req_ids
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

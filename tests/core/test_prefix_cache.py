@@ -206,6 +206,45 @@ def test_abort_mid_prefill_frees_everything_and_keeps_only_computed_blocks():
     assert b.output_token_ids == outputs_without_cache({"b": b.prompt_token_ids})["b"]
 
 
+def test_a_cancelled_step_tells_its_cache_hits_again_in_the_next_one():
+    """A step that admitted a hit and then failed before running (another request's fault) is scheduled again;
+    the hit is reported again there, since the model makes what the cached rows would have produced (the
+    Talker's rows) in the step it sees the hit. A second cancel tells it a third time."""
+    sched = sched_for(max_num_batched_tokens=8)
+    run(sched, [req("a", SYSTEM + [1, 2, 3])])
+    sched.add_request(req("b", SYSTEM + [4, 5, 6]))
+    first = sched.schedule()
+    assert first.num_cached_tokens == {"b": 12} and first.new_req_ids == {"b"}
+    sched.cancel_step(first)
+    again = sched.schedule()
+    assert again.num_cached_tokens == {"b": 12} and again.num_computed_tokens == {"b": 12}
+    assert again.new_req_ids == {"b"}  # the runner never saw the first admission
+    sched.cancel_step(again)
+    runner = runner_of(sched)
+    runner.cached_tokens = 0
+    runner.run()
+    runner.assert_clean()
+    assert runner.cached_tokens == 12  # told once by the step that ran, not once per try
+    later = req("c", SYSTEM + [4, 5, 6])
+    assert run(sched, [later]).cached_tokens == 12
+
+
+def test_a_cancelled_hit_is_not_told_after_its_request_left():
+    sched = sched_for()
+    run(sched, [req("a", SYSTEM + [1, 2, 3])])
+    sched.add_request(req("b", SYSTEM + [4, 5, 6]))
+    sched.cancel_step(sched.schedule())
+    sched.abort_requests("b")
+    assert sched.schedule().is_empty  # reports b finished; its untold admission is dropped
+    sched.add_request(req("b", SYSTEM + [4, 5, 6]))  # the same id again, a new request: its own hit only
+    out = sched.schedule()
+    assert out.num_cached_tokens == {"b": 12} and out.new_req_ids == {"b"}
+    sched.cancel_step(out)
+    runner = runner_of(sched)
+    runner.run()
+    runner.assert_clean()
+
+
 def test_caching_off_never_hits():
     sched = sched_for(prefix=False)
     run(sched, [req("a", SYSTEM + [1])])

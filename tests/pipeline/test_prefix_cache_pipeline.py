@@ -15,6 +15,7 @@ from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
+from omnistage.pipeline.faults import ENV_VAR
 
 SYSTEM = {"role": "system", "content": "You are a helpful voice assistant. Answer briefly and kindly, and always "
                                        "say something about the sea and the small boats on it."}
@@ -66,7 +67,9 @@ def run(engine: OmniEngine, schedule: dict[int, list[tuple]], aborts: dict[int, 
     pending = dict(schedule)
     while pending or engine.has_work():
         for name, prompt, modalities, params in pending.pop(step, []):
-            ids[engine.add_request(prompt, modalities, params, speaker="ethan")] = name
+            # A "fail-" name is the request's id (OMNISTAGE_FAULTS patterns match it).
+            rid = name if name.startswith("fail-") else None
+            ids[engine.add_request(prompt, modalities, params, speaker="ethan", request_id=rid)] = name
         for name in aborts.get(step, []):
             assert engine.abort(next(r for r, n in ids.items() if n == name))
         for d in engine.step():
@@ -150,6 +153,34 @@ def test_preemption_chunked_prefill_and_abort_mid_prefill_are_identical(tiny_ckp
     on, engine = on_and_off(tiny_ckpt, schedule, aborts={2: ["doomed"]}, thinker=thinker)
     assert on["doomed"]["finish"] == "abort" and on["back"]["finish"] == "length"
     assert engine.preempted and engine.resource_stats()["thinker"]["prefix_cache_evictions"] > 0
+
+
+def test_a_request_failing_in_the_step_that_admits_a_cache_hit_leaves_the_hit_exact(tiny_ckpt, monkeypatch):
+    """A Thinker fault cancels the step that admitted a spoken request with a cache hit; the step runs again
+    without the failed request, and the Talker rows of the cache-served positions (made in the step that admits)
+    still reach the Talker: the answer is the same prompt's solo answer, and the failure is the other's alone."""
+    monkeypatch.setenv(ENV_VAR, "thinker:fail-*")
+    schedule = {0: [("turn1", TURN1, SPEECH, greedy())],
+                40: [("again", TURN1, SPEECH, greedy()), ("fail-1", OTHER, SPEECH, greedy())]}
+    on, engine = on_and_off(tiny_ckpt, schedule)
+    assert on["fail-1"]["finish"] == "error" and on["again"]["finish"] == on["turn1"]["finish"]
+    assert hits(engine)["thinker"] >= 16
+    assert_same({"x": on["again"]}, {"x": on["turn1"]})
+
+
+def test_the_talker_refuses_a_prompt_with_rows_that_never_arrived(tiny_ckpt):
+    """A gap among the Thinker rows the Talker reads would be read as zeros (wrong speech, no error): refused."""
+    engine = make_engine(tiny_ckpt, True)
+    talker = engine.orchestrator.stages["talker"].runner.model
+    ids = engine.render_prompt(TURN1).token_ids
+    thinker = engine.orchestrator.stages["thinker"].runner.model.thinker
+    rows = dict(enumerate(thinker.embed(torch.tensor(ids)).unbind(0)))
+    first = rows[len(ids) - 1]
+    speaker = engine.family.speakers["ethan"]
+    talker.build_prefill(ids, rows, {}, first, speaker)  # every row there: builds
+    del rows[len(ids) - 2]
+    with pytest.raises(RuntimeError, match=rf"positions \[{len(ids) - 2}\] never arrived"):
+        talker.build_prefill(ids, rows, {}, first, speaker)
 
 
 def test_media_prompts_are_identical_and_cached_only_where_the_rows_are_equal(tiny_ckpt):

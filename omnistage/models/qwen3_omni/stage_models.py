@@ -33,6 +33,7 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     build_talker_prefill,
     talker_decode_input,
     talker_positions,
+    talker_prompt_rows,
     talker_text_row,
     text_row_ready,
 )
@@ -295,6 +296,12 @@ class TalkerStageModel:
         """(prefill rows, their ids, their 3-D positions or None when plain) from the Thinker rows sent:
         ``rows`` layer-0 embeddings and ``hidden_rows`` accept-layer rows by prompt position, ``media_spans``
         the Talker prompt's spans (``talker_inputs.talker_media_spans``)."""
+        embed_rows, media_rows = talker_prompt_rows(prompt_ids, self.ids)
+        missing = sorted(set(torch.nonzero(embed_rows).flatten().tolist()) - rows.keys()
+                         | set(torch.nonzero(media_rows).flatten().tolist()) - hidden_rows.keys())
+        if missing:  # a gap would be read as zeros: wrong speech, not an error, unless refused here
+            raise RuntimeError(f"the Talker's prompt rows at positions {missing[:8]} never arrived from the Thinker "
+                               f"({len(missing)} missing)")
         ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=first_answer.device)
         with torch.inference_mode():
             prefill, input_ids = build_talker_prefill(
