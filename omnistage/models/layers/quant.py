@@ -13,8 +13,8 @@ The packed weight (``QuantWeight``, a frozen dataclass) carries its format and l
 chooses the kernel by it:
 
 - ``int8``: int8 [.., N, K] + scales [.., N] -> for float32 activations ``torch.ops.aten._weight_int8pack_mm``
-  on CPU: float32 accumulation of ``x * q``, times the row's scale, rounded once to the activations' dtype
-  (bit-equal to that computation in float32 on this machine's torch 2.13; ``tests/models/test_quant.py``);
+  on CPU: float32 accumulation of ``x * q`` (in torch's order: within 1e-5 of the float32 GEMM's sums), times the
+  row's scale, rounded once to the activations' dtype (``tests/models/test_quant.py``);
   for bfloat16 ones omnistage's kernels where they build (faster at every row count measured).
 - ``int4pack``: torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``: uint8 [.., N, K/2], interleaved
   in blocks of 64 rows) + scales-and-zeros [.., K/g, N, 2] -> ``_weight_int4pack_mm_for_cpu``, which dequantizes
@@ -214,7 +214,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     """x [..., K] (the serving dtype) times ``weight``'s [N, K] transposed -> [..., N] in x's dtype."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    # int8 in float32 stays on torch's kernel (bit-equal to the float32 computation); in bfloat16 ours is faster
+    # int8 in float32 stays on torch's kernel (float32 sums, as exact as ours); in bfloat16 ours is faster
     if (weight.layout == "nibbles" or x.dtype == torch.bfloat16) and own_kernel_takes(x, weight):
         return quant_kernels.linear(rows, *kernel_args(weight), bias).view(*shape[:-1], weight.out_features)
     if weight.layout == "int8" and x.device.type == "cpu":
