@@ -58,8 +58,9 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels were built for: ``avx2`` or ``portable``."""
-    return "avx2" if available() and _lazy.library.quant_isa() == 2 else "portable"
+    """The instruction set the kernels were built for: ``avx512`` (the bfloat16 path's integer products; the rest
+    as AVX2), ``avx2`` or ``portable``."""
+    return {3: "avx512", 2: "avx2"}.get(_lazy.library.quant_isa(), "portable") if available() else "portable"
 
 
 def _require() -> None:

@@ -16,6 +16,11 @@
  * 9.1 G weights/s, widening with vpmovsxbd + vcvtdq2ps and scaling every vector 3.7.
  *
  * A row's sums run in one fixed order whatever its batch mates and the thread count.
+ *
+ * With AVX-512 (F + BW; VNNI fuses each product and sum) the bfloat16 path's integer products run at 512 bits:
+ * 128 int4 weights per 64-byte load. Measured on Sapphire Rapids, 2 threads, a released-width Thinker of 8
+ * layers: decode 20.5 / 33.0 / 57.8 tokens/s at 1 / 4 / 16 requests against 17.1 / 28.6 / 49.6 with the AVX2
+ * path on the same machine.
  */
 #include <stdint.h>
 #include <string.h>
@@ -29,9 +34,15 @@
 #else
 #define Q_AVX2 0
 #endif
+/* AVX-512 (F + BW) widens the bfloat16 path's integer products to 512 bits: 128 int4 weights per load. */
+#if Q_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q_AVX512 1
+#else
+#define Q_AVX512 0
+#endif
 
-/* 2: the AVX2 + FMA path was built; 0: portable C. */
-int quant_isa(void) { return Q_AVX2 ? 2 : 0; }
+/* 3: AVX-512 (with AVX2 + FMA) was built; 2: AVX2 + FMA; 0: portable C. */
+int quant_isa(void) { return Q_AVX512 ? 3 : Q_AVX2 ? 2 : 0; }
 
 static inline float widen_bf16(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -232,6 +243,80 @@ static inline __attribute__((always_inline)) void itile(const int bits, const in
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++) out[m * ldo] = hsum8(total[m]) - offset[m];
 }
+
+#if Q_AVX512
+/* acc + the pairwise int16 products of w and x, in int32 (one instruction with AVX512-VNNI). */
+static inline __attribute__((always_inline)) __m512i dot_add(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+/* 128 int4 weights at input k (64 bytes) as four int16 vectors, per 128-bit lane as `iweights64` does. */
+static inline __attribute__((always_inline)) void iweights128(const uint8_t *w, int64_t k, __m512i v[4]) {
+    const __m512i mask = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    __m512i b = _mm512_loadu_si512((const void *)(w + k / 2));
+    __m512i lo = _mm512_and_si512(b, mask), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), mask);
+    v[0] = _mm512_unpacklo_epi8(lo, zero);
+    v[1] = _mm512_unpackhi_epi8(lo, zero);
+    v[2] = _mm512_unpacklo_epi8(hi, zero);
+    v[3] = _mm512_unpackhi_epi8(hi, zero);
+}
+
+/* `itile` at 512 bits, for int4 chunks of a multiple of 128 inputs and int8 chunks of a multiple of 64: two
+ * independent int32 sums per row (the products' latency), the same exact integer sums, scaled once per chunk. */
+static inline __attribute__((always_inline)) void itile512(const int bits, const int MR, int64_t K, int64_t group,
+                                                           int64_t ag, const uint8_t *w, const void *s, int s_bf16,
+                                                           const int16_t *xq, int64_t ldx, const float *xs,
+                                                           const int32_t *xsum, int64_t ldg, float *out,
+                                                           int64_t ldo) {
+    __m512 total[4];
+    float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K / ag; c++) {
+        __m512i acc[4][2];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int64_t k = c * ag; k < (c + 1) * ag; k += 128) {
+                __m512i v[4];
+                iweights128(w, k, v);
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++) {
+                    const __m512i *x = (const __m512i *)(xq + m * ldx + k);
+                    acc[m][0] = dot_add(dot_add(acc[m][0], v[0], _mm512_loadu_si512(x)), v[1], _mm512_loadu_si512(x + 1));
+                    acc[m][1] = dot_add(dot_add(acc[m][1], v[2], _mm512_loadu_si512(x + 2)), v[3], _mm512_loadu_si512(x + 3));
+                }
+            }
+        } else {
+            for (int64_t k = c * ag; k < (c + 1) * ag; k += 64) {
+                __m512i b = _mm512_loadu_si512((const void *)(w + k));
+                __m512i v0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b));
+                __m512i v1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b, 1));
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++) {
+                    const __m512i *x = (const __m512i *)(xq + m * ldx + k);
+                    acc[m][0] = dot_add(acc[m][0], v0, _mm512_loadu_si512(x));
+                    acc[m][1] = dot_add(acc[m][1], v1, _mm512_loadu_si512(x + 1));
+                }
+            }
+        }
+        float sw = scale_at(s, s_bf16, c * ag / group);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+            float sc = sw * xs[m * ldg + c];
+            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1]));
+            total[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(sc), total[m]);
+            if (bits == 4) offset[m] += sc * (float)(8 * xsum[m * ldg + c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++) out[m * ldo] = _mm512_reduce_add_ps(total[m]) - offset[m];
+}
+#endif
 #else
 /* Weight j of a 32-input block at input k, in `widen_row`'s order. */
 static inline float weight_at(int bits, const uint8_t *w, int64_t k, int j) {
@@ -327,20 +412,30 @@ static void quantize_row_i16(int64_t K, int64_t ag, const void *src, int bf16, i
     }
 }
 
-/* Row `src` (int16, natural order) -> `dst` in the order the int path reads the weights: int4 in chunks that
- * are multiples of 64 inputs as `iweights64` unpacks them, else per 32 inputs evens then odds (`iweights32`);
- * int8 unchanged. */
+/* How many int4 weights the int path unpacks per load for activation chunks of `ag` inputs: 128 (`iweights128`,
+ * AVX-512), 64 (`iweights64`) or 32 (`iweights32`). */
+static inline int int4_step(int64_t ag) {
+    if (Q_AVX512 && ag % 128 == 0) return 128;
+    return ag % 64 == 0 ? 64 : 32;
+}
+
+/* Row `src` (int16, natural order) -> `dst` in the order the int path reads the weights: int4 in steps of 128 or
+ * 64 inputs as `iweights128` / `iweights64` unpack them (per 128-bit lane: the low nibbles of its bytes 0-7, then
+ * 8-15, then the high nibbles likewise), else per 32 inputs evens then odds (`iweights32`); int8 unchanged. */
 static void order_row_i16(int bits, int64_t K, int64_t ag, const int16_t *src, int16_t *dst) {
     if (bits == 8) {
         memcpy(dst, src, (size_t)K * sizeof(int16_t));
         return;
     }
-    if (ag % 64 == 0) {
-        for (int64_t k = 0; k < K; k += 64)
-            for (int i = 0; i < 64; i++) {
-                int j = i / 2, lane = j / 16, b = j % 16, vec = 2 * (i & 1) + (b >= 8);
-                dst[k + 16 * vec + 8 * lane + b % 8] = src[k + i];
-            }
+    const int step = int4_step(ag);
+    if (step > 32) {
+        uint8_t where[128]; /* each input's place within its step (once per row, not per step) */
+        for (int i = 0; i < step; i++) {
+            int j = i / 2, lane = j / 16, b = j % 16, vec = 2 * (i & 1) + (b >= 8);
+            where[i] = (uint8_t)((step / 4) * vec + 8 * lane + b % 8);
+        }
+        for (int64_t k = 0; k < K; k += step)
+            for (int i = 0; i < step; i++) dst[k + where[i]] = src[k + i];
         return;
     }
     for (int64_t k = 0; k < K; k += 32)
@@ -355,6 +450,25 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
     int64_t row_bytes = bits == 4 ? K / 2 : K, groups = bits == 4 ? K / group : 1, scale_bytes = s_bf16 ? 2 : 4;
     int64_t ag = act_chunk(bits, K, group), ldg = K / ag;
     int64_t wgroup = bits == 4 ? group : K;
+#if Q_AVX512
+    if (bits == 4 ? int4_step(ag) == 128 : ag % 64 == 0) {
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *wn = w + n * row_bytes;
+            const void *sn = (const char *)s + n * groups * scale_bytes;
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4)
+                itile512(bits, 4, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg,
+                         y + m * ldo + n, ldo);
+            switch (M - m) {
+            case 3: itile512(bits, 3, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
+            case 2: itile512(bits, 2, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
+            case 1: itile512(bits, 1, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
+            default: break;
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *wn = w + n * row_bytes;
         const void *sn = (const char *)s + n * groups * scale_bytes;
