@@ -20,7 +20,7 @@
  * With AVX-512 (F + BW; VNNI fuses each product and sum) the bfloat16 path's integer products run at 512 bits:
  * 128 int4 weights per 64-byte load. Measured on Sapphire Rapids, 2 threads, a released-width Thinker of 8
  * layers: decode 20.5 / 33.0 / 57.8 tokens/s at 1 / 4 / 16 requests against 17.1 / 28.6 / 49.6 with the AVX2
- * path on the same machine.
+ * path on the same machine (before the prefetch below).
  */
 #include <stdint.h>
 #include <string.h>
@@ -40,6 +40,11 @@
 #else
 #define Q_AVX512 0
 #endif
+
+/* How far ahead of its loads the int path asks for weight bytes (one cache line per 64-byte step): without it a
+ * core's loads wait on memory, which halved the read rate of a decode step's weights (Sapphire Rapids, 2 threads:
+ * a 5120 x 2048 int4 layer at one row 584 -> 283 us, a 128-expert layer at 16 tokens 21.8 -> 11.3 ms). */
+#define PREFETCH_BYTES 2048
 
 /* 3: AVX-512 (with AVX2 + FMA) was built; 2: AVX2 + FMA; 0: portable C. */
 int quant_isa(void) { return Q_AVX512 ? 3 : Q_AVX2 ? 2 : 0; }
@@ -209,6 +214,7 @@ static inline __attribute__((always_inline)) void itile(const int bits, const in
         if (wide) {
             for (int64_t k = c * ag; k < (c + 1) * ag; k += 64) {
                 __m256i v[4];
+                _mm_prefetch((const char *)(w + k / 2) + PREFETCH_BYTES, _MM_HINT_T0);
                 iweights64(w, k, v);
 #pragma GCC unroll 4
                 for (int m = 0; m < MR; m++) {
@@ -223,6 +229,7 @@ static inline __attribute__((always_inline)) void itile(const int bits, const in
         } else {
             for (int64_t k = c * ag; k < (c + 1) * ag; k += 32) {
                 __m256i a, b;
+                if (bits == 8 || k % 64 == 0) _mm_prefetch((const char *)(w + k * bits / 8) + PREFETCH_BYTES, _MM_HINT_T0);
                 iweights32(bits, w, k, &a, &b);
 #pragma GCC unroll 4
                 for (int m = 0; m < MR; m++) {
@@ -283,6 +290,7 @@ static inline __attribute__((always_inline)) void itile512(const int bits, const
         if (bits == 4) {
             for (int64_t k = c * ag; k < (c + 1) * ag; k += 128) {
                 __m512i v[4];
+                _mm_prefetch((const char *)(w + k / 2) + PREFETCH_BYTES, _MM_HINT_T0);
                 iweights128(w, k, v);
 #pragma GCC unroll 4
                 for (int m = 0; m < MR; m++) {
@@ -293,6 +301,7 @@ static inline __attribute__((always_inline)) void itile512(const int bits, const
             }
         } else {
             for (int64_t k = c * ag; k < (c + 1) * ag; k += 64) {
+                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
                 __m512i b = _mm512_loadu_si512((const void *)(w + k));
                 __m512i v0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b));
                 __m512i v1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b, 1));
