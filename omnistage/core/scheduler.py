@@ -220,26 +220,35 @@ class ARScheduler:
         new_ids: set[str] = set()
         cached_now: dict[str, int] = {}
         if not preempted_now:
-            while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-                request = self._waiting[0]
+            # Digests of full blocks that requests scheduled in this step compute (not registered yet). A waiting
+            # request whose next uncached block is among them waits a step and then takes it from the cache
+            # instead of computing the same rows alongside (16 requests arriving at once with one system prompt).
+            in_flight = self._blocks_in_flight(scheduled)
+            i = 0
+            while i < len(self._waiting) and budget > 0 and len(self._running) < cfg.max_num_seqs:
+                request = self._waiting[i]
                 n = self._num_schedulable(request)
                 if n == 0:
-                    self._waiting.popleft()
+                    del self._waiting[i]
                     request.status = RequestStatus.WAITING_FOR_INPUT
                     self._idle[request.req_id] = request
                     continue
-                cached = self._cached_prefix(request, n)
-                num_cached = len(cached) * cfg.block_size
+                cached, limit = self._cached_prefix(request, n)
+                hits = len(cached)
+                if hits < min(limit, len(request.block_keys)) and request.block_keys[hits].digest in in_flight:
+                    i += 1
+                    continue
+                num_cached = hits * cfg.block_size
                 n -= num_cached
                 if n > budget and not cfg.enable_chunked_prefill:
                     break
                 n = min(n, budget)
                 if self.kv.allocate_slots(request.req_id, num_cached + n, cached) is None:
                     break
-                self._waiting.popleft()
+                del self._waiting[i]
                 self.kv.note_query(self._num_schedulable(request))  # before num_computed_tokens moves
                 request.num_computed_tokens = num_cached
-                request.num_registered_blocks = len(cached)
+                request.num_registered_blocks = hits
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_cached
                 if num_cached:
@@ -250,6 +259,8 @@ class ARScheduler:
                 scheduled[request.req_id] = n
                 budget -= n
                 new_ids.add(request.req_id)
+                if in_flight is not None:
+                    in_flight.update(key.digest for key in request.block_keys[hits:])
 
         for req_id, num_cached in list(self._untold_admissions.items()):
             # Told when the request is next scheduled; preempted or finished before that, its re-admission (if
@@ -299,11 +310,22 @@ class ARScheduler:
         known = request.num_tokens if request.input_finished else request.num_tokens - 1
         return max(0, known - request.num_computed_tokens)
 
-    def _cached_prefix(self, request: Request, num_schedulable: int) -> list[int]:
-        """Cached blocks for a request admitted from position 0: at most ``num_schedulable - 1`` tokens (the
-        last one is computed so that it can be sampled) and at most the request's own ``hit_limit``."""
+    def _blocks_in_flight(self, scheduled: Mapping[str, int]) -> set[bytes] | None:
+        """Digests of the keyed, unregistered blocks of the requests scheduled so far (None: caching is off)."""
+        if not self.kv.enable_prefix_caching:
+            return None
+        digests: set[bytes] = set()
+        for req_id in scheduled:
+            request = self._running[req_id]
+            digests.update(key.digest for key in request.block_keys[request.num_registered_blocks:])
+        return digests
+
+    def _cached_prefix(self, request: Request, num_schedulable: int) -> tuple[list[int], int]:
+        """(cached blocks, the most blocks it may take) for a request admitted from position 0: at most
+        ``num_schedulable - 1`` tokens (the last one is computed so that it can be sampled) and at most the
+        request's own ``hit_limit``."""
         if not self.kv.enable_prefix_caching or request.num_computed_tokens:
-            return []
+            return [], 0
         limit = num_schedulable - 1
         if request.hit_limit is not None:
             own = request.hit_limit()
@@ -311,7 +333,7 @@ class ARScheduler:
                 limit = min(limit, own)
         num_blocks = max(0, limit) // self.config.block_size
         self._extend_keys(request, num_blocks * self.config.block_size)
-        return self.kv.cached_prefix(request.block_keys[:num_blocks])
+        return self.kv.cached_prefix(request.block_keys[:num_blocks]), num_blocks
 
     def _extend_keys(self, request: Request, num_tokens: int) -> None:
         if request.block_keys_stopped:

@@ -159,6 +159,31 @@ def test_concurrent_requests_share_a_prefix_without_writing_shared_blocks():
     assert {r.req_id: r.output_token_ids for r in reqs} == outputs_without_cache(prompts)
 
 
+def test_requests_arriving_together_wait_a_step_for_a_prefix_another_computes():
+    """Six requests with one 3-block system prompt arrive at once into an empty cache: the first computes it,
+    the others wait one step and take it from the cache (instead of computing it six times), and a request
+    sharing nothing is admitted meanwhile. Outputs equal caching off."""
+    sched = sched_for()
+    reqs = [req(f"r{i}", SYSTEM + [10 + i, 11 + i], t=i) for i in range(6)]
+    other = req("other", [60 + i for i in range(9)], t=6)
+    for r in reqs + [other]:
+        sched.add_request(r)
+    runner = runner_of(sched)
+    first, _ = runner.step()
+    assert set(first.num_scheduled_tokens) == {"r0", "other"} and not first.num_cached_tokens
+    second, _ = runner.step()
+    assert second.num_cached_tokens == {f"r{i}": 12 for i in range(1, 6)}
+    runner.run()
+    runner.assert_clean()
+    prompts = {r.req_id: r.prompt_token_ids for r in reqs + [other]}
+    assert {r.req_id: r.output_token_ids for r in reqs + [other]} == outputs_without_cache(prompts)
+    # Caching off: nobody waits (the token budget alone decides).
+    off = sched_for(prefix=False)
+    for r in [req(f"r{i}", SYSTEM + [10 + i, 11 + i], t=i) for i in range(6)]:
+        off.add_request(r)
+    assert list(off.schedule().num_scheduled_tokens) == ["r0", "r1", "r2"]
+
+
 def test_hit_limit_and_extra_keys_are_respected():
     sched = sched_for()
     a = req("a", SYSTEM + [1, 2, 3])
