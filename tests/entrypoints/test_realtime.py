@@ -113,7 +113,7 @@ def test_text_turns_stream_text_and_audio_equal_to_http_chat(server):
             await conn.session.update(session={"type": "realtime", "instructions": "Be brief.", **GREEDY})
             await until(conn, "session.updated")
             history = [{"role": "system", "content": "Be brief."}]
-            for prompt in ("Hi", "Tell me a short story about the sea."):
+            for turn, prompt in enumerate(("Hi", "Tell me a short story about the sea.")):
                 await conn.conversation.item.create(item=_user(prompt))
                 await conn.response.create()
                 events = await until(conn, "response.done")
@@ -124,6 +124,8 @@ def test_text_turns_stream_text_and_audio_equal_to_http_chat(server):
                 assert done.output[0].content[0].transcript == text
                 assert done.usage.output_token_details.text_tokens == N
                 assert done.usage.output_token_details.audio_tokens > 0
+                if turn:  # the re-sent history comes from the prefix cache, and the usage says how much
+                    assert 0 < done.usage.input_token_details.cached_tokens < done.usage.input_tokens
                 deltas = of(events, "response.output_audio.delta")
                 assert max(pcm(e.delta).size for e in deltas) <= 12000  # at most 0.5 s per delta
                 history.append({"role": "user", "content": prompt})

@@ -106,6 +106,7 @@ class ResponseRun:
         self.sent_samples = 0
         self.first_audio_at: float | None = None
         self.num_frames = 0
+        self.cached_tokens = 0  # prompt tokens the engine served from its prefix cache
         self.token_ids: list[int] = []
         self.prompt: PreparedPrompt | None = None
         self.text_done = False
@@ -204,6 +205,8 @@ class ResponseRun:
 
     async def _delta(self, d: RequestDelta) -> bool:
         """Handle one engine delta; True when the response should stop here."""
+        if d.cached_tokens is not None:
+            self.cached_tokens = d.cached_tokens
         if d.new_token_ids:
             self.token_ids.extend(d.new_token_ids)
             self.timer.tokens(len(d.new_token_ids))
@@ -407,5 +410,5 @@ class ResponseRun:
         n_text, n_audio = len(self.token_ids), self.num_frames if self.wants_audio else 0
         return {"total_tokens": n_in + n_text + n_audio, "input_tokens": n_in, "output_tokens": n_text + n_audio,
                 "input_token_details": {"text_tokens": n_in - audio_in, "audio_tokens": audio_in, "image_tokens": 0,
-                                        "cached_tokens": 0},
+                                        "cached_tokens": self.cached_tokens},
                 "output_token_details": {"text_tokens": n_text, "audio_tokens": n_audio}}
