@@ -459,39 +459,30 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
     int64_t row_bytes = bits == 4 ? K / 2 : K, groups = bits == 4 ? K / group : 1, scale_bytes = s_bf16 ? 2 : 4;
     int64_t ag = act_chunk(bits, K, group), ldg = K / ag;
     int64_t wgroup = bits == 4 ? group : K;
+/* Every output row of [n0, n1) against the activation rows in tiles of up to 4 (the tile function TILE). */
+#define IROWS(TILE)                                                                                             \
+    for (int64_t n = n0; n < n1; n++) {                                                                         \
+        const uint8_t *wn = w + n * row_bytes;                                                                  \
+        const void *sn = (const char *)s + n * groups * scale_bytes;                                            \
+        int64_t m = 0;                                                                                          \
+        for (; m + 4 <= M; m += 4)                                                                              \
+            TILE(bits, 4, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg,       \
+                 y + m * ldo + n, ldo);                                                                         \
+        switch (M - m) {                                                                                        \
+        case 3: TILE(bits, 3, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break; \
+        case 2: TILE(bits, 2, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break; \
+        case 1: TILE(bits, 1, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break; \
+        default: break;                                                                                         \
+        }                                                                                                       \
+    }
 #if Q_AVX512
     if (bits == 4 ? int4_step(ag) == 128 : ag % 64 == 0) {
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *wn = w + n * row_bytes;
-            const void *sn = (const char *)s + n * groups * scale_bytes;
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4)
-                itile512(bits, 4, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg,
-                         y + m * ldo + n, ldo);
-            switch (M - m) {
-            case 3: itile512(bits, 3, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
-            case 2: itile512(bits, 2, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
-            case 1: itile512(bits, 1, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
-            default: break;
-            }
-        }
+        IROWS(itile512)
         return;
     }
 #endif
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *wn = w + n * row_bytes;
-        const void *sn = (const char *)s + n * groups * scale_bytes;
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4)
-            itile(bits, 4, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg,
-                  y + m * ldo + n, ldo);
-        switch (M - m) {
-        case 3: itile(bits, 3, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
-        case 2: itile(bits, 2, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
-        case 1: itile(bits, 1, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break;
-        default: break;
-        }
-    }
+    IROWS(itile)
+#undef IROWS
 }
 
 static void irows_range_4(int64_t M, int64_t K, int64_t group, const uint8_t *w, const void *s, int s_bf16,
