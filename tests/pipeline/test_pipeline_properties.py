@@ -272,4 +272,6 @@ def test_a_failure_that_belongs_to_the_whole_batch_stops_the_engine_but_alone_it
     assert alone["finish"] == "error" and "injected crash" in alone["error"]
     assert_idle(engine)
     with pytest.raises(RuntimeError, match="injected crash in stage 'talker' \\(batch of 2\\)"):
-        drive(engine, {"crash-2": spec, "ok": spec}, {0: ["crash-2", "ok"]})
+        # (Another prompt for "ok": with the same one it would wait a step for the block crash-2 computes, and
+        # the two would not share their first Talker step.)
+        drive(engine, {"crash-2": spec, "ok": {**spec, "prompt": PROMPTS[1]}}, {0: ["crash-2", "ok"]})
