@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from omnistage.models.layers import cpu_kernels, quant_kernels
-from omnistage.models.layers.cpu_kernels import pack_bias, pack_linear, panel_linear
+from omnistage.models.layers.cpu_kernels import pack_bias, pack_linear
 from omnistage.runtime_env import cpu_computes_bf16, release_free_heap
 
 # Row count the packed layout is tuned for (decode batches); any row count runs correctly.
@@ -83,7 +83,7 @@ def _(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward reads its weight packed by ``pack_linear_weights``: ``panels`` (with
-    ``panel_bias``) for ``cpu_kernels.panel_linear``, else ``packed_weight`` for oneDNN."""
+    ``panel_bias``) for ``cpu_kernels.linear``, else ``packed_weight`` for oneDNN."""
 
     panels: torch.Tensor | None
     panel_bias: torch.Tensor | None
@@ -94,8 +94,10 @@ class PackedLinear(nn.Linear):
         if x.dtype != packed.dtype:  # the unpacked weight is gone: compute in the weight's dtype
             return self.forward(x.to(packed.dtype)).to(x.dtype)
         if self.panels is not None:
-            return panel_linear(x, self.panels, self.panel_bias, self.out_features)
-        return packed_linear(x, self.packed_weight, self.bias)
+            return cpu_kernels.linear(x, self.panels, self.panel_bias, self.out_features)
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed_weight, self.bias)
+        return _onednn_linear(x, self.packed_weight, self.bias)  # (eager: without the custom op's dispatch)
 
 
 def release_weight(owner: nn.Module, name: str) -> None:

@@ -272,7 +272,7 @@ class CodePredictor(nn.Module):
     def _head_logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
         """``head``: a head's weight [V, H], or with packed heads a 0-d index into them (a scan walks either)."""
         if isinstance(self.packed_heads, torch.Tensor):
-            return cpu_kernels.panel_linear_at(hidden, self.packed_heads, head, self.cfg.vocab_size)
+            return cpu_kernels.linear_at(hidden, self.packed_heads, head, self.cfg.vocab_size)
         if self.packed_heads is not None:
             return packed_linear_at(hidden, self.packed_heads, head)
         return F.linear(hidden, head)
