@@ -223,7 +223,7 @@ class ARScheduler:
             # Digests of full blocks that requests scheduled in this step compute (not registered yet). A waiting
             # request whose next uncached block is among them waits a step and then takes it from the cache
             # instead of computing the same rows alongside (16 requests arriving at once with one system prompt).
-            in_flight = self._blocks_in_flight(scheduled)
+            in_flight = self._blocks_in_flight(scheduled) if self._waiting else None
             i = 0
             while i < len(self._waiting) and budget > 0 and len(self._running) < cfg.max_num_seqs:
                 request = self._waiting[i]
@@ -235,7 +235,8 @@ class ARScheduler:
                     continue
                 cached, limit = self._cached_prefix(request, n)
                 hits = len(cached)
-                if hits < min(limit, len(request.block_keys)) and request.block_keys[hits].digest in in_flight:
+                if (in_flight is not None and hits < min(limit, len(request.block_keys))
+                        and request.block_keys[hits].digest in in_flight):
                     i += 1
                     continue
                 num_cached = hits * cfg.block_size
@@ -311,7 +312,8 @@ class ARScheduler:
         return max(0, known - request.num_computed_tokens)
 
     def _blocks_in_flight(self, scheduled: Mapping[str, int]) -> set[bytes] | None:
-        """Digests of the keyed, unregistered blocks of the requests scheduled so far (None: caching is off)."""
+        """Digests of the keyed, unregistered blocks of the requests scheduled so far (None: caching is off).
+        Asked only while requests wait for admission."""
         if not self.kv.enable_prefix_caching:
             return None
         digests: set[bytes] = set()

@@ -174,6 +174,13 @@ static inline __attribute__((always_inline)) void iweights32(const int bits, con
     }
 }
 
+/* How many int4 weights the int path unpacks per load for activation chunks of `ag` inputs: 128 (`iweights128`,
+ * AVX-512), 64 (`iweights64`) or 32 (`iweights32`). */
+static inline int int4_step(int64_t ag) {
+    if (Q_AVX512 && ag % 128 == 0) return 128;
+    return ag % 64 == 0 ? 64 : 32;
+}
+
 /* 64 int4 weights at input k (32 bytes) as four int16 vectors: low nibbles of bytes 0-7 | 16-23, 8-15 | 24-31,
  * then the high nibbles likewise (`order_row_i16` puts the inputs in this order). */
 static inline __attribute__((always_inline)) void iweights64(const uint8_t *w, int64_t k, __m256i v[4]) {
@@ -206,7 +213,7 @@ static inline __attribute__((always_inline)) void itile(const int bits, const in
     float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++) total[m] = _mm256_setzero_ps();
-    const int wide = bits == 4 && ag % 64 == 0;
+    const int wide = bits == 4 && int4_step(ag) > 32; /* (here 64: a 128 step takes itile512) */
     for (int64_t c = 0; c < K / ag; c++) {
         __m256i acc[4];
 #pragma GCC unroll 4
@@ -419,13 +426,6 @@ static void quantize_row_i16(int64_t K, int64_t ag, const void *src, int bf16, i
         xs[c] = amax / 32767.0f;
         xsum[c] = hsum_i32(sum);
     }
-}
-
-/* How many int4 weights the int path unpacks per load for activation chunks of `ag` inputs: 128 (`iweights128`,
- * AVX-512), 64 (`iweights64`) or 32 (`iweights32`). */
-static inline int int4_step(int64_t ag) {
-    if (Q_AVX512 && ag % 128 == 0) return 128;
-    return ag % 64 == 0 ? 64 : 32;
 }
 
 /* Row `src` (int16, natural order) -> `dst` in the order the int path reads the weights: int4 in steps of 128 or
