@@ -28,6 +28,9 @@ from omnistage.models.layers.fast_linear import (
 )
 from omnistage.models.layers.mlp import GatedMLP
 from omnistage.models.layers.moe import WIDENED_BF16_MAX_ROWS_PER_EXPERT, SparseMoE
+from omnistage.models.layers.quant import QuantFormat
+from omnistage.models.layers.quant_kernels import KernelWeight
+from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 from omnistage.models.qwen3_omni.code_predictor import (
     CodePredictor,
     CodePredictorConfig,
@@ -42,6 +45,20 @@ def _seeded(module: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.n
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * std)
     return module.eval()
+
+
+def _quantized(module: torch.nn.Module, method: str | None, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``module``'s decoder layers (under ``prefix``) quantized from their own float weights, as a quantizing load
+    quantizes a checkpoint's (int8 per channel, int4 in groups of 32; routers and shared gates kept)."""
+    if method is None:
+        return module
+    expected = module.state_dict(keep_vars=True)
+    weights = {name: t.detach().clone() for name, t in expected.items()}
+    fmt = QuantFormat(8) if method == "int8" else QuantFormat(4, 32)
+    for name, target in quantize_targets(module, expected, QuantScheme({prefix: fmt}), dtype).items():
+        target.buffer.write_rows(target.start, weights[name])
+        pack_if_complete(target.module)
+    return module
 
 
 def test_fused_projections_load_and_save_under_checkpoint_names():
@@ -342,20 +359,23 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pas
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 16])  # the scalar and the 16-lane attention
+@pytest.mark.parametrize("quant", [None, "int8"])
 @torch.inference_mode()
-def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim):
+def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, quant):
     """``cpu_kernels.decoder_pass``: every layer of a pass in one call equals the decoder layers attending over
     the frame cache (a 2-row first pass, then a 1-row pass), float32 to rounding, bfloat16 to about one
-    rounding; the keys and values land in the caches at the rows' positions."""
+    rounding; the keys and values land in the caches at the rows' positions. With int8 layers (the code
+    predictor's under ``--quantization``) the pass runs them through the quantized kernels' phases."""
     if not cpu_kernels.supports_decoder_layers(dtype, 64, head_dim):
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     dec = DecoderConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
-                        intermediate_size=80, rms_norm_eps=1e-6, rope_theta=10000.0)
+                        intermediate_size=80 if quant is None else 96, rms_norm_eps=1e-6, rope_theta=10000.0)
     cp = _seeded(CodePredictor(CodePredictorConfig(dec, vocab_size=64, num_code_groups=5)), seed=11, std=0.2)
-    cp = cp.to(dtype)
+    cp = _quantized(cp.to(dtype), quant, "model.layers.", dtype)
     fast_kernels(cp, True)
     layers = cp.pass_layers()
     assert len(layers) == 2
+    assert all(isinstance(w.qkv, KernelWeight) and isinstance(w.down, KernelWeight) for w in layers) == bool(quant)
     g = torch.Generator().manual_seed(12)
     first, second = torch.randn(3, 2, 64, generator=g).to(dtype), torch.randn(3, 1, 64, generator=g).to(dtype)
     cache = cp.new_cache(3, first)
@@ -478,21 +498,28 @@ def test_fast_bfloat16_decoders_attend_in_float32_on_cpu():
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [True, False])
-def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, monkeypatch):
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, quant, monkeypatch):
     """``cpu_kernels.decoder_step`` (a decode step's layers in one call, the fast option's default on CPU) equals
     the decoder layers one by one: a dense layer, then routed experts with and without a sigmoid-gated shared
     expert; requests of different lengths in scattered cache blocks; keys and values land in the same slots;
-    the hidden captured between layers and the final-normed output of ``run_layers`` agree too."""
+    the hidden captured between layers and the final-normed output of ``run_layers`` agree too. Quantized
+    layers (int8, int4: projections, experts, the shared expert) run through the quantized kernels' phases
+    inside the same call."""
     if not cpu_kernels.supports_decoder_layers(dtype, 64, 16):
         pytest.skip("this CPU has no AVX512-BF16 dot products")
     from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
 
+    wide = quant is not None  # (the quantized kernels take inputs in multiples of 32)
     cfg = DecoderConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-                        intermediate_size=80, rms_norm_eps=1e-6, rope_theta=1e4, num_experts=6,
-                        num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=not shared,
-                        sparse_layers=(1, 2), shared_expert_intermediate_size=40 if shared else 0)
-    dec = fast_kernels(_seeded(PagedDecoder(cfg), seed=21, std=0.2).to(dtype), True)
+                        intermediate_size=96 if wide else 80, rms_norm_eps=1e-6, rope_theta=1e4, num_experts=6,
+                        num_experts_per_tok=2, moe_intermediate_size=32 if wide else 24, norm_topk_prob=not shared,
+                        sparse_layers=(1, 2), shared_expert_intermediate_size=(64 if wide else 40) if shared else 0)
+    dec = _quantized(_seeded(PagedDecoder(cfg), seed=21, std=0.2).to(dtype), quant, "layers.", dtype)
+    dec = fast_kernels(dec, True)
     assert len(dec.kernel_layers()) == 3
+    kinds = {type(w.qkv) for w in dec.kernel_layers()} | {type(w.experts[0]) for w in dec.kernel_layers()[1:]}
+    assert kinds == ({KernelWeight} if quant else {torch.Tensor})
     caches = allocate_kv_cache(3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     tables, contexts = [[5, 2], [7], [0, 6, 3]], [5, 1, 9]
     g = torch.Generator().manual_seed(22)

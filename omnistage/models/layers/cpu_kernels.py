@@ -49,7 +49,9 @@ from pathlib import Path
 
 import torch
 
+from omnistage.models.layers import quant_kernels
 from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
+from omnistage.models.layers.quant_kernels import KernelWeight
 
 log = logging.getLogger(__name__)
 
@@ -461,8 +463,9 @@ def snake_pointwise(
 
 # -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------
 
-_LAYER_WIDTH = 19  # the C table's entries per layer (enum L_* in cpu_kernels.c)
-_BUFFERS = 29  # the C kernel's buffer addresses (enum B_*)
+_LAYER_WIDTH = 20  # the C table's entries per layer (enum L_* in cpu_kernels.c)
+_BUFFERS = 36  # the C kernel's buffer addresses (enum B_*)
+_QUANT_BITS = {"qkv": 1, "o": 4, "gate_up": 8, "down": 9, "experts": 12}  # L_QUANT's bit per entry (L_*)
 MAX_EXPERTS = 512  # the C router's bound
 
 
@@ -475,25 +478,30 @@ def supports_decoder_layers(dtype: torch.dtype, hidden: int, head_dim: int) -> b
     )
 
 
+Weight = torch.Tensor | KernelWeight  # panels, or a quantized weight (quant_kernels' words)
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One Qwen3 decoder layer as the decoder kernels read it: norm weights float32 ([H], q/k norms [D]),
     panels from ``pack_linear`` (q/k/v stacked; gate rows before up rows) or ``pack_experts``, all contiguous.
     The MLP is ``gate_up``/``down`` (dense, ``intermediate`` wide), or routed ``experts`` chosen by ``router``
     (``top_k`` of ``num_experts``, weights renormalised with ``norm_topk``) plus, where ``gate_up`` is given too, a
-    shared expert scaled by the sigmoid of ``shared_gate`` (a 1-output linear layer)."""
+    shared expert scaled by the sigmoid of ``shared_gate`` (a 1-output linear layer). q/k/v, o, the MLP's
+    gate/up and down and the experts (both or neither) may instead be quantized weights (``KernelWeight``:
+    quant_kernels' phases run them); the router and the shared gate are panels."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None = None
-    down: torch.Tensor | None = None
+    gate_up: Weight | None = None
+    down: Weight | None = None
     intermediate: int = 0
     router: torch.Tensor | None = None
-    experts: tuple[torch.Tensor, torch.Tensor] | None = None
+    experts: tuple[Weight, Weight] | None = None
     num_experts: int = 0
     top_k: int = 0
     norm_topk: bool = False
@@ -503,8 +511,13 @@ class LayerWeights:
         tensors = [self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm]
         tensors += [t for t in (self.gate_up, self.down, self.router, self.shared_gate) if t is not None]
         tensors += list(self.experts or ())
+        tensors = [t.data if isinstance(t, KernelWeight) else t for t in tensors]
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
             raise ValueError("decoder layer weights must be contiguous CPU tensors")
+        if self.experts is not None and len({isinstance(t, KernelWeight) for t in self.experts}) != 1:
+            raise ValueError("routed experts are quantized both (gate/up and down) or neither")
+        if isinstance(self.router, KernelWeight) or isinstance(self.shared_gate, KernelWeight):
+            raise ValueError("the router and the shared expert's gate are panels, not quantized weights")
         if (self.gate_up is None) != (self.down is None) or (self.gate_up is not None and self.intermediate <= 0):
             raise ValueError("a dense MLP or shared expert needs gate_up, down and its intermediate size")
         if self.router is None:
@@ -515,15 +528,23 @@ class LayerWeights:
         elif (self.shared_gate is None) != (self.gate_up is None):
             raise ValueError("a shared expert needs both its MLP and its gate")
 
+    def quantized(self) -> dict[str, KernelWeight]:
+        """The layer's quantized weights by entry (``experts``: the gate/up one, its down beside it)."""
+        named = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down,
+                 "experts": self.experts[0] if self.experts else None}
+        return {name: w for name, w in named.items() if isinstance(w, KernelWeight)}
+
     def entries(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
-        def address(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.data_ptr()
+        def address(t: Weight | None) -> int:
+            return 0 if t is None else t.words.data_ptr() if isinstance(t, KernelWeight) else t.data_ptr()
 
         up, down = self.experts or (None, None)
+        expert_inter = 0 if up is None else down.inputs if isinstance(down, KernelWeight) else up.shape[1] * UP_PANEL
+        quant = sum(1 << _QUANT_BITS[name] for name in self.quantized())
         return [address(t) for t in (self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm,
                                      k_cache, v_cache, self.gate_up, self.down)] + [
             self.intermediate, address(self.router), address(up), address(down), self.num_experts, self.top_k,
-            0 if up is None else up.shape[1] * UP_PANEL, int(self.norm_topk), address(self.shared_gate)]
+            expert_inter, int(self.norm_topk), address(self.shared_gate), quant]
 
 
 @dataclass(frozen=True)
@@ -536,7 +557,10 @@ class LayerTable:
     intermediate: int  # widest dense / shared intermediate
     experts: int  # most routed experts, most selections per row, widest expert intermediate
     top_k: int
-    expert_intermediate: int
+    expert_intermediate: int  # widest expert intermediate in panels
+    quant_inputs: int = 0  # quantized weights (0: none): the most inputs, outputs (experts: 2I) and expert
+    quant_outputs: int = 0  # intermediate among them, which size their phases' scratch
+    quant_intermediate: int = 0
 
     def part(self, start: int, stop: int) -> LayerTable:
         """Layers ``start`` .. ``stop - 1`` only."""
@@ -555,8 +579,19 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
         intermediate=max((w.intermediate for w in layers), default=0),
         experts=max((w.num_experts for w in layers), default=0),
         top_k=max((w.top_k for w in layers), default=0),
-        expert_intermediate=max((w.experts[0].shape[1] * UP_PANEL for w in layers if w.experts), default=0),
+        expert_intermediate=max((w.experts[0].shape[1] * UP_PANEL for w in layers
+                                 if w.experts and "experts" not in w.quantized()), default=0),
+        **_quant_sizes(layers),
     )
+
+
+def _quant_sizes(layers: list[LayerWeights]) -> dict[str, int]:
+    weights = [(name, w) for layer in layers for name, w in layer.quantized().items()]
+    if weights and not quant_kernels.available():
+        raise ValueError("quantized decoder layers need the quantized CPU kernels")
+    return dict(quant_inputs=max((w.inputs for _, w in weights), default=0),
+                quant_outputs=max((w.rows for _, w in weights), default=0),
+                quant_intermediate=max((w.rows // 2 for name, w in weights if name == "experts"), default=0))
 
 
 def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_width: int, threads: int,
@@ -580,6 +615,22 @@ def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_wi
                             table.intermediate, table.experts, table.top_k, table.expert_intermediate), make)
 
 
+def _quant_workspace(rows: int, table: LayerTable) -> list[int]:
+    """bufs B_QLINEAR..B_QWHERE: quant_kernels' phases and their scratch for rows (zeros: nothing quantized)."""
+    if not table.quant_inputs:
+        return [0] * 7
+    inputs, inter, selections = table.quant_inputs, table.quant_intermediate, rows * max(table.top_k, 1)
+
+    def make() -> list[torch.Tensor]:
+        most = max(rows, selections)  # (a MoE phase's rows are its selections)
+        return [torch.empty(most * (inputs + 2 * (inputs // 32))), torch.empty(most * table.quant_outputs),
+                torch.empty(selections * (inter + 2 * (inter // 32))), torch.empty(table.experts + 1, dtype=torch.int64),
+                torch.empty(selections, dtype=torch.int64)]
+
+    return [*quant_kernels.phase_addresses(),
+            *_kept("quant-layers", (rows, inputs, table.quant_outputs, inter, table.top_k, table.experts), make)]
+
+
 def _run_layers(
     x: torch.Tensor, table: LayerTable, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, ...],
     max_kv: int, geometry: list[int], inputs: list[int], head: list[int], eps: float,
@@ -596,7 +647,7 @@ def _run_layers(
     dims = (ctypes.c_int64 * 15)(rows, x.shape[-1], heads, kv_heads, head_dim, qkv_width, rows_max, max_kv,
                                  *geometry)
     bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch,
-                                       scores.data_ptr(), *head)
+                                       scores.data_ptr(), *head, *_quant_workspace(rows, table))
     _function(f"decoder_layers_{'f32' if x.dtype == torch.float32 else _DOT}")(
         dims, table.addresses.data_ptr(), table.addresses.shape[0], bufs, eps, head_dim**-0.5, threads,
     )

@@ -15,6 +15,8 @@ from omnistage.models.layers.attention import AttendFn, SelfAttention
 from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
+from omnistage.models.layers.quant import decoder_kernel_weight
+from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
 from omnistage.models.layers.rotary import RotaryEmbedding, rope_theta
 
 log = logging.getLogger(__name__)
@@ -148,15 +150,20 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def kernel_layer(layer: DecoderLayer) -> cpu_kernels.LayerWeights | None:
-    """``layer``'s weights as ``cpu_kernels``' decoder kernels read them, once the ``fast`` option packed them; None
-    where they cannot (a linear layer not in panel layout or biased, no q/k norms, experts without panels)."""
+def kernel_layer(layer: DecoderLayer, dtype: torch.dtype) -> cpu_kernels.LayerWeights | None:
+    """``layer``'s weights as ``cpu_kernels``' decoder kernels read them, once the ``fast`` option packed them
+    (quantized ones as they were loaded); None where they cannot (a linear layer neither in panel layout nor
+    quantized for omnistage's kernels, a bias, no q/k norms, experts without panels)."""
     attn, mlp = layer.self_attn, layer.mlp
     if attn.q_norm is None:
         return None
 
-    def panels(linear: nn.Module | None) -> torch.Tensor | None:
-        return getattr(linear, "panels", None) if getattr(linear, "bias", None) is None else None
+    def panels(linear: nn.Module | None) -> cpu_kernels.Weight | None:
+        if getattr(linear, "bias", None) is not None:
+            return None
+        if isinstance(linear, QuantLinear):
+            return decoder_kernel_weight(linear.weight_q, dtype)
+        return getattr(linear, "panels", None)
 
     norms = [n.weight.detach().float().contiguous()
              for n in (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)]
@@ -167,13 +174,21 @@ def kernel_layer(layer: DecoderLayer) -> cpu_kernels.LayerWeights | None:
         parts.update(gate_up=panels(dense.gate_up_proj), down=panels(dense.down_proj),
                      intermediate=dense.intermediate_size)
     if isinstance(mlp, SparseMoE):
-        if mlp.experts.panels is None or mlp.experts.packed is not None:  # no panels, or not for every batch
+        experts = mlp.experts
+        if isinstance(experts, QuantExperts):
+            pair = tuple(decoder_kernel_weight(w, dtype) for w in (experts.gate_up_q, experts.down_q))
+            if None in pair:
+                return None
+        elif experts.panels is None or experts.packed is not None:  # no panels, or not for every batch
             return None
-        parts.update(router=panels(mlp.gate), experts=mlp.experts.panels, num_experts=mlp.num_experts,
-                     top_k=mlp.top_k, norm_topk=mlp.norm_topk_prob)
+        else:
+            pair = experts.panels
+        parts.update(router=panels(mlp.gate), experts=pair, num_experts=mlp.num_experts, top_k=mlp.top_k,
+                     norm_topk=mlp.norm_topk_prob)
         if dense is not None:
             parts["shared_gate"] = panels(mlp.shared_expert_gate)
-        if parts["router"] is None or (dense is not None and parts["shared_gate"] is None):
+        if not isinstance(parts["router"], torch.Tensor) or (
+                dense is not None and not isinstance(parts["shared_gate"], torch.Tensor)):
             return None
     if any(parts[name] is None for name in ("qkv", "o")) or (dense is not None and None in (parts["gate_up"],
                                                                                               parts["down"])):
@@ -188,7 +203,7 @@ def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype)
                   f"hidden {cfg.hidden_size} (a multiple of {cpu_kernels.DOWN_PANEL}), head_dim {cfg.head_dim}, {dtype}")
         log.info("decoder kernels do not serve a %d-layer decoder (%s): it runs layer by layer", len(layers), reason)
         return []
-    found = [kernel_layer(layer) for layer in layers]
+    found = [kernel_layer(layer, dtype) for layer in layers]
     if found and all(found):
         return found
     log.info("decoder kernels do not serve layer(s) %s of a %d-layer decoder (weights not in panels, biases or no "

@@ -231,9 +231,21 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
 
 def own_kernel_takes(x: torch.Tensor, weight: QuantWeight) -> bool:
     """Whether omnistage's quantized CPU kernels serve ``weight`` for activations ``x``."""
-    return (x.dtype in (torch.float32, torch.bfloat16) and weight.scales.dtype in (torch.float32, torch.bfloat16)
+    return _own_kernel_takes(x.dtype, x.device, weight)
+
+
+def _own_kernel_takes(dtype: torch.dtype, device: torch.device, weight: QuantWeight) -> bool:
+    return (dtype in (torch.float32, torch.bfloat16) and weight.scales.dtype in (torch.float32, torch.bfloat16)
             and weight.layout in ("nibbles", "int8") and weight.data.device.type == "cpu"
-            and quant_kernels.takes(weight.fmt.bits, weight.fmt.group_size, weight.in_features, x.device))
+            and quant_kernels.takes(weight.fmt.bits, weight.fmt.group_size, weight.in_features, device))
+
+
+def decoder_kernel_weight(weight: QuantWeight, dtype: torch.dtype) -> quant_kernels.KernelWeight | None:
+    """``weight`` as the decoder kernels' table points to it, for activations of ``dtype`` on the CPU; None where
+    omnistage's quantized kernels do not serve it (the layer then keeps running layer by layer)."""
+    if not _own_kernel_takes(dtype, weight.data.device, weight):
+        return None
+    return quant_kernels.kernel_weight(*kernel_args(weight))
 
 
 def kernel_args(weight: QuantWeight) -> tuple[int, int | None, torch.Tensor, torch.Tensor]:

@@ -13,6 +13,10 @@ multiple of 32 inputs; others keep torch's ops or the dequantizing fallback. ``O
 these kernels off with the others; without a C compiler they are unavailable (logged once). Sums are float32
 in a fixed order per row (rounding differs from dequantize-then-GEMM: compared within float tolerance in
 ``tests/models/test_quant_kernels.py``).
+
+The decoder kernels (``cpu_kernels.decoder_step`` / ``decoder_pass``) run quantized layers through the same
+code: their table points at a weight's ``KernelWeight`` words, and they call this library's phases
+(``phase_addresses``) inside their own parallel region.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -79,6 +84,45 @@ def takes(bits: int, group_size: int | None, in_features: int, device: torch.dev
 
 def _group(bits: int, group_size: int | None, in_features: int) -> int:
     return in_features if bits == 8 else int(group_size)
+
+
+@dataclass(frozen=True, eq=False)
+class KernelWeight:
+    """A quantized weight as the decoder kernels' table points to it: ``words`` (int64: bits, group, rows,
+    inputs, bfloat16 scales, the data's and the scales' addresses; ``W_*`` in quant_kernels.c) and the tensors
+    they address, kept alive with it. Stacked experts: rows and inputs per expert."""
+
+    words: torch.Tensor
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.words[2])
+
+    @property
+    def inputs(self) -> int:
+        return int(self.words[3])
+
+
+def kernel_weight(bits: int, group_size: int | None, data: torch.Tensor, scales: torch.Tensor) -> KernelWeight:
+    """A weight ``takes`` accepted (``data`` [..., N, K/2] int4 or [..., N, K] int8, contiguous; ``scales``
+    [..., N, K/g] or [..., N]) as the decoder kernels read it."""
+    if not (data.is_contiguous() and scales.is_contiguous() and scales.dtype in _DTYPES):
+        raise ValueError("a kernel weight needs contiguous data and float32 / bfloat16 scales")
+    rows, width = data.shape[-2:]
+    inputs = width * 2 if bits == 4 else width
+    words = [bits, _group(bits, group_size, inputs), rows, inputs, int(scales.dtype == torch.bfloat16),
+             data.data_ptr(), scales.data_ptr()]
+    return KernelWeight(torch.tensor(words, dtype=torch.int64), data, scales)
+
+
+def phase_addresses() -> tuple[int, int]:
+    """The addresses of ``phase_linear`` and ``phase_moe``, which the decoder kernels call (every thread of their
+    parallel region) for quantized layers."""
+    _require()
+    return tuple(ctypes.cast(getattr(_lazy.library, name), ctypes.c_void_p).value
+                 for name in ("phase_linear", "phase_moe"))
 
 
 def linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tensor, scales: torch.Tensor,
@@ -198,7 +242,7 @@ def _moe(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int | No
     xp = scratch("q-x", rows * hidden + 2 * rows * (hidden // 32), torch.float32)
     h = scratch("q-h", rows * up_rows, torch.float32)
     hp = scratch("q-hp", rows * inter + 2 * rows * (inter // 32), torch.float32)
-    starts = scratch("q-starts", 2 * experts + 1, torch.int64)
+    starts = scratch("q-starts", 2 * experts + 2, torch.int64)
     bf16 = int(x.dtype == torch.bfloat16)
     _lazy.library.quant_moe(bits_up, bits_down, rows, experts, hidden, inter, _group(bits_up, group_up, hidden),
                        _group(bits_down, group_down, inter), counts.data_ptr(), x.data_ptr(), bf16,

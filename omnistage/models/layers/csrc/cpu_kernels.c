@@ -557,7 +557,10 @@ DEFINE_ROW_NORM(bf16, uint16_t)
  * request, keys and values in the paged cache [2, slots, NKV, D] at its slot tables).
  *
  *   layers: L rows of L_WIDTH entries (below); norm weights float32, panels from pack_linear / pack_experts in
- *     the model's type, caches of the model's type. H % 32 == 0, D even and at most MAX_HEAD_DIM.
+ *     the model's type, caches of the model's type. H % 32 == 0, D even and at most MAX_HEAD_DIM. A quantized
+ *     model's projections, MLPs and experts are instead quantized weights (L_QUANT), which quant_kernels.c's
+ *     phases compute inside this region (through B_QLINEAR / B_QMOE): a decode step of a quantized decoder is
+ *     one call too, where layer by layer each layer costs ~1 ms of calls at the released widths.
  *   dims: R rows, H, NQ query heads, NKV key/value heads, D head size, NQKV (>= (NQ + 2 NKV) D, the q/k/v
  *     panels' width), rows_max (>= R and >= R * top-k: scratch rows per thread), max_kv (keys per row at most),
  *     mode (0 frame, 1 paged), then frame: B, S, pos0, Q; and for the head (frame only): V, VP.
@@ -569,6 +572,7 @@ enum { /* a layer's row of the table */
     L_NORM1, L_QKV, L_QNORM, L_KNORM, L_O, L_NORM2, L_KC, L_VC, /* attention */
     L_GU, L_DOWN, L_INTER, /* dense SwiGLU MLP, or the shared expert (L_GU 0: none): gate rows first */
     L_ROUTER, L_EUP, L_EDOWN, L_EXPERTS, L_TOPK, L_EINTER, L_NORM_TOPK, L_SGATE, /* L_ROUTER 0: dense MLP */
+    L_QUANT, /* bit i set: entry i (L_QKV, L_O, L_GU, L_DOWN; L_EUP for both experts) is a quantized weight's words */
     L_WIDTH
 };
 enum { /* bufs */
@@ -582,8 +586,29 @@ enum { /* bufs */
     B_HEAD_NORM, B_HEAD, B_HEAD_LOGITS, B_PICKS, B_LAST, /* frame: each request's last row through the final
                                norm (float32 [H]), the head's panels, logits [B, VP] (model's type), argmax picks
                                [B] int64 (the first of equal maxima), scratch [B, H]; B_HEAD_NORM NULL: none */
+    B_QLINEAR, B_QMOE, B_QX, B_QY, B_QHP, B_QIDS, B_QWHERE, /* quantized weights (L_QUANT): quant_kernels.c's
+                               phase_linear / phase_moe, and their scratch (float32 QX, QY, QHP; int64 QIDS
+                               [E + 1], QWHERE [R k]); 0 where no layer has any */
     B_WIDTH
 };
+/* quant_kernels.c's phases (orphaned `omp for`s, run by every thread of the layers' parallel region). */
+typedef void (*quant_linear_fn)(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out,
+                                int64_t ldo, int out_bf16, int add, float *xp, float *yf);
+typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t T, int64_t K, int64_t E,
+                             const int64_t *starts, const int64_t *order, const float *weights, const void *x,
+                             int x_bf16, void *out, int out_bf16, float *xp, float *h, float *hp, int64_t *ids,
+                             int64_t *where);
+/* A layer's linear layer `slot` over rows_in: quantized (L_QUANT) or panels of N (padded) columns; out's rows
+ * are N wide either way. */
+#define LAYER_LINEAR(SUFFIX, T, WT, slot, K, N, out, add)                                                  \
+    do {                                                                                                   \
+        if (a[L_QUANT] >> (slot) & 1)                                                                      \
+            ((quant_linear_fn)bufs[B_QLINEAR])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, \
+                                               out, N, bf16, add, (float *)bufs[B_QX], (float *)bufs[B_QY]); \
+        else                                                                                               \
+            linear_panels_##SUFFIX(R, K, N, (const T *const *)rows_in, (const WT *)a[slot], 0, out, bf16, add, \
+                                   ys, (float *const *)rows_out, ones);                                    \
+    } while (0)
 #define MAX_EXPERTS 512
 
 static inline int64_t round32(int64_t n) { return (n + 31) / 32 * 32; }
@@ -646,8 +671,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
             row_norm_##TS(H, x + r * H, norm1, eps, 0, normed + r * H);                                    \
         for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
-        linear_panels_##SUFFIX(R, H, NQKV, (const T *const *)rows_in, (const WT *)a[L_QKV], 0, qkv, bf16, 0, \
-                               ys, (float *const *)rows_out, ones);                                        \
+        LAYER_LINEAR(SUFFIX, T, WT, L_QKV, H, NQKV, qkv, 0);                                               \
         /* q/k norms, rotary; k and v into the caches */                                                   \
         _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * (NQ + NKV); task++) {         \
             const int64_t r = task / (NQ + NKV), head = task % (NQ + NKV);                                 \
@@ -696,17 +720,14 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             for (int64_t d = 0; d < D; d++) put_##TS(o + d, row[d]);                                       \
         }                                                                                                  \
         for (int64_t r = 0; r < R; r++) rows_in[r] = attn + r * NQ * D;                                    \
-        linear_panels_##SUFFIX(R, NQ * D, H, (const T *const *)rows_in, (const WT *)a[L_O], 0, x, bf16, 1, ys, \
-                               (float *const *)rows_out, ones);                                            \
+        LAYER_LINEAR(SUFFIX, T, WT, L_O, NQ * D, H, x, 1);                                                 \
         /* post-attention norm; the dense MLP or the shared expert's gate/up (and its gate), the router */  \
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
             row_norm_##TS(H, x + r * H, norm2, eps, 0, normed + r * H);                                    \
         for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
         const int64_t I = a[L_INTER], NGU = round32(2 * I), E = a[L_EXPERTS], K = a[L_TOPK];                \
         T *logits = (T *)bufs[B_LOGITS], *sg = (T *)bufs[B_SG], *moe = (T *)bufs[B_MOE];                   \
-        if (a[L_GU])                                                                                       \
-            linear_panels_##SUFFIX(R, H, NGU, (const T *const *)rows_in, (const WT *)a[L_GU], 0, gu, bf16, 0, \
-                                   ys, (float *const *)rows_out, ones);                                    \
+        if (a[L_GU]) LAYER_LINEAR(SUFFIX, T, WT, L_GU, H, NGU, gu, 0);                                     \
         if (a[L_ROUTER])                                                                                   \
             linear_panels_##SUFFIX(R, H, round32(E), (const T *const *)rows_in, (const WT *)a[L_ROUTER], 0,   \
                                    logits, bf16, 0, ys, (float *const *)rows_out, ones);                   \
@@ -729,21 +750,25 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         }                                                                                                  \
         if (!a[L_ROUTER]) { /* dense: down + residual */                                                   \
             for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                      \
-            linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, (const WT *)a[L_DOWN], 0, x, bf16, 1, \
-                                   ys, (float *const *)rows_out, ones);                                    \
+            LAYER_LINEAR(SUFFIX, T, WT, L_DOWN, I, H, x, 1);                                               \
             return;                                                                                        \
         }                                                                                                  \
         int64_t *order = (int64_t *)bufs[B_SORT], *starts = order + R * K;                                  \
         _Pragma("omp single") sort_selections(R * K, E, ids, order, starts);                               \
-        moe_phases_##SUFFIX(R, K, E, H, H, a[L_EINTER], normed, order, starts, route_w, (const WT *)a[L_EUP], \
-                            (const WT *)a[L_EDOWN], moe, bf16, (T *)bufs[B_HEXP], ys, rows_in, rows_out);  \
+        if (a[L_QUANT] >> L_EUP & 1)                                                                       \
+            ((quant_moe_fn)bufs[B_QMOE])((const int64_t *)a[L_EUP], (const int64_t *)a[L_EDOWN], R, K, E, starts, \
+                                         order, route_w, normed, bf16, moe, bf16, (float *)bufs[B_QX],     \
+                                         (float *)bufs[B_QY], (float *)bufs[B_QHP], (int64_t *)bufs[B_QIDS], \
+                                         (int64_t *)bufs[B_QWHERE]);                                       \
+        else                                                                                               \
+            moe_phases_##SUFFIX(R, K, E, H, H, a[L_EINTER], normed, order, starts, route_w, (const WT *)a[L_EUP], \
+                                (const WT *)a[L_EDOWN], moe, bf16, (T *)bufs[B_HEXP], ys, rows_in, rows_out); \
         if (a[L_GU]) { /* the shared expert's down projection, into gu's rows */                           \
             for (int64_t r = 0; r < R; r++) {                                                              \
                 rows_in[r] = act + r * I;                                                                  \
                 rows_out[r] = ys + r * 32;                                                                 \
             }                                                                                              \
-            linear_panels_##SUFFIX(R, I, H, (const T *const *)rows_in, (const WT *)a[L_DOWN], 0, gu, bf16, 0, \
-                                   ys, (float *const *)rows_out, ones);                                    \
+            LAYER_LINEAR(SUFFIX, T, WT, L_DOWN, I, H, gu, 0);                                              \
         }                                                                                                  \
         /* x += experts + sigmoid(shared gate) * shared expert */                                          \
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                               \

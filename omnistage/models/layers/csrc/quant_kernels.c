@@ -568,77 +568,142 @@ static inline void rows_of(int bits, int64_t M, int64_t K, int64_t group, const 
 
 #define CHUNK 16 /* output rows per work item */
 
+/* The phases below are orphaned `omp for`s (each ending in its barrier): every thread of the enclosing parallel
+ * region calls them, so the decoder kernels (cpu_kernels.c, through the addresses `phase_linear` /
+ * `phase_moe`) run quantized layers inside their own region, as one call here does in a region of its own.
+ *
+ * A quantized weight as the decoder kernels' layer table points to it (int64 words): bits, group (int8: K),
+ * N (rows; per expert for stacked experts), K, scales in bfloat16, the data's and the scales' addresses. */
+enum { W_BITS, W_GROUP, W_N, W_K, W_SBF16, W_DATA, W_SCALES };
+
+/* x [M] rows (row m at rows[m], or at x + m * K without rows) times W^T -> out [M] rows of ldo elements:
+ * out = y + bias, or with `add` out += y rounded to out's type first (a residual, as separate ops round).
+ * Scratch: xp M * K + 2 * M * (K / 32) floats, yf M * N floats. */
+static void linear_phases(const int64_t *w, int64_t M, const void *x, const void *const *rows, int x_bf16,
+                          const float *bias, void *out, int64_t ldo, int out_bf16, int add, float *xp, float *yf) {
+    const int bits = (int)w[W_BITS];
+    const int64_t group = w[W_GROUP], N = w[W_N], K = w[W_K], items = (N + CHUNK - 1) / CHUNK;
+    const uint8_t *data = (const uint8_t *)w[W_DATA];
+    const void *scales = (const void *)w[W_SCALES];
+    Acts acts = acts_in(x_bf16, M, K, xp);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        acts_row(bits, K, group, rows ? rows[m] : (const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, acts, m);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) {
+        int64_t n0 = i * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
+        rows_of(bits, M, K, group, data, scales, (int)w[W_SBF16], acts, 0, yf, N, n0, n1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            float v = yf[m * N + n] + (bias ? bias[n] : 0.0f);
+            if (add) v = (out_bf16 ? widen_bf16(narrow_bf16(v)) : v) + load_act(out, out_bf16, m * ldo + n);
+            store_act(out, out_bf16, m * ldo + n, v);
+        }
+}
+
 /* y[M, N] = x[M, K] . W^T (+ bias[N], float32, optional), x and y float32 or bfloat16. `xp`: scratch of
  * M * K + 2 * M * (K / 32) floats; `yf`: scratch of M * N floats. */
 void quant_linear(int bits, int64_t M, int64_t N, int64_t K, int64_t group, const uint8_t *w, const void *s,
                   int s_bf16, const void *x, int x_bf16, const float *bias, void *y, int y_bf16, float *xp,
                   float *yf, int threads) {
-    int64_t items = (N + CHUNK - 1) / CHUNK;
-    Acts acts = acts_in(x_bf16, M, K, xp);
+    const int64_t words[] = {bits, group, N, K, s_bf16, (int64_t)w, (int64_t)s};
 #pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) acts_row(bits, K, group, (const char *)x + m * K * (x_bf16 ? 2 : 4), x_bf16, acts, m);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < items; i++) {
-            int64_t n0 = i * CHUNK, n1 = n0 + CHUNK < N ? n0 + CHUNK : N;
-            rows_of(bits, M, K, group, w, s, s_bf16, acts, 0, yf, N, n0, n1);
-        }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++) store_act(y, y_bf16, m * N + n, yf[m * N + n] + (bias ? bias[n] : 0.0f));
+    linear_phases(words, M, x, 0, x_bf16, bias, y, N, y_bf16, 0, xp, yf);
+}
+
+/* Routed SwiGLU experts: S selections sorted by expert (`starts` [E + 1]: expert e's at starts[e] ..
+ * starts[e + 1]), selection j's row x[order[j] / K] (without `order`: x[j]), through its expert's gate_up
+ * (w_up: [E, 2I, H], gate rows first) and down (w_down: [E, H, I]). With `weights` (per flat selection
+ * t * K + k) out[t] = the sum of token t's K slots in top-k order, each times its weight (float32, rounded once);
+ * without, out[j] = selection j's row. Scratch (floats): xp S * H + 2 * S * (H / 32), h S * 2I,
+ * hp S * I + 2 * S * (I / 32); int64 ids E + 1, where S (with weights). Work items: (expert, 16 output
+ * rows). */
+static void moe_phases(const int64_t *w_up, const int64_t *w_down, int64_t S, int64_t K, int64_t E,
+                       const int64_t *starts, const int64_t *order, const float *weights, const void *x, int x_bf16,
+                       void *out, int out_bf16, float *xp, float *h, float *hp, int64_t *ids, int64_t *where) {
+    const int bits_up = (int)w_up[W_BITS], bits_down = (int)w_down[W_BITS], s_bf16 = (int)w_up[W_SBF16];
+    const int64_t H = w_up[W_K], I = w_down[W_K], up_rows = 2 * I, group_up = w_up[W_GROUP],
+                  group_down = w_down[W_GROUP], sb = s_bf16 ? 2 : 4;
+    const int64_t up_bytes = bits_up == 4 ? H / 2 : H, down_bytes = bits_down == 4 ? I / 2 : I;
+    const int64_t up_items = (up_rows + CHUNK - 1) / CHUNK, down_items = (H + CHUNK - 1) / CHUNK;
+    const int64_t up_scales = up_rows * (H / group_up) * sb, down_scales = H * (I / group_down) * sb;
+    const uint8_t *wu = (const uint8_t *)w_up[W_DATA], *wd = (const uint8_t *)w_down[W_DATA];
+    const char *su = (const char *)w_up[W_SCALES], *sd = (const char *)w_down[W_SCALES];
+#pragma omp single
+    { /* the experts with rows, then their count */
+        int64_t n = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (starts[e + 1] > starts[e]) ids[n++] = e;
+        ids[E] = n;
     }
+    const int64_t active = ids[E];
+    Acts up = acts_in(x_bf16, S, H, xp), down = acts_in(x_bf16, S, I, hp);
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < S; j++) {
+        const int64_t row = order ? order[j] / K : j;
+        if (weights) where[order ? order[j] : j] = j;
+        acts_row(bits_up, H, group_up, (const char *)x + row * H * (x_bf16 ? 2 : 4), x_bf16, up, j);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < active * up_items; i++) {
+        int64_t e = ids[i / up_items], n0 = (i % up_items) * CHUNK;
+        int64_t n1 = n0 + CHUNK < up_rows ? n0 + CHUNK : up_rows, r0 = starts[e];
+        rows_of(bits_up, starts[e + 1] - r0, H, group_up, wu + e * up_rows * up_bytes, su + e * up_scales, s_bf16,
+                up, r0, h + r0 * up_rows, up_rows, n0, n1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < S; j++) {
+        float *g = h + j * up_rows; /* SwiGLU written over the gate half, then taken as the down rows */
+        const float *u = g + I;
+        for (int64_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+        acts_row(bits_down, I, group_down, g, 0, down, j);
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < active * down_items; i++) {
+        int64_t e = ids[i / down_items], n0 = (i % down_items) * CHUNK;
+        int64_t n1 = n0 + CHUNK < H ? n0 + CHUNK : H, r0 = starts[e];
+        /* (the up phase's activations are done with: its scratch takes the float output) */
+        rows_of(bits_down, starts[e + 1] - r0, I, group_down, wd + e * H * down_bytes, sd + e * down_scales, s_bf16,
+                down, r0, xp + r0 * H, H, n0, n1);
+    }
+    const int64_t T = weights ? S / K : S;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t n = 0; n < H; n++) {
+            float v = weights ? 0.0f : xp[t * H + n];
+            for (int64_t k = 0; weights && k < K; k++) v += xp[where[t * K + k] * H + n] * weights[t * K + k];
+            store_act(out, out_bf16, t * H + n, v);
+        }
 }
 
 /* A routed SwiGLU expert layer: x [S, H] (rows sorted by expert, `counts` [E] rows each) -> out [S, H], each
  * row through its expert's gate_up [E, 2I, H] (gate rows first) and down [E, H, I]; no routing weights (the
  * caller weights and sums the slots). Scratch (floats): xp S * H + 2 * S * (H / 32), h S * 2I,
- * hp S * I + 2 * S * (I / 32); starts 2E + 1 int64. One
- * parallel region, a barrier between the phases; each phase's work items are (expert, 16 output rows). */
+ * hp S * I + 2 * S * (I / 32); starts 2E + 2 int64. One parallel region, a barrier between the phases. */
 void quant_moe(int bits_up, int bits_down, int64_t S, int64_t E, int64_t H, int64_t I, int64_t group_up,
                int64_t group_down, const int64_t *counts, const void *x, int x_bf16, const uint8_t *wu,
                const void *su, const uint8_t *wd, const void *sd, int s_bf16, void *out, int out_bf16, float *xp,
                float *h, float *hp, int64_t *starts, int threads) {
-    int64_t active = 0;
+    const int64_t up[] = {bits_up, group_up, 2 * I, H, s_bf16, (int64_t)wu, (int64_t)su};
+    const int64_t down[] = {bits_down, group_down, H, I, s_bf16, (int64_t)wd, (int64_t)sd};
     starts[0] = 0;
     for (int64_t e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
-    int64_t *ids = starts + E + 1; /* the experts with rows: scratch holds E more */
-    for (int64_t e = 0; e < E; e++)
-        if (counts[e]) ids[active++] = e;
-    int64_t up_rows = 2 * I, up_bytes = bits_up == 4 ? H / 2 : H, down_bytes = bits_down == 4 ? I / 2 : I;
-    int64_t up_items = (up_rows + CHUNK - 1) / CHUNK, down_items = (H + CHUNK - 1) / CHUNK;
-    int64_t up_groups = H / group_up, down_groups = I / group_down, sb = s_bf16 ? 2 : 4;
-    Acts up = acts_in(x_bf16, S, H, xp), down = acts_in(x_bf16, S, I, hp);
 #pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < S; m++) acts_row(bits_up, H, group_up, (const char *)x + m * H * (x_bf16 ? 2 : 4), x_bf16, up, m);
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < active * up_items; i++) {
-            int64_t e = ids[i / up_items], n0 = (i % up_items) * CHUNK;
-            int64_t n1 = n0 + CHUNK < up_rows ? n0 + CHUNK : up_rows, r0 = starts[e];
-            rows_of(bits_up, counts[e], H, group_up, wu + e * up_rows * up_bytes,
-                    (const char *)su + e * up_rows * up_groups * sb, s_bf16, up, r0, h + r0 * up_rows, up_rows, n0, n1);
-        }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < S; m++) {
-            float *g = h + m * up_rows; /* SwiGLU written over the gate half, then taken as the down rows */
-            const float *u = g + I;
-            for (int64_t k = 0; k < I; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-            acts_row(bits_down, I, group_down, g, 0, down, m);
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < active * down_items; i++) {
-            int64_t e = ids[i / down_items], n0 = (i % down_items) * CHUNK;
-            int64_t n1 = n0 + CHUNK < H ? n0 + CHUNK : H, r0 = starts[e];
-            /* (the up phase's activations are done with: its scratch takes the float output) */
-            rows_of(bits_down, counts[e], I, group_down, wd + e * H * down_bytes,
-                    (const char *)sd + e * H * down_groups * sb, s_bf16, down, r0, xp + r0 * H, H, n0, n1);
-        }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < S; m++)
-            for (int64_t n = 0; n < H; n++) store_act(out, out_bf16, m * H + n, xp[m * H + n]);
-    }
+    moe_phases(up, down, S, 1, E, starts, 0, 0, x, x_bf16, out, out_bf16, xp, h, hp, starts + E + 1, 0);
+}
+
+/* The decoder kernels' entry points into the phases (called by every thread of their parallel region). */
+void phase_linear(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out, int64_t ldo,
+                  int out_bf16, int add, float *xp, float *yf) {
+    linear_phases(w, M, 0, rows, x_bf16, 0, out, ldo, out_bf16, add, xp, yf);
+}
+
+void phase_moe(const int64_t *w_up, const int64_t *w_down, int64_t T, int64_t K, int64_t E, const int64_t *starts,
+               const int64_t *order, const float *weights, const void *x, int x_bf16, void *out, int out_bf16,
+               float *xp, float *h, float *hp, int64_t *ids, int64_t *where) {
+    moe_phases(w_up, w_down, T * K, K, E, starts, order, weights, x, x_bf16, out, out_bf16, xp, h, hp, ids, where);
 }
 
 /* A bfloat16 weight's linear layer, y[M, N] = x[M, K] . W[N, K]^T (+ bias): for CPUs without bfloat16
