@@ -32,7 +32,8 @@ Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large
 predictor's passes (15 per frame, on a few rows each) and the paged Thinker's and Talker's decode steps under
 ``fast``. As separate ops, a layer is 15-30 calls on a few rows, each with its own dispatch and thread fork and
 join (measured on the small preset's Talker, 16 rows, bfloat16, 2 threads: 19.2 ms a step layer by layer, 8.6
-ms in one call, where its 124 MB of weights take about 5 ms to read).
+ms in one call, where its 124 MB of weights take about 5 ms to read). Quantized layers (``KernelWeight`` entries)
+run in the same call through ``quant_kernels``' phases.
 """
 
 from __future__ import annotations
