@@ -588,8 +588,6 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
 
 def _quant_sizes(layers: list[LayerWeights]) -> dict[str, int]:
     weights = [(name, w) for layer in layers for name, w in layer.quantized().items()]
-    if weights and not quant_kernels.available():
-        raise ValueError("quantized decoder layers need the quantized CPU kernels")
     return dict(quant_inputs=max((w.inputs for _, w in weights), default=0),
                 quant_outputs=max((w.rows for _, w in weights), default=0),
                 quant_intermediate=max((w.rows // 2 for name, w in weights if name == "experts"), default=0))

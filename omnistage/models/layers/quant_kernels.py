@@ -22,6 +22,7 @@ code: their table points at a weight's ``KernelWeight`` words, and they call thi
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -117,9 +118,10 @@ def kernel_weight(bits: int, group_size: int | None, data: torch.Tensor, scales:
     return KernelWeight(torch.tensor(words, dtype=torch.int64), data, scales)
 
 
+@functools.cache
 def phase_addresses() -> tuple[int, int]:
     """The addresses of ``phase_linear`` and ``phase_moe``, which the decoder kernels call (every thread of their
-    parallel region) for quantized layers."""
+    parallel region) for quantized layers (looked up once: every decoder-kernel call passes them)."""
     _require()
     return tuple(ctypes.cast(getattr(_lazy.library, name), ctypes.c_void_p).value
                  for name in ("phase_linear", "phase_moe"))
