@@ -24,37 +24,52 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h16u __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-
+/* Vectors of the build's native width (GCC lowers wider generic vectors on AVX2 through the stack and general
+ * registers, ~5x slower): a 32-column panel row is PV of them. */
 #if defined(__AVX512F__)
-#define ROWS 8 /* 32 vector registers: 2 x 8 accumulators, 2 weight vectors, a broadcast */
+#define LANES 16
+#define ROWS 8 /* 32 vector registers: 8 x 2 accumulators, 2 weight vectors, a broadcast */
 #else
-#define ROWS 3 /* 16 (AVX2) registers; each 16-float vector is two of them */
+#define LANES 8
+#define ROWS 3 /* 16 (AVX2) registers: 3 x 4 accumulators, weights and broadcasts */
 #endif
+#define PV (32 / LANES)
+/* Vector clones at that width (libmvec's _ZGVeN16 / _ZGVdN8 sinf, expf): a clone wider than the build's vectors
+ * is not used, and the loop stays scalar. */
+#if LANES == 16
+#define DECLARE_SIMD _Pragma("omp declare simd simdlen(16) notinbranch")
+#else
+#define DECLARE_SIMD _Pragma("omp declare simd simdlen(8) notinbranch")
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef float vfu __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t hu __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t uv __attribute__((vector_size(LANES * 4)));
 
 /* The row tile the build got: Python serves the panel kernels by default only with 8-row (AVX-512) tiles. */
 int tile_rows(void) { return ROWS; }
 
-static inline v16 load_f32(const float *p) { return *(const v16u *)p; }
+static inline vf load_f32(const float *p) { return *(const vfu *)p; }
 
-static inline v16 load_bf16(const uint16_t *p) {
-    u16v wide = __builtin_convertvector(*(const h16u *)p, u16v) << 16;
-    return (v16)wide;
+static inline vf load_bf16(const uint16_t *p) {
+    uv wide = __builtin_convertvector(*(const hu *)p, uv) << 16;
+    return (vf)wide;
 }
 
-static inline void store_f32(float *p, v16 v) { *(v16u *)p = v; }
+static inline void store_f32(float *p, vf v) { *(vfu *)p = v; }
 
-static inline void store_bf16(uint16_t *p, v16 v) {
-    u16v bits = (u16v)v;
+static inline void store_bf16(uint16_t *p, vf v) {
+    uv bits = (uv)v;
     bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16; /* round to nearest even (finite values) */
-    *(h16u *)p = __builtin_convertvector(bits, h16u);
+    *(hu *)p = __builtin_convertvector(bits, hu);
 }
 
-/* A broadcast (not `(v16){0} + x`: adding zero is not an identity for -0.0, so that costs an add per use). */
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+/* A broadcast (not `(vf){0} + x`: adding zero is not an identity for -0.0, so that costs an add per use). */
+static inline vf splat(float x) {
+    vf v;
+    for (int c = 0; c < LANES; c++) v[c] = x;
+    return v;
+}
 
 /* A linear layer's panels for more than ROWS rows: while the last row tile reads its panel again from the
  * caches, the next panel streams into L2 (the lines at the same input index k: w [K][32], or [K/2][32][2] in
@@ -67,14 +82,11 @@ static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x,
         if ((bytes) > 64) __builtin_prefetch((const char *)((pf) + (k) * 32) + 64, 0, 2);                    \
     } while (0)
 
-/* 32 output columns (a, b) at element `offset` of a float32 or bfloat16 output. */
-static inline void store_columns(void *out, int out_bf16, int64_t offset, v16 a, v16 b) {
-    if (out_bf16) {
-        store_bf16((uint16_t *)out + offset, a);
-        store_bf16((uint16_t *)out + offset + 16, b);
-    } else {
-        store_f32((float *)out + offset, a);
-        store_f32((float *)out + offset + 16, b);
+/* 32 output columns (PV vectors) at element `offset` of a float32 or bfloat16 output. */
+static inline void store_columns(void *out, int out_bf16, int64_t offset, const vf *v) {
+    for (int i = 0; i < PV; i++) {
+        if (out_bf16) store_bf16((uint16_t *)out + offset + i * LANES, v[i]);
+        else store_f32((float *)out + offset + i * LANES, v[i]);
     }
 }
 
@@ -93,42 +105,40 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
 
 /* One kernel per weight type: WT the stored element, LOAD widens 16 of them to float32. */
 #define DEFINE_KERNELS(SUFFIX, WT, LOAD)                                                                     \
-    /* a[r], b[r]: `rows` (<= ROWS) rows' dot products with a panel's columns 0-15 and 16-31, w [K][32]. */  \
+    /* acc[r][i]: `rows` (<= ROWS) rows' dot products with a panel's columns i*LANES .., w [K][32]. */       \
     static inline __attribute__((always_inline)) void panel_dots_##SUFFIX(                                   \
-        const int rows, int64_t K, const float *const *x, const WT *w, v16 *a, v16 *b, const WT *pf) {       \
-        for (int r = 0; r < rows; r++) a[r] = b[r] = splat(0.0f);                                           \
+        const int rows, int64_t K, const float *const *x, const WT *w, vf (*acc)[PV], const WT *pf) {        \
+        for (int r = 0; r < rows; r++)                                                                      \
+            for (int i = 0; i < PV; i++) acc[r][i] = splat(0.0f);                                           \
         for (int64_t k = 0; k < K; k++) {                                                                   \
             if (pf) PREFETCH_K(pf, k, 32 * sizeof(WT));                                                     \
-            const v16 wa = LOAD(w + k * 32), wb = LOAD(w + k * 32 + 16);                                    \
+            vf wk[PV];                                                                                      \
+            for (int i = 0; i < PV; i++) wk[i] = LOAD(w + k * 32 + i * LANES);                              \
             for (int r = 0; r < rows; r++) {                                                                \
-                const v16 xb = splat(x[r][k]);                                                              \
-                a[r] += xb * wa;                                                                            \
-                b[r] += xb * wb;                                                                            \
+                const vf xb = splat(x[r][k]);                                                               \
+                for (int i = 0; i < PV; i++) acc[r][i] += xb * wk[i];                                       \
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
     /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
     static inline __attribute__((always_inline)) void gate_up_tile_##SUFFIX(                                 \
         const int rows, int64_t H, const float *const *x, const WT *w, float *const *h) {                    \
-        v16 g[ROWS], u[ROWS];                                                                               \
-        panel_dots_##SUFFIX(rows, H, x, w, g, u, (const WT *)0);                                            \
+        vf acc[ROWS][PV];                                                                                   \
+        panel_dots_##SUFFIX(rows, H, x, w, acc, (const WT *)0);                                             \
         for (int r = 0; r < rows; r++) {                                                                    \
-            float gs[16], us[16];                                                                           \
-            store_f32(gs, g[r]);                                                                            \
-            store_f32(us, u[r]);                                                                            \
-            for (int c = 0; c < 16; c++) h[r][c] = silu_times(gs[c], us[c]);                                 \
+            float gu[32];                                                                                   \
+            for (int i = 0; i < PV; i++) store_f32(gu + i * LANES, acc[r][i]);                              \
+            for (int c = 0; c < 16; c++) h[r][c] = silu_times(gu[c], gu[16 + c]);                            \
         }                                                                                                   \
     }                                                                                                       \
     /* down over one panel of 32 hidden columns: y[r] = weight[r] * sums. */                                 \
     static inline __attribute__((always_inline)) void down_tile_##SUFFIX(                                    \
         const int rows, int64_t I, const float *const *h, const WT *w, const float *weight, float *const *y, \
         const WT *pf) {                                                                                     \
-        v16 a[ROWS], b[ROWS];                                                                               \
-        panel_dots_##SUFFIX(rows, I, h, w, a, b, pf);                                                       \
-        for (int r = 0; r < rows; r++) {                                                                    \
-            store_f32(y[r], a[r] * splat(weight[r]));                                                       \
-            store_f32(y[r] + 16, b[r] * splat(weight[r]));                                                  \
-        }                                                                                                   \
+        vf acc[ROWS][PV];                                                                                   \
+        panel_dots_##SUFFIX(rows, I, h, w, acc, pf);                                                        \
+        for (int r = 0; r < rows; r++)                                                                      \
+            for (int i = 0; i < PV; i++) store_f32(y[r] + i * LANES, acc[r][i] * splat(weight[r]));         \
     }                                                                                                       \
     DEFINE_PANELS(SUFFIX, WT, float, float)
 
@@ -273,12 +283,11 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
                 }                                                                                          \
             }                                                                                              \
             for (int64_t t = 0; t < T; t++) { /* each token's slots in top-k order */                      \
-                v16 a = load_f32(ys + t * K * 32), b = load_f32(ys + t * K * 32 + 16);                      \
-                for (int64_t k = 1; k < K; k++) {                                                           \
-                    a += load_f32(ys + (t * K + k) * 32);                                                   \
-                    b += load_f32(ys + (t * K + k) * 32 + 16);                                              \
-                }                                                                                          \
-                store_columns(out, out_bf16, t * HP + p * 32, a, b);                                        \
+                vf sum[PV];                                                                                \
+                for (int i = 0; i < PV; i++) sum[i] = load_f32(ys + t * K * 32 + i * LANES);                \
+                for (int64_t k = 1; k < K; k++)                                                             \
+                    for (int i = 0; i < PV; i++) sum[i] += load_f32(ys + (t * K + k) * 32 + i * LANES);     \
+                store_columns(out, out_bf16, t * HP + p * 32, sum);                                         \
             }                                                                                              \
         }                                                                                                  \
     }
@@ -319,14 +328,14 @@ DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
 #endif
 
 /* A value as a tensor of the output's type holds it: rounded through bfloat16 when the output is bfloat16. */
-static inline v16 as_stored(v16 v, int bf16) {
+static inline vf as_stored(vf v, int bf16) {
     if (!bf16) return v;
-    uint16_t tmp[16];
+    uint16_t tmp[LANES];
     store_bf16(tmp, v);
     return load_bf16(tmp);
 }
 
-static inline v16 load_columns(const void *out, int out_bf16, int64_t offset) {
+static inline vf load_columns(const void *out, int out_bf16, int64_t offset) {
     return out_bf16 ? load_bf16((const uint16_t *)out + offset) : load_f32((const float *)out + offset);
 }
 
@@ -339,16 +348,16 @@ static inline v16 load_columns(const void *out, int out_bf16, int64_t offset) {
                                        const float *ys, float *const *rows_out, const float *ones) {        \
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < N / 32; p++) {                          \
             down_panel_##SUFFIX(T, K, rows_in, w + p * K * 32, ones, rows_out, w + (p + 1) * K * 32);      \
-            const v16 ba = bias ? load_f32(bias + p * 32) : splat(0.0f);                                   \
-            const v16 bb = bias ? load_f32(bias + p * 32 + 16) : splat(0.0f);                              \
+            vf b[PV];                                                                                      \
+            for (int i = 0; i < PV; i++) b[i] = bias ? load_f32(bias + p * 32 + i * LANES) : splat(0.0f);  \
             for (int64_t t = 0; t < T; t++) {                                                              \
-                v16 a = load_f32(ys + t * 32) + ba, b = load_f32(ys + t * 32 + 16) + bb;                   \
                 const int64_t at = t * N + p * 32;                                                         \
-                if (add) {                                                                                 \
-                    a = as_stored(a, out_bf16) + load_columns(out, out_bf16, at);                          \
-                    b = as_stored(b, out_bf16) + load_columns(out, out_bf16, at + 16);                     \
+                vf v[PV];                                                                                  \
+                for (int i = 0; i < PV; i++) {                                                             \
+                    v[i] = load_f32(ys + t * 32 + i * LANES) + b[i];                                       \
+                    if (add) v[i] = as_stored(v[i], out_bf16) + load_columns(out, out_bf16, at + i * LANES); \
                 }                                                                                          \
-                store_columns(out, out_bf16, at, a, b);                                                    \
+                store_columns(out, out_bf16, at, v);                                                       \
             }                                                                                              \
         }                                                                                                  \
     }
@@ -388,10 +397,10 @@ DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
  *   q [*, H, D], cache [2, cache_slots, KVH, D] (q's element type), out [*, H, D]; D a multiple of 16, at most
  *   MAX_HEAD_DIM; slots [requests, max_kv] int64, lens [requests] int64; scores [threads, max_kv] float32
  *   scratch. */
-static inline float hsum(v16 v) {
-    float s[16], t = 0.0f;
+static inline float hsum(vf v) {
+    float s[LANES], t = 0.0f;
     store_f32(s, v);
-    for (int c = 0; c < 16; c++) t += s[c];
+    for (int c = 0; c < LANES; c++) t += s[c];
     return t;
 }
 
@@ -403,14 +412,14 @@ static inline float hsum(v16 v) {
     static inline void attend_head_##SUFFIX(int64_t D, int64_t len, const T *q, float scale, const T *keys,  \
                                             const T *values, int64_t stride, const int64_t *slots, float *s, \
                                             T *out) {                                                       \
-        const int64_t vecs = D / 16;                                                                        \
-        v16 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];                                                  \
-        for (int64_t c = 0; c < vecs; c++) qv[c] = load_##SUFFIX(q + c * 16) * splat(scale);                \
+        const int64_t vecs = D / LANES;                                                                        \
+        vf qv[MAX_HEAD_DIM / LANES], acc[MAX_HEAD_DIM / LANES];                                                  \
+        for (int64_t c = 0; c < vecs; c++) qv[c] = load_##SUFFIX(q + c * LANES) * splat(scale);                \
         float top = -INFINITY, total = 0.0f;                                                                \
         for (int64_t j = 0; j < len; j++) {                                                                 \
             const T *k = keys + (slots ? slots[j] : j) * stride;                                            \
-            v16 dot = qv[0] * load_##SUFFIX(k);                                                             \
-            for (int64_t c = 1; c < vecs; c++) dot += qv[c] * load_##SUFFIX(k + c * 16);                    \
+            vf dot = qv[0] * load_##SUFFIX(k);                                                             \
+            for (int64_t c = 1; c < vecs; c++) dot += qv[c] * load_##SUFFIX(k + c * LANES);                    \
             s[j] = hsum(dot);                                                                               \
             top = s[j] > top ? s[j] : top;                                                                  \
         }                                                                                                   \
@@ -419,10 +428,10 @@ static inline float hsum(v16 v) {
         for (int64_t c = 0; c < vecs; c++) acc[c] = splat(0.0f);                                            \
         for (int64_t j = 0; j < len; j++) {                                                                 \
             const T *v = values + (slots ? slots[j] : j) * stride;                                          \
-            const v16 p = splat(s[j]);                                                                      \
-            for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_##SUFFIX(v + c * 16);                     \
+            const vf p = splat(s[j]);                                                                      \
+            for (int64_t c = 0; c < vecs; c++) acc[c] += p * load_##SUFFIX(v + c * LANES);                     \
         }                                                                                                   \
-        for (int64_t c = 0; c < vecs; c++) store_##SUFFIX(out + c * 16, acc[c]);                            \
+        for (int64_t c = 0; c < vecs; c++) store_##SUFFIX(out + c * LANES, acc[c]);                            \
     }
 DEFINE_ATTEND_HEAD(f32, float)
 DEFINE_ATTEND_HEAD(bf16, uint16_t)
@@ -443,7 +452,7 @@ DEFINE_ATTEND_HEAD(bf16, uint16_t)
             for (int64_t h = 0; h < rep; h++) {                                                            \
                 const int64_t at = (rows[i] * H + g * rep + h) * D;                                        \
                 if (len <= 0) { /* no key (a padded row): zeros */                                         \
-                    for (int64_t c = 0; c < D / 16; c++) store_##SUFFIX(out + at + c * 16, splat(0.0f));   \
+                    for (int64_t c = 0; c < D / LANES; c++) store_##SUFFIX(out + at + c * LANES, splat(0.0f)); \
                     continue;                                                                              \
                 }                                                                                          \
                 attend_head_##SUFFIX(D, len, q + at, scale, keys + g * D, values + g * D, KVH * D,          \
@@ -460,7 +469,7 @@ DEFINE_DECODE_ATTENTION(bf16, uint16_t)
  * writes x, where separate calls make three more passes over these [samples, channels] signals. Threads split
  * the row tiles; a tile's activations stay in a [ROWS, C] float32 buffer per thread (buf [threads, ROWS * C]).
  *   h, x [T, C] float32; alpha, scale, bias [C] float32. */
-#pragma omp declare simd simdlen(16) notinbranch
+DECLARE_SIMD
 extern float sinf(float);
 
 void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alpha, const float *scale,
@@ -492,8 +501,9 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
                 down_panel_f32(m, C, rows_in, w + p * C * 32, ones, rows_out, (const float *)0);
                 for (int64_t r = 0; r < m; r++) {
                     float *xr = x + (t0 + r) * C + p * 32;
-                    store_f32(xr, load_f32(xr) + load_f32(bias + p * 32) + load_f32(ys + r * 32));
-                    store_f32(xr + 16, load_f32(xr + 16) + load_f32(bias + p * 32 + 16) + load_f32(ys + r * 32 + 16));
+                    for (int i = 0; i < PV; i++)
+                        store_f32(xr + i * LANES, load_f32(xr + i * LANES) + load_f32(bias + p * 32 + i * LANES) +
+                                                      load_f32(ys + r * 32 + i * LANES));
                 }
             }
         }
@@ -513,11 +523,11 @@ static inline uint16_t narrow(float f) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even (finite values) */
 }
 
-#pragma omp declare simd simdlen(16) notinbranch
+DECLARE_SIMD
 extern float expf(float);
 /* silu_times with a 16-lane clone (libmvec's expf), for the pass's SwiGLU loop; silu_times itself stays scalar
  * (glibc's expf): the expert kernel's results keep their bits. */
-#pragma omp declare simd simdlen(16) notinbranch
+DECLARE_SIMD
 static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 static inline float get_f32(const float *p) { return *p; }
