@@ -62,7 +62,7 @@ _LIBS = ["-lmvec", "-lm"]  # glibc's vector math (the vocoder's sin)
 # only where the CPU has them.
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DOT = "bf16dp"
-_ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 3 otherwise)
+_ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 6 otherwise)
 # Panel widths the layout needs: gate/up panels of 16 intermediate columns, down (and linear) panels of 32
 # output columns.
 UP_PANEL, DOWN_PANEL = 16, 32

@@ -31,7 +31,7 @@
 #define ROWS 8 /* 32 vector registers: 8 x 2 accumulators, 2 weight vectors, a broadcast */
 #else
 #define LANES 8
-#define ROWS 3 /* 16 (AVX2) registers: 3 x 4 accumulators, weights and broadcasts */
+#define ROWS 6 /* 16 (AVX2) registers: 6 x 2 accumulators over half a panel, 2 weight vectors, a broadcast */
 #endif
 #define PV (32 / LANES)
 /* Vector clones at that width (libmvec's _ZGVeN16 / _ZGVdN8 sinf, expf): a clone wider than the build's vectors
@@ -66,9 +66,11 @@ static inline void store_bf16(uint16_t *p, vf v) {
 
 /* A broadcast (not `(vf){0} + x`: adding zero is not an identity for -0.0, so that costs an add per use). */
 static inline vf splat(float x) {
-    vf v;
-    for (int c = 0; c < LANES; c++) v[c] = x;
-    return v;
+#if LANES == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x, x, x, x, x};
+#endif
 }
 
 /* A linear layer's panels for more than ROWS rows: while the last row tile reads its panel again from the
@@ -108,15 +110,24 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     /* acc[r][i]: `rows` (<= ROWS) rows' dot products with a panel's columns i*LANES .., w [K][32]. */       \
     static inline __attribute__((always_inline)) void panel_dots_##SUFFIX(                                   \
         const int rows, int64_t K, const float *const *x, const WT *w, vf (*acc)[PV], const WT *pf) {        \
-        for (int r = 0; r < rows; r++)                                                                      \
-            for (int i = 0; i < PV; i++) acc[r][i] = splat(0.0f);                                           \
-        for (int64_t k = 0; k < K; k++) {                                                                   \
-            if (pf) PREFETCH_K(pf, k, 32 * sizeof(WT));                                                     \
-            vf wk[PV];                                                                                      \
-            for (int i = 0; i < PV; i++) wk[i] = LOAD(w + k * 32 + i * LANES);                              \
+        /* AVX-512: the whole panel at once (PV 2); AVX2: each half in turn (its 64-byte line per k), so 6    \
+         * rows fit the registers (with 4 vectors per row only 3 do, and loads outnumber the FMAs). */         \
+        const int part = PV < 2 ? PV : 2;                                                                   \
+        for (int i0 = 0; i0 < PV; i0 += part) {                                                             \
+            vf s[ROWS][2];                                                                                  \
+            for (int r = 0; r < rows; r++) s[r][0] = s[r][1] = splat(0.0f);                                 \
+            for (int64_t k = 0; k < K; k++) {                                                               \
+                if (pf && i0 == 0) PREFETCH_K(pf, k, 32 * sizeof(WT));                                      \
+                const vf w0 = LOAD(w + k * 32 + i0 * LANES), w1 = LOAD(w + k * 32 + (i0 + 1) * LANES);      \
+                for (int r = 0; r < rows; r++) {                                                            \
+                    const vf xb = splat(x[r][k]);                                                           \
+                    s[r][0] += xb * w0;                                                                     \
+                    s[r][1] += xb * w1;                                                                     \
+                }                                                                                           \
+            }                                                                                               \
             for (int r = 0; r < rows; r++) {                                                                \
-                const vf xb = splat(x[r][k]);                                                               \
-                for (int i = 0; i < PV; i++) acc[r][i] += xb * wk[i];                                       \
+                acc[r][i0] = s[r][0];                                                                       \
+                acc[r][i0 + 1] = s[r][1];                                                                   \
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
@@ -151,7 +162,10 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     case 7: f(7, UNPACK args); break;                                                                       \
     case 8: f(8, UNPACK args); break;
 #else
-#define ROW_CASES_4_TO_8(f, args)
+#define ROW_CASES_4_TO_8(f, args)                                                                           \
+    case 4: f(4, UNPACK args); break;                                                                       \
+    case 5: f(5, UNPACK args); break;                                                                       \
+    case 6: f(6, UNPACK args); break;
 #endif
 #define UNPACK(...) __VA_ARGS__
 #define ROW_TILES(rows, f, args)                                                                            \
