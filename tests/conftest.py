@@ -7,9 +7,6 @@ import torch
 # builds dozens of models, so it runs them eagerly: same results (tests/models/test_fast_paths.py compiles
 # explicitly and checks compiled == eager).
 os.environ.setdefault("OMNISTAGE_COMPILE", "0")
-# The panel kernels serve by default only on AVX-512 CPUs; the suite exercises them wherever they build (CI machines
-# may have AVX2 only). tests/models/test_shape_sweep.py also runs the CPU's own default.
-os.environ.setdefault("OMNISTAGE_PANEL_KERNELS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -199,7 +199,7 @@ def kernel_layer(layer: DecoderLayer, dtype: torch.dtype) -> cpu_kernels.LayerWe
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
     """Every layer's ``kernel_layer`` weights, or [] where the decoder kernels cannot serve all of them."""
     if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim):
-        reason = ("not preferred on this CPU" if not cpu_kernels.panels_preferred() else
+        reason = ("panel kernels off or not built" if not cpu_kernels.panels_preferred() else
                   f"hidden {cfg.hidden_size} (a multiple of {cpu_kernels.DOWN_PANEL}), head_dim {cfg.head_dim}, {dtype}")
         log.info("decoder kernels do not serve a %d-layer decoder (%s): it runs layer by layer", len(layers), reason)
         return []

@@ -46,9 +46,6 @@ typedef float vfu __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef uint16_t hu __attribute__((vector_size(LANES * 2), aligned(2)));
 typedef uint32_t uv __attribute__((vector_size(LANES * 4)));
 
-/* The row tile the build got: Python serves the panel kernels by default only with 8-row (AVX-512) tiles. */
-int tile_rows(void) { return ROWS; }
-
 static inline vf load_f32(const float *p) { return *(const vfu *)p; }
 
 static inline vf load_bf16(const uint16_t *p) {
