@@ -107,25 +107,25 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     /* acc[r][i]: `rows` (<= ROWS) rows' dot products with a panel's columns i*LANES .., w [K][32]. */       \
     static inline __attribute__((always_inline)) void panel_dots_##SUFFIX(                                   \
         const int rows, int64_t K, const float *const *x, const WT *w, vf (*acc)[PV], const WT *pf) {        \
-        /* AVX-512: the whole panel at once (PV 2); AVX2: each half in turn (its 64-byte line per k), so 6    \
-         * rows fit the registers (with 4 vectors per row only 3 do, and loads outnumber the FMAs). */         \
-        const int part = PV < 2 ? PV : 2;                                                                   \
+        /* The whole panel at once where its accumulators fit 12 registers (AVX-512, PV 2; AVX2 up to 3 rows:  \
+         * independent sums hide the FMA latency at few rows); else (AVX2, 4-6 rows) each half in turn (its    \
+         * 64-byte line per k), so 6 rows fit the 16 registers. Each column's sum runs in k order either way. */ \
+        const int part = PV <= 2 || rows * PV <= 12 ? PV : 2;                                               \
         for (int i0 = 0; i0 < PV; i0 += part) {                                                             \
-            vf s[ROWS][2];                                                                                  \
-            for (int r = 0; r < rows; r++) s[r][0] = s[r][1] = splat(0.0f);                                 \
+            vf s[ROWS][PV];                                                                                 \
+            for (int r = 0; r < rows; r++)                                                                  \
+                for (int i = 0; i < part; i++) s[r][i] = splat(0.0f);                                       \
             for (int64_t k = 0; k < K; k++) {                                                               \
                 if (pf && i0 == 0) PREFETCH_K(pf, k, 32 * sizeof(WT));                                      \
-                const vf w0 = LOAD(w + k * 32 + i0 * LANES), w1 = LOAD(w + k * 32 + (i0 + 1) * LANES);      \
+                vf wk[PV];                                                                                  \
+                for (int i = 0; i < part; i++) wk[i] = LOAD(w + k * 32 + (i0 + i) * LANES);                 \
                 for (int r = 0; r < rows; r++) {                                                            \
                     const vf xb = splat(x[r][k]);                                                           \
-                    s[r][0] += xb * w0;                                                                     \
-                    s[r][1] += xb * w1;                                                                     \
+                    for (int i = 0; i < part; i++) s[r][i] += xb * wk[i];                                   \
                 }                                                                                           \
             }                                                                                               \
-            for (int r = 0; r < rows; r++) {                                                                \
-                acc[r][i0] = s[r][0];                                                                       \
-                acc[r][i0 + 1] = s[r][1];                                                                   \
-            }                                                                                               \
+            for (int r = 0; r < rows; r++)                                                                  \
+                for (int i = 0; i < part; i++) acc[r][i0 + i] = s[r][i];                                    \
         }                                                                                                   \
     }                                                                                                       \
     /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
