@@ -79,6 +79,8 @@ def _build() -> ctypes.CDLL:
         experts = getattr(library, f"moe_experts_{suffix}")
         experts.restype = None
         experts.argtypes = [i64] * 6 + [pointer] * 6 + [i32] + [pointer] * 4 + [i32]
+        if not hasattr(library, f"linear_{suffix}"):  # (bfloat16 linear layers: with dot products only)
+            continue
         linear = getattr(library, f"linear_{suffix}")
         linear.restype = None
         linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
@@ -316,6 +318,8 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, ou
     if x.shape[-1] != in_features or x.dtype != panels.dtype or x.device.type != "cpu":
         raise ValueError(f"x must be [..., {in_features}] {panels.dtype} on the CPU, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
+    if x.dtype == torch.bfloat16 and not _dot_bf16(x.dtype, in_features):
+        raise ValueError("bfloat16 panel linear layers need AVX512-BF16 dot products (see supports_linear)")
     rows = x.reshape(-1, in_features).contiguous()
     tokens, padded = rows.shape[0], panels.shape[0] * DOWN_PANEL
     threads = torch.get_num_threads()

@@ -395,7 +395,6 @@ static inline vf load_columns(const void *out, int out_bf16, int64_t offset) {
     }
 
 DEFINE_LINEAR(f32, float, float)
-DEFINE_LINEAR(bf16, uint16_t, float)
 #if defined(__AVX512BF16__)
 DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
 #endif
