@@ -12,6 +12,7 @@ from torch import nn
 from omnistage.attention.backend import AttentionMetadata, DecodeKernel, paged_attention
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn, SelfAttention
+from omnistage.models.layers.fast_linear import pack_panels
 from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
@@ -196,6 +197,22 @@ def kernel_layer(layer: DecoderLayer, dtype: torch.dtype) -> cpu_kernels.LayerWe
     return cpu_kernels.LayerWeights(**parts)
 
 
+def quantized(layer: DecoderLayer) -> bool:
+    """Whether ``layer``'s projections are quantized (a quantizing load quantizes its MLP or experts with them)."""
+    return isinstance(layer.self_attn.qkv_proj, QuantLinear)
+
+
+def pack_quantized_routers(layers: nn.ModuleList) -> int:
+    """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), quantized
+    layers' routers and shared-expert gates (kept in bfloat16) go to panels, the one layout the kernels read
+    them in; returns how many."""
+    weight = next(iter(layers.parameters()), None)
+    if weight is None or weight.dtype != torch.bfloat16 or not cpu_kernels.widened_bf16_decoders():
+        return 0
+    return sum(pack_panels(layer.mlp.gate) + pack_panels(layer.mlp.shared_expert_gate)
+               for layer in layers if quantized(layer) and isinstance(layer.mlp, SparseMoE))
+
+
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
     """Every layer's ``kernel_layer`` weights, or [] where the decoder kernels cannot serve all of them."""
     if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim):
@@ -233,8 +250,8 @@ class PagedDecoder(nn.Module):
         self._table: tuple[tuple[int, ...], cpu_kernels.LayerTable] | None = None
 
     def pack_weights(self, batch_hint: int) -> int:
-        """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it; it packs nothing):
-        a bfloat16 decoder on CPU attends in float32. torch's CPU attention kernel is several times slower in
+        """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it before the layers; it
+        packs only ``pack_quantized_routers``'): a bfloat16 decoder on CPU attends in float32. torch's CPU attention kernel is several times slower in
         bfloat16 than in float32 at decode shapes (measured 16 requests, 8 heads, 64-200 keys: 2-7x), and the
         float32 result is the more precise one. Decode rows on CPU take ``cpu_kernels.decode_attention``
         (float32 arithmetic too), which reads the paged cache in place instead of gathering each request's
@@ -245,7 +262,7 @@ class PagedDecoder(nn.Module):
         if cpu_kernels.supports_decode_attention(weight.dtype, self.cfg.head_dim, weight.device):
             self.decode_kernel = cpu_kernels.decode_attention
             self._kernel_layers = None  # looked at on first use: the layers below are packed after this call
-        return 0
+        return pack_quantized_routers(self.layers)
 
     def kernel_layers(self) -> list[cpu_kernels.LayerWeights]:
         """Every layer's weights for ``cpu_kernels.decoder_step`` (the ``fast`` option on CPU), or [] where it

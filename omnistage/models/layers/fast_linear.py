@@ -169,14 +169,27 @@ def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
             linear.__class__ = DenseBf16Linear
             return True
         return False
+    _to_packed(linear, panels, None if panels is not None else pack_weight(weight, batch_hint))
+    return True
+
+
+def pack_panels(linear: nn.Module) -> int:
+    """An ``nn.Linear`` turned into a PackedLinear on panels whatever ``supports_linear`` prefers, for a decoder
+    kernel that reads only panels (a quantized decoder's bfloat16 router where its panels are widened); 1, or 0
+    where it is not an unpacked CPU linear layer or the kernels are off."""
+    if type(linear) is not nn.Linear or linear.weight.device.type != "cpu" or not cpu_kernels.panels_preferred():
+        return 0
+    _to_packed(linear, pack_linear(linear.weight.detach()), None)
+    return 1
+
+
+def _to_packed(linear: nn.Linear, panels: torch.Tensor | None, packed_weight: torch.Tensor | None) -> None:
     linear.register_buffer("panels", panels, persistent=False)
     linear.register_buffer("panel_bias", None if panels is None else pack_bias(linear.bias, linear.out_features),
                            persistent=False)
-    linear.register_buffer("packed_weight", None if panels is not None else pack_weight(weight, batch_hint),
-                           persistent=False)
+    linear.register_buffer("packed_weight", packed_weight, persistent=False)
     linear.__class__ = PackedLinear
     release_weight(linear, "weight")
-    return True
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -33,7 +33,7 @@ from torch._higher_order_ops.scan import scan
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
-from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layers
+from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layers, quantized
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
@@ -254,7 +254,9 @@ class CodePredictor(nn.Module):
         """The ``fast`` option: the output heads packed (``fast_linear``'s choice of kernel; the decoder's linears
         are packed as ``nn.Linear``s) and the compiled frame free to fuse norms and activations its own way."""
         weight = self.lm_head.weight.detach()
-        if cpu_kernels.supports_linear(weight[0]):
+        widened = (weight.dtype == torch.bfloat16 and cpu_kernels.widened_bf16_decoders()
+                   and all(quantized(layer) for layer in self.model.layers))  # (the pass kernel reads panels)
+        if cpu_kernels.supports_linear(weight[0]) or widened:
             self.packed_heads = cpu_kernels.pack_linear(weight)
         elif can_pack(weight):
             self.packed_heads = [pack_weight(w, batch_hint) for w in weight]

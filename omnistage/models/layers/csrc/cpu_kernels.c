@@ -81,6 +81,26 @@ static inline vf splat(float x) {
         if ((bytes) > 64) __builtin_prefetch((const char *)((pf) + (k) * 32) + 64, 0, 2);                    \
     } while (0)
 
+static inline float widen(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even (finite values) */
+}
+
+static inline float get_f32(const float *p) { return *p; }
+static inline void put_f32(float *p, float v) { *p = v; }
+static inline float round_f32(float v) { return v; }
+static inline float get_bf16(const uint16_t *p) { return widen(*p); }
+static inline void put_bf16(uint16_t *p, float v) { *p = narrow(v); }
+static inline float round_bf16(float v) { return widen(narrow(v)); }
+
 /* 32 output columns (PV vectors) at element `offset` of a float32 or bfloat16 output. */
 static inline void store_columns(void *out, int out_bf16, int64_t offset, const vf *v) {
     for (int i = 0; i < PV; i++) {
@@ -103,10 +123,11 @@ static void sort_selections(int64_t n, int64_t E, const int64_t *ids, int64_t *o
 static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* One kernel per weight type: WT the stored element, LOAD widens 16 of them to float32. */
-#define DEFINE_KERNELS(SUFFIX, WT, LOAD)                                                                     \
-    /* acc[r][i]: `rows` (<= ROWS) rows' dot products with a panel's columns i*LANES .., w [K][32]. */       \
+#define DEFINE_KERNELS(SUFFIX, WT, LOAD, XT, XS)                                                             \
+    /* acc[r][i]: `rows` (<= ROWS) rows' dot products with a panel's columns i*LANES .., w [K][32]; the rows \
+     * (and the SwiGLU intermediates written) of type XT, read and written by get_##XS / put_##XS. */         \
     static inline __attribute__((always_inline)) void panel_dots_##SUFFIX(                                   \
-        const int rows, int64_t K, const float *const *x, const WT *w, vf (*acc)[PV], const WT *pf) {        \
+        const int rows, int64_t K, const XT *const *x, const WT *w, vf (*acc)[PV], const WT *pf) {           \
         /* The whole panel at once where its accumulators fit 12 registers (AVX-512, PV 2; AVX2 up to 3 rows:  \
          * independent sums hide the FMA latency at few rows); else (AVX2, 4-6 rows) each half in turn (its    \
          * 64-byte line per k), so 6 rows fit the 16 registers. Each column's sum runs in k order either way. */ \
@@ -120,7 +141,7 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
                 vf wk[PV];                                                                                  \
                 for (int i = 0; i < part; i++) wk[i] = LOAD(w + k * 32 + (i0 + i) * LANES);                 \
                 for (int r = 0; r < rows; r++) {                                                            \
-                    const vf xb = splat(x[r][k]);                                                           \
+                    const vf xb = splat(get_##XS(x[r] + k));                                                \
                     for (int i = 0; i < part; i++) s[r][i] += xb * wk[i];                                   \
                 }                                                                                           \
             }                                                                                               \
@@ -130,25 +151,25 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     }                                                                                                       \
     /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
     static inline __attribute__((always_inline)) void gate_up_tile_##SUFFIX(                                 \
-        const int rows, int64_t H, const float *const *x, const WT *w, float *const *h) {                    \
+        const int rows, int64_t H, const XT *const *x, const WT *w, XT *const *h) {                          \
         vf acc[ROWS][PV];                                                                                   \
         panel_dots_##SUFFIX(rows, H, x, w, acc, (const WT *)0);                                             \
         for (int r = 0; r < rows; r++) {                                                                    \
             float gu[32];                                                                                   \
             for (int i = 0; i < PV; i++) store_f32(gu + i * LANES, acc[r][i]);                              \
-            for (int c = 0; c < 16; c++) h[r][c] = silu_times(gu[c], gu[16 + c]);                            \
+            for (int c = 0; c < 16; c++) put_##XS(h[r] + c, silu_times(gu[c], gu[16 + c]));                 \
         }                                                                                                   \
     }                                                                                                       \
     /* down over one panel of 32 hidden columns: y[r] = weight[r] * sums. */                                 \
     static inline __attribute__((always_inline)) void down_tile_##SUFFIX(                                    \
-        const int rows, int64_t I, const float *const *h, const WT *w, const float *weight, float *const *y, \
+        const int rows, int64_t I, const XT *const *h, const WT *w, const float *weight, float *const *y,    \
         const WT *pf) {                                                                                     \
         vf acc[ROWS][PV];                                                                                   \
         panel_dots_##SUFFIX(rows, I, h, w, acc, pf);                                                        \
         for (int r = 0; r < rows; r++)                                                                      \
             for (int i = 0; i < PV; i++) store_f32(y[r] + i * LANES, acc[r][i] * splat(weight[r]));         \
     }                                                                                                       \
-    DEFINE_PANELS(SUFFIX, WT, float, float)
+    DEFINE_PANELS(SUFFIX, WT, XT, XT)
 
 /* Rows in tiles of ROWS, each tile a call with a constant row count (its accumulators stay in registers). */
 #if ROWS == 8
@@ -186,8 +207,10 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
                                              r0 > 0 && r0 + ROWS >= rows ? next : (const WT *)0))           \
     }
 
-DEFINE_KERNELS(f32, float, load_f32)
-DEFINE_KERNELS(bf16, uint16_t, load_bf16)
+DEFINE_KERNELS(f32, float, load_f32, float, f32)
+DEFINE_KERNELS(bf16, uint16_t, load_bf16, float, f32)
+/* bfloat16 rows on widened bfloat16 weights: the decoder kernels' bfloat16 variant without dot products. */
+DEFINE_KERNELS(bf16x, uint16_t, load_bf16, uint16_t, bf16)
 
 #if defined(__AVX512BF16__)
 /* bfloat16 with AVX512-BF16 dot products (two products per float32 lane and instruction, no widening): rows
@@ -334,6 +357,7 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
 
 DEFINE_LAYER(f32, float, float, float)
 DEFINE_LAYER(bf16, uint16_t, float, float)
+DEFINE_MOE_PHASES(bf16x, uint16_t, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
 DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
 #endif
@@ -395,6 +419,7 @@ static inline vf load_columns(const void *out, int out_bf16, int64_t offset) {
     }
 
 DEFINE_LINEAR(f32, float, float)
+DEFINE_LINEAR(bf16x, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
 DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
 #endif
@@ -520,32 +545,12 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
     }
 }
 
-static inline float widen(uint16_t b) {
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t narrow(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16); /* round to nearest even (finite values) */
-}
-
 DECLARE_SIMD
 extern float expf(float);
 /* silu_times with a 16-lane clone (libmvec's expf), for the pass's SwiGLU loop; silu_times itself stays scalar
  * (glibc's expf): the expert kernel's results keep their bits. */
 DECLARE_SIMD
 static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
-static inline float get_f32(const float *p) { return *p; }
-static inline void put_f32(float *p, float v) { *p = v; }
-static inline float round_f32(float v) { return v; }
-static inline float get_bf16(const uint16_t *p) { return widen(*p); }
-static inline void put_bf16(uint16_t *p, float v) { *p = narrow(v); }
-static inline float round_bf16(float v) { return widen(narrow(v)); }
 
 /* weight * (x / rms(x)), the normalised row rounded to the model's type before the weight (Qwen3), into
  * float32 `out` (rounded as stored) or the model's type `stored`. */
@@ -833,6 +838,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
     }
 
 DEFINE_DECODER_LAYERS(f32, f32, float, float)
+DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
 DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t)
 #endif
