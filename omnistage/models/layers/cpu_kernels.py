@@ -13,7 +13,12 @@ against oneDNN's packed GEMMs in ``benchmarks/moe_kernels.py``).
 
 bfloat16 takes AVX512-BF16 dot products where the CPU has them (``vdpbf16ps``: weights in pairs of input
 indices; rows and the SwiGLU intermediate in bfloat16). Without them the expert kernel widens bfloat16 weights
-to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 linear layers keep oneDNN.
+to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 linear layers keep oneDNN (or, where
+oneDNN has no bfloat16, quant_kernels' dense kernel); the decoder kernels then take bfloat16 rows on widened
+panels (``bf16x``) and serve quantized decoders (``widened_bf16_decoders``).
+
+The C code's vectors have the build's native width (16 lanes with AVX-512, 8 with AVX2: GCC lowers wider generic
+vectors through the stack); row tiles are 8 rows (AVX-512) or 6 rows over half a panel at a time (AVX2).
 
 Built at first use for the host CPU (``cc -O3 -march=native -fopenmp``, about a second, cached under the
 omnistage cache directory; linked with glibc's vector math, libmvec). Without a C compiler the kernels are
