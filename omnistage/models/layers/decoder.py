@@ -206,11 +206,11 @@ def pack_quantized_routers(layers: nn.ModuleList) -> int:
     """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), quantized
     layers' routers and shared-expert gates (kept in bfloat16) go to panels, the one layout the kernels read
     them in; returns how many."""
-    weight = next(iter(layers.parameters()), None)
-    if weight is None or weight.dtype != torch.bfloat16 or not cpu_kernels.widened_bf16_decoders():
+    if not cpu_kernels.widened_bf16_decoders():
         return 0
-    return sum(pack_panels(layer.mlp.gate) + pack_panels(layer.mlp.shared_expert_gate)
-               for layer in layers if quantized(layer) and isinstance(layer.mlp, SparseMoE))
+    gates = [gate for layer in layers if quantized(layer) and isinstance(layer.mlp, SparseMoE)
+             for gate in (layer.mlp.gate, layer.mlp.shared_expert_gate)]
+    return sum(pack_panels(gate) for gate in gates if gate is not None and gate.weight.dtype == torch.bfloat16)
 
 
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
@@ -251,11 +251,11 @@ class PagedDecoder(nn.Module):
 
     def pack_weights(self, batch_hint: int) -> int:
         """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it before the layers; it
-        packs only ``pack_quantized_routers``'): a bfloat16 decoder on CPU attends in float32. torch's CPU attention kernel is several times slower in
-        bfloat16 than in float32 at decode shapes (measured 16 requests, 8 heads, 64-200 keys: 2-7x), and the
-        float32 result is the more precise one. Decode rows on CPU take ``cpu_kernels.decode_attention``
-        (float32 arithmetic too), which reads the paged cache in place instead of gathering each request's
-        context into a padded batch first."""
+        packs only what ``pack_quantized_routers`` packs): a bfloat16 decoder on CPU attends in float32. torch's
+        CPU attention kernel is several times slower in bfloat16 than in float32 at decode shapes (measured 16
+        requests, 8 heads, 64-200 keys: 2-7x), and the float32 result is the more precise one. Decode rows on CPU
+        take ``cpu_kernels.decode_attention`` (float32 arithmetic too), which reads the paged cache in place
+        instead of gathering each request's context into a padded batch first."""
         weight = self.norm.weight
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
             self.attention_dtype = torch.float32
