@@ -48,10 +48,18 @@ typedef uint32_t uv __attribute__((vector_size(LANES * 4)));
 
 static inline vf load_f32(const float *p) { return *(const vfu *)p; }
 
+#if LANES == 8
+#include <immintrin.h>
+/* (GCC widens a generic 8 x 16-bit vector 4 lanes at a time plus an insert; vpmovzxwd takes all 8) */
+static inline vf load_bf16(const uint16_t *p) {
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+#else
 static inline vf load_bf16(const uint16_t *p) {
     uv wide = __builtin_convertvector(*(const hu *)p, uv) << 16;
     return (vf)wide;
 }
+#endif
 
 static inline void store_f32(float *p, vf v) { *(vfu *)p = v; }
 
@@ -129,24 +137,31 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     static inline __attribute__((always_inline)) void panel_dots_##SUFFIX(                                   \
         const int rows, int64_t K, const XT *const *x, const WT *w, vf (*acc)[PV], const WT *pf) {           \
         /* The whole panel at once where its accumulators fit 12 registers (AVX-512, PV 2; AVX2 up to 3 rows:  \
-         * independent sums hide the FMA latency at few rows); else (AVX2, 4-6 rows) each half in turn (its    \
-         * 64-byte line per k), so 6 rows fit the 16 registers. Each column's sum runs in k order either way. */ \
+         * independent sums hide the FMA latency at few rows); else (AVX2, 4-6 rows) each half in turn, so 6   \
+         * rows fit the 16 registers: over 64 inputs at a time (8 KB of the panel), so the second half reads    \
+         * them from L1, not as a second strided pass over memory. Each column's sum runs in k order. */        \
         const int part = PV <= 2 || rows * PV <= 12 ? PV : 2;                                               \
-        for (int i0 = 0; i0 < PV; i0 += part) {                                                             \
-            vf s[ROWS][PV];                                                                                 \
-            for (int r = 0; r < rows; r++)                                                                  \
-                for (int i = 0; i < part; i++) s[r][i] = splat(0.0f);                                       \
-            for (int64_t k = 0; k < K; k++) {                                                               \
-                if (pf && i0 == 0) PREFETCH_K(pf, k, 32 * sizeof(WT));                                      \
-                vf wk[PV];                                                                                  \
-                for (int i = 0; i < part; i++) wk[i] = LOAD(w + k * 32 + (i0 + i) * LANES);                 \
-                for (int r = 0; r < rows; r++) {                                                            \
-                    const vf xb = splat(get_##XS(x[r] + k));                                                \
-                    for (int i = 0; i < part; i++) s[r][i] += xb * wk[i];                                   \
+        const int64_t chunk = part < PV ? 64 : K;                                                           \
+        for (int r = 0; r < rows; r++)                                                                      \
+            for (int i = 0; i < PV; i++) acc[r][i] = splat(0.0f);                                           \
+        for (int64_t k0 = 0; k0 < K; k0 += chunk) {                                                         \
+            const int64_t k1 = K - k0 < chunk ? K : k0 + chunk;                                             \
+            for (int i0 = 0; i0 < PV; i0 += part) {                                                         \
+                vf s[ROWS][PV];                                                                             \
+                for (int r = 0; r < rows; r++)                                                              \
+                    for (int i = 0; i < part; i++) s[r][i] = acc[r][i0 + i];                                \
+                for (int64_t k = k0; k < k1; k++) {                                                         \
+                    if (pf && i0 == 0) PREFETCH_K(pf, k, 32 * sizeof(WT));                                  \
+                    vf wk[PV];                                                                              \
+                    for (int i = 0; i < part; i++) wk[i] = LOAD(w + k * 32 + (i0 + i) * LANES);             \
+                    for (int r = 0; r < rows; r++) {                                                        \
+                        const vf xb = splat(get_##XS(x[r] + k));                                            \
+                        for (int i = 0; i < part; i++) s[r][i] += xb * wk[i];                               \
+                    }                                                                                       \
                 }                                                                                           \
+                for (int r = 0; r < rows; r++)                                                              \
+                    for (int i = 0; i < part; i++) acc[r][i0 + i] = s[r][i];                                \
             }                                                                                               \
-            for (int r = 0; r < rows; r++)                                                                  \
-                for (int i = 0; i < part; i++) acc[r][i0 + i] = s[r][i];                                    \
         }                                                                                                   \
     }                                                                                                       \
     /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
