@@ -130,7 +130,7 @@ static void sort_selections(int64_t n, int64_t E, const int64_t *ids, int64_t *o
 
 static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-/* One kernel per weight type: WT the stored element, LOAD widens 16 of them to float32. */
+/* One kernel per weight type: WT the stored element, LOAD widens LANES of them to float32. */
 #define DEFINE_KERNELS(SUFFIX, WT, LOAD, XT, XS)                                                             \
     /* acc[r][i]: `rows` (<= ROWS) rows' dot products with a panel's columns i*LANES .., w [K][32]; the rows \
      * (and the SwiGLU intermediates written) of type XT, read and written by get_##XS / put_##XS. */         \
