@@ -35,11 +35,13 @@
 #endif
 #define PV (32 / LANES)
 /* Vector clones at that width (libmvec's _ZGVeN16 / _ZGVdN8 sinf, expf): a clone wider than the build's vectors
- * is not used, and the loop stays scalar. */
-#if LANES == 16
+ * is not used, and the loop stays scalar; libmvec has no 8-lane SSE clone (a portable build stays scalar). */
+#if defined(__AVX512F__)
 #define DECLARE_SIMD _Pragma("omp declare simd simdlen(16) notinbranch")
-#else
+#elif defined(__AVX2__)
 #define DECLARE_SIMD _Pragma("omp declare simd simdlen(8) notinbranch")
+#else
+#define DECLARE_SIMD
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef float vfu __attribute__((vector_size(LANES * 4), aligned(4)));
@@ -48,7 +50,7 @@ typedef uint32_t uv __attribute__((vector_size(LANES * 4)));
 
 static inline vf load_f32(const float *p) { return *(const vfu *)p; }
 
-#if LANES == 8
+#if LANES == 8 && defined(__AVX2__)
 #include <immintrin.h>
 /* (GCC widens a generic 8 x 16-bit vector 4 lanes at a time plus an insert; vpmovzxwd takes all 8) */
 static inline vf load_bf16(const uint16_t *p) {
