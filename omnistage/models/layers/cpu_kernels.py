@@ -27,8 +27,9 @@ GEMMs and torch's attention and vocoder passes. Float rounding differs from the 
 order); a row's result does not depend on its batch mates or the thread count.
 
 The panel kernels (linear layers, experts, decoder layers, the vocoder's tail) serve by default wherever they
-build (``panels_preferred``): 8-row tiles with AVX-512, 6-row tiles over half a panel with AVX2. Each ``supports_*`` says which dtypes, shapes and devices a kernel serves; a layer
-outside them keeps the reference path.
+build (``panels_preferred``): 8-row tiles with AVX-512, 6-row tiles over half a panel with AVX2. Each
+``supports_*`` says which dtypes, shapes and devices a kernel serves; a layer outside them keeps the reference
+path.
 
 Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
 
@@ -174,7 +175,11 @@ def supports(weight: torch.Tensor) -> bool:
 
 def _dot_bf16(dtype: torch.dtype, inputs: int) -> bool:
     """Whether bfloat16 weights take the dot-product variant (pairs of input indices: an even input size)."""
-    return dtype == torch.bfloat16 and inputs % 2 == 0 and hasattr(_lazy.library, f"moe_experts_{_DOT}")
+    return dtype == torch.bfloat16 and inputs % 2 == 0 and _has_dot()
+
+
+def _has_dot() -> bool:
+    return hasattr(_lazy.library, f"moe_experts_{_DOT}")
 
 
 def _suffix(dtype: torch.dtype, inputs: int) -> str:
@@ -191,7 +196,7 @@ def widened_bf16_decoders() -> bool:
     AVX512-BF16 dot products). They then serve quantized decoders, whose only bfloat16 panels are the routers,
     shared-expert gates and output heads: plain bfloat16 linear layers keep quant_kernels' dense kernel, which
     reads bfloat16 faster at decode rows (AMD EPYC Zen 3, 2 threads, 1-4 rows: 1.2-1.8x)."""
-    return panels_preferred() and not hasattr(_lazy.library, f"moe_experts_{_DOT}")
+    return panels_preferred() and not _has_dot()
 
 
 def serves_any_batch(dtype: torch.dtype, hidden: int) -> bool:

@@ -189,18 +189,13 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     DEFINE_PANELS(SUFFIX, WT, XT, XT)
 
 /* Rows in tiles of ROWS, each tile a call with a constant row count (its accumulators stay in registers). */
+/* (both builds' tiles have at least 6 rows; AVX-512's 8) */
 #if ROWS == 8
-#define ROW_CASES_4_TO_8(f, args)                                                                           \
-    case 4: f(4, UNPACK args); break;                                                                       \
-    case 5: f(5, UNPACK args); break;                                                                       \
-    case 6: f(6, UNPACK args); break;                                                                       \
+#define ROW_CASES_7_TO_8(f, args)                                                                           \
     case 7: f(7, UNPACK args); break;                                                                       \
     case 8: f(8, UNPACK args); break;
 #else
-#define ROW_CASES_4_TO_8(f, args)                                                                           \
-    case 4: f(4, UNPACK args); break;                                                                       \
-    case 5: f(5, UNPACK args); break;                                                                       \
-    case 6: f(6, UNPACK args); break;
+#define ROW_CASES_7_TO_8(f, args)
 #endif
 #define UNPACK(...) __VA_ARGS__
 #define ROW_TILES(rows, f, args)                                                                            \
@@ -209,7 +204,10 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
         case 1: f(1, UNPACK args); break;                                                                   \
         case 2: f(2, UNPACK args); break;                                                                   \
         case 3: f(3, UNPACK args); break;                                                                   \
-        ROW_CASES_4_TO_8(f, args)                                                                           \
+        case 4: f(4, UNPACK args); break;                                                                   \
+        case 5: f(5, UNPACK args); break;                                                                   \
+        case 6: f(6, UNPACK args); break;                                                                   \
+        ROW_CASES_7_TO_8(f, args)                                                                           \
         }                                                                                                   \
     }
 /* A panel's rows: x / h rows of type XT / HT, weights WT. */
@@ -564,8 +562,8 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
 
 DECLARE_SIMD
 extern float expf(float);
-/* silu_times with a 16-lane clone (libmvec's expf), for the pass's SwiGLU loop; silu_times itself stays scalar
- * (glibc's expf): the expert kernel's results keep their bits. */
+/* silu_times with a vector clone at the build's width (libmvec's expf), for the pass's SwiGLU loop; silu_times
+ * itself stays scalar (glibc's expf): the expert kernel's results keep their bits. */
 DECLARE_SIMD
 static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
