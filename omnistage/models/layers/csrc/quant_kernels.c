@@ -203,17 +203,20 @@ static inline int32_t hsum_i32(__m256i v) {
 /* One output row x MR (1..4) activation rows of int16 (xq, ldx) quantized in chunks of `ag` inputs (a divisor
  * of the weight's group; at most 128, so an int32 sum cannot overflow: 127 x 32767 x 128 < 2^31), their scales
  * xs and sums xsum ([MR][chunks], ldg): out[m * ldo]. Each chunk's int32 sums are converted and scaled as a
- * vector (no horizontal sum per chunk); int4's offset of 8 is taken off once per chunk through xsum. The
- * integer sums are exact, so a row's result does not depend on MR. */
+ * vector (no horizontal sum per chunk); int4's offset of 8 comes off each chunk's integer sum through xsum
+ * (exact). The integer sums are exact, so a row's result does not depend on MR. */
 static inline __attribute__((always_inline)) void itile(const int bits, const int MR, int64_t K, int64_t group,
                                                         int64_t ag, const uint8_t *w, const void *s, int s_bf16,
                                                         const int16_t *xq, int64_t ldx, const float *xs,
                                                         const int32_t *xsum, int64_t ldg, float *out, int64_t ldo) {
     __m256 total[4];
-    float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++) total[m] = _mm256_setzero_ps();
     const int wide = bits == 4 && int4_step(ag) > 32; /* (here 64: a 128 step takes itile512) */
+    /* The weight scale's index, kept by counting chunks (ag divides the group): a division per chunk cost more
+     * than the chunk's products. */
+    const int64_t per_scale = group / ag;
+    int64_t si = 0, left = per_scale;
     for (int64_t c = 0; c < K / ag; c++) {
         __m256i acc[4];
 #pragma GCC unroll 4
@@ -246,16 +249,18 @@ static inline __attribute__((always_inline)) void itile(const int bits, const in
                 }
             }
         }
-        float sw = scale_at(s, s_bf16, c * ag / group);
+        float sw = scale_at(s, s_bf16, si);
+        if (--left == 0) si++, left = per_scale;
 #pragma GCC unroll 4
         for (int m = 0; m < MR; m++) {
-            float sc = sw * xs[m * ldg + c];
-            total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(sc), total[m]);
-            if (bits == 4) offset[m] += sc * (float)(8 * xsum[m * ldg + c]);
+            __m256i sum = acc[m];
+            if (bits == 4) /* the nibbles' offset of 8, exactly, off the integer sum's first lane */
+                sum = _mm256_sub_epi32(sum, _mm256_zextsi128_si256(_mm_cvtsi32_si128(8 * xsum[m * ldg + c])));
+            total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(sw * xs[m * ldg + c]), total[m]);
         }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; m++) out[m * ldo] = hsum8(total[m]) - offset[m];
+    for (int m = 0; m < MR; m++) out[m * ldo] = hsum8(total[m]);
 }
 
 #if Q_AVX512
@@ -279,17 +284,21 @@ static inline __attribute__((always_inline)) void iweights128(const uint8_t *w, 
     v[3] = _mm512_unpackhi_epi8(hi, zero);
 }
 
-/* `itile` at 512 bits, for int4 chunks of a multiple of 128 inputs and int8 chunks of a multiple of 64: two
- * independent int32 sums per row (the products' latency), the same exact integer sums, scaled once per chunk. */
+/* `itile` at 512 bits, for chunks of a multiple of 128 inputs: two
+ * independent int32 sums per row (the products' latency), the same exact integer sums, scaled once per chunk.
+ * The chunk's epilogue is vector work only: int4's offset of 8 comes off the integer sum (exactly, in its first
+ * lane) and an int8 row's one scale is read once (a scalar chain per chunk cost more than the products). */
 static inline __attribute__((always_inline)) void itile512(const int bits, const int MR, int64_t K, int64_t group,
                                                            int64_t ag, const uint8_t *w, const void *s, int s_bf16,
                                                            const int16_t *xq, int64_t ldx, const float *xs,
                                                            const int32_t *xsum, int64_t ldg, float *out,
                                                            int64_t ldo) {
     __m512 total[4];
-    float offset[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++) total[m] = _mm512_setzero_ps();
+    const float row_scale = bits == 8 ? scale_at(s, s_bf16, 0) : 0.0f;
+    const int64_t per_scale = group / ag; /* (the scale's index by counting chunks, as in `itile`) */
+    int64_t si = 0, left = per_scale;
     for (int64_t c = 0; c < K / ag; c++) {
         __m512i acc[4][2];
 #pragma GCC unroll 4
@@ -307,30 +316,33 @@ static inline __attribute__((always_inline)) void itile512(const int bits, const
                 }
             }
         } else {
-            for (int64_t k = c * ag; k < (c + 1) * ag; k += 64) {
+            for (int64_t k = c * ag; k < (c + 1) * ag; k += 128) { /* (128 inputs a step: 2 cache lines) */
                 _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512i b = _mm512_loadu_si512((const void *)(w + k));
-                __m512i v0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b));
-                __m512i v1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b, 1));
+                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+                __m512i b0 = _mm512_loadu_si512((const void *)(w + k)), b1 = _mm512_loadu_si512((const void *)(w + k + 64));
+                __m512i v0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b0));
+                __m512i v1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b0, 1));
+                __m512i v2 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b1));
+                __m512i v3 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b1, 1));
 #pragma GCC unroll 4
                 for (int m = 0; m < MR; m++) {
                     const __m512i *x = (const __m512i *)(xq + m * ldx + k);
-                    acc[m][0] = dot_add(acc[m][0], v0, _mm512_loadu_si512(x));
-                    acc[m][1] = dot_add(acc[m][1], v1, _mm512_loadu_si512(x + 1));
+                    acc[m][0] = dot_add(dot_add(acc[m][0], v0, _mm512_loadu_si512(x)), v2, _mm512_loadu_si512(x + 2));
+                    acc[m][1] = dot_add(dot_add(acc[m][1], v1, _mm512_loadu_si512(x + 1)), v3, _mm512_loadu_si512(x + 3));
                 }
             }
         }
-        float sw = scale_at(s, s_bf16, c * ag / group);
+        const float sw = bits == 8 ? row_scale : scale_at(s, s_bf16, si);
+        if (--left == 0) si++, left = per_scale;
 #pragma GCC unroll 4
         for (int m = 0; m < MR; m++) {
-            float sc = sw * xs[m * ldg + c];
-            __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][0], acc[m][1]));
-            total[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(sc), total[m]);
-            if (bits == 4) offset[m] += sc * (float)(8 * xsum[m * ldg + c]);
+            __m512i sum = _mm512_add_epi32(acc[m][0], acc[m][1]);
+            if (bits == 4) sum = _mm512_mask_sub_epi32(sum, 1, sum, _mm512_set1_epi32(8 * xsum[m * ldg + c]));
+            total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sw * xs[m * ldg + c]), total[m]);
         }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; m++) out[m * ldo] = _mm512_reduce_add_ps(total[m]) - offset[m];
+    for (int m = 0; m < MR; m++) out[m * ldo] = _mm512_reduce_add_ps(total[m]);
 }
 #endif
 #else
@@ -476,7 +488,7 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
         }                                                                                                       \
     }
 #if Q_AVX512
-    if (bits == 4 ? int4_step(ag) == 128 : ag % 64 == 0) {
+    if (bits == 4 ? int4_step(ag) == 128 : ag % 128 == 0) {
         IROWS(itile512)
         return;
     }
