@@ -284,10 +284,8 @@ static inline __attribute__((always_inline)) void iweights128(const uint8_t *w, 
     v[3] = _mm512_unpackhi_epi8(hi, zero);
 }
 
-/* `itile` at 512 bits, for chunks of a multiple of 128 inputs: two
- * independent int32 sums per row (the products' latency), the same exact integer sums, scaled once per chunk.
- * The chunk's epilogue is vector work only: int4's offset of 8 comes off the integer sum (exactly, in its first
- * lane) and an int8 row's one scale is read once (a scalar chain per chunk cost more than the products). */
+/* `itile` at 512 bits, for chunks of a multiple of 128 inputs: two independent int32 sums per row (the products'
+ * latency), the same exact integer sums, scaled once per chunk, the same vector-only epilogue. */
 static inline __attribute__((always_inline)) void itile512(const int bits, const int MR, int64_t K, int64_t group,
                                                            int64_t ag, const uint8_t *w, const void *s, int s_bf16,
                                                            const int16_t *xq, int64_t ldx, const float *xs,
@@ -296,7 +294,6 @@ static inline __attribute__((always_inline)) void itile512(const int bits, const
     __m512 total[4];
 #pragma GCC unroll 4
     for (int m = 0; m < MR; m++) total[m] = _mm512_setzero_ps();
-    const float row_scale = bits == 8 ? scale_at(s, s_bf16, 0) : 0.0f;
     const int64_t per_scale = group / ag; /* (the scale's index by counting chunks, as in `itile`) */
     int64_t si = 0, left = per_scale;
     for (int64_t c = 0; c < K / ag; c++) {
@@ -332,7 +329,7 @@ static inline __attribute__((always_inline)) void itile512(const int bits, const
                 }
             }
         }
-        const float sw = bits == 8 ? row_scale : scale_at(s, s_bf16, si);
+        const float sw = scale_at(s, s_bf16, si);
         if (--left == 0) si++, left = per_scale;
 #pragma GCC unroll 4
         for (int m = 0; m < MR; m++) {
