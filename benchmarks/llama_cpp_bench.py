@@ -34,13 +34,6 @@ import torch
 PREFIX = "thinker."
 
 
-def _layer_names(name: str) -> tuple[int, str] | None:
-    parts = name.split(".")
-    if parts[:2] != ["model", "layers"]:
-        return None
-    return int(parts[2]), ".".join(parts[3:])
-
-
 GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -79,37 +72,37 @@ class ThinkerWeights:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.text = config["thinker_config"]["text_config"]
         self.n_layers = self.text["num_hidden_layers"]
+        self._open: dict[Path, object] = {}
 
-    def names(self) -> list[str]:
-        plain = [n for n in self.files if not n.endswith(("weight_packed", "weight_scale", "weight_shape"))]
-        return sorted({n[len(PREFIX):] for n in plain} | {n[len(PREFIX):] for n in self.packed})
-
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, name: str):
+        """The open safetensors file holding ``name`` (opened once: a full-depth export reads ~37k tensors)."""
         from safetensors import safe_open
 
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def get(self, name: str) -> torch.Tensor:
         from omnistage.models.compressed_tensors import unpack
 
         full = PREFIX + name
         if full in self.packed:
             module = full[: -len(".weight")]
-            fmt = self.packed[full][1]
-            with safe_open(str(self.files[module + ".weight_packed"]), framework="pt") as f:
-                packed = f.get_tensor(module + ".weight_packed")
-            with safe_open(str(self.files[module + ".weight_scale"]), framework="pt") as f:
-                scale = f.get_tensor(module + ".weight_scale")
-            values, scales = unpack(packed, scale, fmt)
+            packed = self._file(module + ".weight_packed").get_tensor(module + ".weight_packed")
+            scale = self._file(module + ".weight_scale").get_tensor(module + ".weight_scale")
+            values, scales = unpack(packed, scale, self.packed[full][1])
             return (values.float().unflatten(1, (scales.shape[1], -1)) * scales[..., None]).flatten(1)
-        with safe_open(str(self.files[full]), framework="pt") as f:
-            return f.get_tensor(full).float()
+        return self._file(full).get_tensor(full).float()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        from safetensors import safe_open
-
         full = PREFIX + name
         if full in self.packed:
             return tuple(self.packed[full][0])
-        with safe_open(str(self.files[full]), framework="pt") as f:
-            return tuple(f.get_slice(full).get_shape())
+        return tuple(self._file(full).get_slice(full).get_shape())
+
+    def rope_theta(self) -> float:
+        return float((self.text.get("rope_parameters") or {}).get("rope_theta", self.text.get("rope_theta")))
 
     def gguf_tensors(self) -> Iterator[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
         """(GGUF name, shape, reader of the float32 tensor) in file order; experts stacked per layer ([E, out,
@@ -171,7 +164,7 @@ def write_gguf(model_dir: str | Path, path: Path, kind: str) -> None:
     writer.add_head_count_kv(text["num_key_value_heads"])
     writer.add_key_length(text["head_dim"])
     writer.add_value_length(text["head_dim"])
-    writer.add_rope_freq_base(float((text.get("rope_parameters") or {}).get("rope_theta", text.get("rope_theta"))))
+    writer.add_rope_freq_base(weights.rope_theta())
     writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
     writer.add_file_type(getattr(gguf.LlamaFileType, "MOSTLY_" + LAYOUTS[kind][0]))
     # The tokenizer: byte-level BPE (vocab, merges, specials as control tokens), padded to the embedding's rows.
@@ -300,7 +293,7 @@ def check_conversion(model_dir: str | Path, gguf_path: Path, kind: str, threads:
                          num_key_value_heads=t["num_key_value_heads"], head_dim=t["head_dim"],
                          num_experts=t["num_experts"], num_experts_per_tok=t["num_experts_per_tok"],
                          norm_topk_prob=t["norm_topk_prob"], rms_norm_eps=t["rms_norm_eps"],
-                         rope_theta=float(t["rope_parameters"]["rope_theta"]), tie_word_embeddings=False,
+                         rope_theta=weights.rope_theta(), tie_word_embeddings=False,
                          max_position_embeddings=t["max_position_embeddings"])
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
@@ -353,7 +346,7 @@ def main() -> None:
                    help="skip the conversion check (it holds the Thinker in bfloat16 in transformers)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from benchmarks.quant_serving import decode_run, decode_step_bytes
+    from benchmarks.quant_serving import decode_run, decode_step_bytes, thinker_weight_bytes
     from omnistage import Omni, SamplingParams
     from omnistage.models.layers import quant_kernels
 
@@ -395,12 +388,8 @@ def main() -> None:
     t0 = time.perf_counter()
     out = omni.generate(text, ["text"], SamplingParams(temperature=0.0, max_tokens=1))[0]
     prefill_rate = len(out.prompt_token_ids) / (time.perf_counter() - t0)
-    stage_model = omni.engine.orchestrator.stages["thinker"].runner.model
-    from omnistage.runner.memory_use import weight_bytes_by_component
-
-    thinker_bytes = sum(v for k, v in weight_bytes_by_component(stage_model).items() if not k.startswith("encoders"))
+    rows.append((f"omnistage {args.quantization} ({args.dtype})", thinker_weight_bytes(omni), steps, prefill_rate))
     omni.shutdown()
-    rows.append((f"omnistage {args.quantization} ({args.dtype})", thinker_bytes, steps, prefill_rate))
 
     head = " | ".join(f"{n} seq tok/s" for n in args.concurrency)
     print(f"\n| engine, weights | Thinker GB | {head} | prefill tok/s |")

@@ -71,6 +71,14 @@ def full_depth_weight_bytes(method: str, group: int, dtype: torch.dtype) -> dict
     return out
 
 
+def thinker_weight_bytes(omni) -> int:
+    """The Thinker decoder's weight bytes as held (towers left out)."""
+    from omnistage.runner.memory_use import weight_bytes_by_component
+
+    stage_model = omni.engine.orchestrator.stages["thinker"].runner.model
+    return sum(v for k, v in weight_bytes_by_component(stage_model).items() if not k.startswith("encoders"))
+
+
 def decode_step_bytes(omni, batch: int) -> float:
     """Bytes one Thinker decode step of ``batch`` rows reads at least: every weight but the experts and the
     embedding table, each MoE layer's experts in the expected share a batch selects (1 - (1 - k/E)^batch of
@@ -78,12 +86,9 @@ def decode_step_bytes(omni, batch: int) -> float:
     left out (it adds to the bound, so leaving it out makes the ratio stricter)."""
     from omnistage.models.layers.moe import SparseMoE
     from omnistage.models.layers.quant_layers import QuantExperts
-    from omnistage.runner.memory_use import weight_bytes_by_component
 
-    stage_model = omni.engine.orchestrator.stages["thinker"].runner.model
-    thinker = stage_model.thinker
-    weights = {k: v for k, v in weight_bytes_by_component(stage_model).items() if not k.startswith("encoders")}
-    total = sum(weights.values())
+    thinker = omni.engine.orchestrator.stages["thinker"].runner.model.thinker
+    total = thinker_weight_bytes(omni)
     embed = thinker.model.embed_tokens.weight
     expert_bytes = selected = 0.0
     for layer in thinker.modules():
