@@ -284,62 +284,79 @@ static inline __attribute__((always_inline)) void iweights128(const uint8_t *w, 
     v[3] = _mm512_unpackhi_epi8(hi, zero);
 }
 
-/* `itile` at 512 bits, for chunks of a multiple of 128 inputs: two independent int32 sums per row (the products'
- * latency), the same exact integer sums, scaled once per chunk, the same vector-only epilogue. */
-static inline __attribute__((always_inline)) void itile512(const int bits, const int MR, int64_t K, int64_t group,
-                                                           int64_t ag, const uint8_t *w, const void *s, int s_bf16,
+/* `itile` at 512 bits, for chunks of a multiple of 128 inputs, over NR (1 or 2) output rows at once (weight rows
+ * w and w + ldw, scales s and s + lds): each activation vector loaded meets both rows' weights, so a step's loads
+ * feed twice the products (with one row the loads, not the products, set the pace). Per (row, activation row)
+ * one int32 sum per chunk (two below 3 activation rows, for the products' latency), scaled once per chunk; the
+ * integer sums are exact, so a row's result depends neither on NR nor on MR. */
+static inline __attribute__((always_inline)) void itile512(const int bits, const int NR, const int MR, int64_t K,
+                                                           int64_t group, int64_t ag, const uint8_t *w, int64_t ldw,
+                                                           const void *s, int64_t lds, int s_bf16,
                                                            const int16_t *xq, int64_t ldx, const float *xs,
                                                            const int32_t *xsum, int64_t ldg, float *out,
                                                            int64_t ldo) {
-    __m512 total[4];
+    const int SPLIT = MR < 3 ? 2 : 1;
+    __m512 total[2][4];
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; m++) total[m] = _mm512_setzero_ps();
+        for (int m = 0; m < MR; m++) total[r][m] = _mm512_setzero_ps();
     const int64_t per_scale = group / ag; /* (the scale's index by counting chunks, as in `itile`) */
     int64_t si = 0, left = per_scale;
     for (int64_t c = 0; c < K / ag; c++) {
-        __m512i acc[4][2];
+        __m512i acc[2][4][2];
+#pragma GCC unroll 2
+        for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-        for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
-        if (bits == 4) {
-            for (int64_t k = c * ag; k < (c + 1) * ag; k += 128) {
-                __m512i v[4];
-                _mm_prefetch((const char *)(w + k / 2) + PREFETCH_BYTES, _MM_HINT_T0);
-                iweights128(w, k, v);
-#pragma GCC unroll 4
-                for (int m = 0; m < MR; m++) {
-                    const __m512i *x = (const __m512i *)(xq + m * ldx + k);
-                    acc[m][0] = dot_add(dot_add(acc[m][0], v[0], _mm512_loadu_si512(x)), v[1], _mm512_loadu_si512(x + 1));
-                    acc[m][1] = dot_add(dot_add(acc[m][1], v[2], _mm512_loadu_si512(x + 2)), v[3], _mm512_loadu_si512(x + 3));
+            for (int m = 0; m < MR; m++) acc[r][m][0] = acc[r][m][1] = _mm512_setzero_si512();
+        for (int64_t k = c * ag; k < (c + 1) * ag; k += 128) {
+            __m512i v[2][4]; /* v[r][j] meets activation vector j of the step */
+#pragma GCC unroll 2
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *wr = w + r * ldw;
+                if (bits == 4) {
+                    _mm_prefetch((const char *)(wr + k / 2) + PREFETCH_BYTES, _MM_HINT_T0);
+                    iweights128(wr, k, v[r]);
+                } else { /* (128 inputs a step: 2 cache lines) */
+                    _mm_prefetch((const char *)(wr + k) + PREFETCH_BYTES, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(wr + k) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+                    __m512i b0 = _mm512_loadu_si512((const void *)(wr + k)), b1 = _mm512_loadu_si512((const void *)(wr + k + 64));
+                    v[r][0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b0));
+                    v[r][1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b0, 1));
+                    v[r][2] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b1));
+                    v[r][3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b1, 1));
                 }
             }
-        } else {
-            for (int64_t k = c * ag; k < (c + 1) * ag; k += 128) { /* (128 inputs a step: 2 cache lines) */
-                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)(w + k) + PREFETCH_BYTES + 64, _MM_HINT_T0);
-                __m512i b0 = _mm512_loadu_si512((const void *)(w + k)), b1 = _mm512_loadu_si512((const void *)(w + k + 64));
-                __m512i v0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b0));
-                __m512i v1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b0, 1));
-                __m512i v2 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(b1));
-                __m512i v3 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(b1, 1));
 #pragma GCC unroll 4
-                for (int m = 0; m < MR; m++) {
-                    const __m512i *x = (const __m512i *)(xq + m * ldx + k);
-                    acc[m][0] = dot_add(dot_add(acc[m][0], v0, _mm512_loadu_si512(x)), v2, _mm512_loadu_si512(x + 2));
-                    acc[m][1] = dot_add(dot_add(acc[m][1], v1, _mm512_loadu_si512(x + 1)), v3, _mm512_loadu_si512(x + 3));
+            for (int m = 0; m < MR; m++) {
+                const __m512i *x = (const __m512i *)(xq + m * ldx + k);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const __m512i xv = _mm512_loadu_si512(x + j);
+#pragma GCC unroll 2
+                    for (int r = 0; r < NR; r++) {
+                        __m512i *a = &acc[r][m][SPLIT == 2 ? j & 1 : 0];
+                        *a = dot_add(*a, v[r][j], xv);
+                    }
                 }
             }
         }
-        const float sw = scale_at(s, s_bf16, si);
+#pragma GCC unroll 2
+        for (int r = 0; r < NR; r++) {
+            const float sw = scale_at(s, s_bf16, r * lds + si);
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; m++) {
+                __m512i sum = SPLIT == 2 ? _mm512_add_epi32(acc[r][m][0], acc[r][m][1]) : acc[r][m][0];
+                if (bits == 4) sum = _mm512_mask_sub_epi32(sum, 1, sum, _mm512_set1_epi32(8 * xsum[m * ldg + c]));
+                total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sw * xs[m * ldg + c]), total[r][m]);
+            }
+        }
         if (--left == 0) si++, left = per_scale;
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; m++) {
-            __m512i sum = _mm512_add_epi32(acc[m][0], acc[m][1]);
-            if (bits == 4) sum = _mm512_mask_sub_epi32(sum, 1, sum, _mm512_set1_epi32(8 * xsum[m * ldg + c]));
-            total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(sw * xs[m * ldg + c]), total[m]);
-        }
     }
+#pragma GCC unroll 2
+    for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; m++) out[m * ldo] = _mm512_reduce_add_ps(total[m]);
+        for (int m = 0; m < MR; m++) out[m * ldo + r] = _mm512_reduce_add_ps(total[r][m]);
 }
 #endif
 #else
@@ -460,6 +477,25 @@ static void order_row_i16(int bits, int64_t K, int64_t ag, const int16_t *src, i
         for (int i = 0; i < 32; i++) dst[k + (i & 1 ? 16 + i / 2 : i / 2)] = src[k + i];
 }
 
+/* Activation rows per block of `irows_range_of`: a block's int16 rows (~128 KB) stay in the core's L2 while
+ * every output row of the work item takes them; unblocked, a prefill's rows (5 MB for 1266 tokens x 2048 inputs)
+ * streamed from L3 once per output row. */
+static inline int64_t row_block(int64_t K) {
+    const int64_t b = (65536 / K) & ~(int64_t)3;
+    return b < 4 ? 4 : b;
+}
+
+/* Output rows n .. n + NR of activation rows [m0, m1) (tiles of up to 4 rows), int16 path. */
+#define ITILE_ROWS(CALL)                                                                                        \
+    int64_t m = m0;                                                                                             \
+    for (; m + 4 <= m1; m += 4) CALL(4);                                                                        \
+    switch (m1 - m) {                                                                                           \
+    case 3: CALL(3); break;                                                                                     \
+    case 2: CALL(2); break;                                                                                     \
+    case 1: CALL(1); break;                                                                                     \
+    default: break;                                                                                             \
+    }
+
 static inline __attribute__((always_inline)) void irows_range_of(const int bits, int64_t M, int64_t K,
                                                                  int64_t group, const uint8_t *w, const void *s,
                                                                  int s_bf16, const int16_t *xq, const float *xs,
@@ -467,32 +503,44 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
                                                                  int64_t n0, int64_t n1) {
     int64_t row_bytes = bits == 4 ? K / 2 : K, groups = bits == 4 ? K / group : 1, scale_bytes = s_bf16 ? 2 : 4;
     int64_t ag = act_chunk(bits, K, group), ldg = K / ag;
-    int64_t wgroup = bits == 4 ? group : K;
-/* Every output row of [n0, n1) against the activation rows in tiles of up to 4 (the tile function TILE). */
-#define IROWS(TILE)                                                                                             \
-    for (int64_t n = n0; n < n1; n++) {                                                                         \
-        const uint8_t *wn = w + n * row_bytes;                                                                  \
-        const void *sn = (const char *)s + n * groups * scale_bytes;                                            \
-        int64_t m = 0;                                                                                          \
-        for (; m + 4 <= M; m += 4)                                                                              \
-            TILE(bits, 4, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg,       \
-                 y + m * ldo + n, ldo);                                                                         \
-        switch (M - m) {                                                                                        \
-        case 3: TILE(bits, 3, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break; \
-        case 2: TILE(bits, 2, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break; \
-        case 1: TILE(bits, 1, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo); break; \
-        default: break;                                                                                         \
-        }                                                                                                       \
-    }
+    int64_t wgroup = bits == 4 ? group : K, block = row_block(K);
 #if Q_AVX512
-    if (bits == 4 ? int4_step(ag) == 128 : ag % 128 == 0) {
-        IROWS(itile512)
-        return;
-    }
+    const int wide = bits == 4 ? int4_step(ag) == 128 : ag % 128 == 0;
 #endif
-    IROWS(itile)
-#undef IROWS
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t m1 = m0 + block < M ? m0 + block : M;
+#if Q_AVX512
+        if (wide) {
+            for (int64_t n = n0; n < n1; n += m1 - m0 > 1 ? 2 : 1) {
+                const uint8_t *wn = w + n * row_bytes;
+                const void *sn = (const char *)s + n * groups * scale_bytes;
+#define T512(NR, MR) itile512(bits, NR, MR, K, wgroup, ag, wn, row_bytes, sn, groups, s_bf16, xq + m * K, K,      \
+                              xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo)
+#define PAIR(MR) T512(2, MR)
+#define ONE(MR) T512(1, MR)
+                if (n + 2 <= n1 && m1 - m0 > 1) { /* (one activation row: the weights' read sets the pace) */
+                    ITILE_ROWS(PAIR)
+                } else {
+                    ITILE_ROWS(ONE)
+                }
+#undef ONE
+#undef PAIR
+#undef T512
+            }
+            continue;
+        }
+#endif
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *wn = w + n * row_bytes;
+            const void *sn = (const char *)s + n * groups * scale_bytes;
+#define T256(MR) itile(bits, MR, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, \
+                       y + m * ldo + n, ldo)
+            ITILE_ROWS(T256)
+#undef T256
+        }
+    }
 }
+#undef ITILE_ROWS
 
 static void irows_range_4(int64_t M, int64_t K, int64_t group, const uint8_t *w, const void *s, int s_bf16,
                           const int16_t *xq, const float *xs, const int32_t *xsum, float *y, int64_t ldo, int64_t n0,
