@@ -6,9 +6,12 @@ cached positions each request may attend to. One code path serves prefill, chunk
 queries are lower-right aligned against the request's full context (query ``i`` of a request with
 ``context`` cached tokens sits at absolute position ``context + i``).
 
-Requests are attended in at most two batched groups — single-token queries (decode) and longer queries
-(prefill chunks) — so a mixed step does not pay ``max_query_len`` for every decode row, and no step loops
-over requests in Python.
+Requests are attended in at most two groups — single-token queries (decode) and longer queries (prefill
+chunks) — so a mixed step does not pay ``max_query_len`` for every decode row. Decode rows are attended as one
+batch; prefill chunks (few per step: the token budget bounds them) one request at a time from their own
+contiguous rows, so no chunk pays for another's length, and a chunk with nothing cached attends to this step's
+keys directly with a causal kernel instead of a gathered context and a mask (a released-width Thinker layer,
+1266 tokens, 2 threads: the padded batch with its mask and scatters cost about twice as long).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class AttentionGroup:
     seq_lens: torch.Tensor  # [g] context + this step's tokens of each request
     mask: torch.Tensor  # [g, 1, max_q, max_kv] True where attention is allowed
     max_q: int
+    # (first flat row, query rows, cached tokens) of each request of the group, in group order: a prefill
+    # group's requests are attended one by one from these (host ints, no device sync)
+    spans: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass
@@ -140,6 +146,7 @@ def build_attention_metadata(
                 seq_lens=g_seq.to(device),
                 mask=mask[:, None].to(device),
                 max_q=max_q,
+                spans=tuple(zip(starts[members].tolist(), g_qlens.tolist(), g_ctx.tolist())),
             )
         )
     return AttentionMetadata(
@@ -182,6 +189,9 @@ def paged_attention(
         if g.max_q == 1 and decode_kernel is not None and kv_cache.dtype == q.dtype:
             decode_kernel(q, kv_cache, g.token_rows, g.token_req, g.kv_slots, g.seq_lens, scale, out)
             continue
+        if g.max_q > 1:
+            _attend_each(q, k, v, kv_cache, g, scale, dtype, out)
+            continue
         n_req = g.kv_slots.shape[0]
         qb = q.new_zeros(n_req, g.max_q, num_heads, head_dim, dtype=dtype)
         qb[g.token_req, g.token_qpos] = q[g.token_rows].to(dtype)
@@ -194,3 +204,24 @@ def paged_attention(
         ).transpose(1, 2)
         out[g.token_rows] = ob[g.token_req, g.token_qpos].to(out.dtype)
     return out
+
+
+def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup,
+                 scale: float, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """A prefill group's requests one at a time, each from its own rows (see the module docstring)."""
+    enable_gqa = q.shape[1] != k.shape[1]
+    for i, (start, q_len, cached) in enumerate(g.spans):
+        rows = slice(start, start + q_len)
+        qr = q[rows].to(dtype).transpose(0, 1)[None]  # [1, heads, q_len, dim]
+        if cached == 0:  # keys as the cache holds them (its dtype), without reading them back
+            kr = k[rows].to(kv_cache.dtype).to(dtype)
+            vr = v[rows].to(kv_cache.dtype).to(dtype)
+            mask, causal = None, True
+        else:
+            slots = g.kv_slots[i, :cached + q_len]
+            kr, vr = kv_cache[0][slots].to(dtype), kv_cache[1][slots].to(dtype)
+            mask, causal = g.mask[i, :, :q_len, :cached + q_len], False
+        o = F.scaled_dot_product_attention(
+            qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=enable_gqa)
+        out[rows] = o[0].transpose(0, 1).to(out.dtype)
