@@ -55,10 +55,12 @@ def test_linear_matches_dequantized_weight(fmt: QuantFormat, dtype: torch.dtype,
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_row_results_do_not_depend_on_the_batch(fmt: QuantFormat) -> None:
-    data, scales, _ = _quantized(40, 256, fmt, torch.bfloat16)
-    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    # 41 output rows: a work item's odd last row goes alone, the others in pairs; 11 rows: blocks of 4 and a
+    # remainder of 3; one row alone takes the single-row tile
+    data, scales, _ = _quantized(41, 256, fmt, torch.bfloat16)
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     whole = quant_kernels.linear(x, fmt.bits, fmt.group_size, data, scales)
-    for start, stop in ((0, 1), (3, 4), (1, 3), (2, 7), (6, 7)):
+    for start, stop in ((0, 1), (3, 4), (1, 3), (2, 7), (6, 7), (5, 11), (10, 11)):
         part = quant_kernels.linear(x[start:stop], fmt.bits, fmt.group_size, data, scales)
         assert torch.equal(part, whole[start:stop])
     torch.set_num_threads(1)
