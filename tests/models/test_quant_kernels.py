@@ -92,6 +92,33 @@ def test_moe_layer_matches_each_experts_swiglu(formats: tuple[QuantFormat, Quant
     _close(out, torch.cat(ref), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_moe_layer_weights_and_sums_each_tokens_slots(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    experts, hidden, inter, top_k, tokens = 6, 128, 64, 3, 11
+    fmt = QuantFormat(4, 32)
+    ups = [_quantized(2 * inter, hidden, fmt, dtype, seed=30 + e) for e in range(experts)]
+    downs = [_quantized(hidden, inter, fmt, dtype, seed=40 + e) for e in range(experts)]
+    up = (4, 32, torch.stack([u[0] for u in ups]), torch.stack([u[1] for u in ups]))
+    dn = (4, 32, torch.stack([d[0] for d in downs]), torch.stack([d[1] for d in downs]))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
+    ids[:, 0] = 4  # one expert in every token, another in none
+    ids[ids == 1] = 5
+    weights = torch.rand(tokens, top_k, generator=g).to(dtype)
+    out = quant_kernels.moe_routed(x, ids, weights, up, dn)
+    ref = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for k in range(top_k):
+            e = int(ids[t, k])
+            h = x[t].float() @ ups[e][2].T
+            ref[t] += float(weights[t, k]) * ((F.silu(h[:inter]) * h[inter:]) @ downs[e][2].T)
+    _close(out, ref, dtype)
+    # a token's output does not depend on the others in its call (parts of whole tokens)
+    monkeypatch.setattr(quant_kernels, "MOE_ROWS_PER_CALL", 2 * top_k)
+    assert torch.equal(quant_kernels.moe_routed(x, ids, weights, up, dn), out)
+
+
 def test_moe_layer_in_parts_equals_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     fmt = QuantFormat(4, 32)
     ups = [_quantized(64, 64, fmt, torch.bfloat16, seed=e) for e in range(4)]

@@ -141,7 +141,14 @@ class QuantExperts(nn.Module):
         self.loading = None
 
     def serves_kernel(self, x: torch.Tensor, top_k: int) -> bool:
-        return False
+        """Whether ``kernel`` serves rows ``x`` (eager CPU calls our kernels take): routed in one call, no sorted
+        copy of the rows, the slots weighted and summed in float32 inside it."""
+        return (self.gate_up_q is not None and not torch.compiler.is_compiling()
+                and own_kernel_takes(x, self.gate_up_q) and own_kernel_takes(x, self.down_q))
+
+    def kernel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], routing ids / weights [N, k] -> [N, H] (``quant_kernels.moe_routed``)."""
+        return quant_kernels.moe_routed(x, ids, weights, kernel_args(self.gate_up_q), kernel_args(self.down_q))
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         h = swiglu(quant_matmul(x, self.gate_up_q.select(e)), self.intermediate_size)
