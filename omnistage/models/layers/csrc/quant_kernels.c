@@ -733,6 +733,12 @@ static void moe_phases(const int64_t *w_up, const int64_t *w_down, int64_t S, in
         }
 }
 
+void quant_moe_routed(int bits_up, int bits_down, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
+                      int64_t group_up, int64_t group_down, const int64_t *counts, const int64_t *order,
+                      const float *weights, const void *x, int x_bf16, const uint8_t *wu, const void *su,
+                      const uint8_t *wd, const void *sd, int s_bf16, void *out, int out_bf16, float *xp, float *h,
+                      float *hp, int64_t *starts, int64_t *where, int threads);
+
 /* A routed SwiGLU expert layer: x [S, H] (rows sorted by expert, `counts` [E] rows each) -> out [S, H], each
  * row through its expert's gate_up [E, 2I, H] (gate rows first) and down [E, H, I]; no routing weights (the
  * caller weights and sums the slots). Scratch (floats): xp S * H + 2 * S * (H / 32), h S * 2I,
@@ -741,18 +747,15 @@ void quant_moe(int bits_up, int bits_down, int64_t S, int64_t E, int64_t H, int6
                int64_t group_down, const int64_t *counts, const void *x, int x_bf16, const uint8_t *wu,
                const void *su, const uint8_t *wd, const void *sd, int s_bf16, void *out, int out_bf16, float *xp,
                float *h, float *hp, int64_t *starts, int threads) {
-    const int64_t up[] = {bits_up, group_up, 2 * I, H, s_bf16, (int64_t)wu, (int64_t)su};
-    const int64_t down[] = {bits_down, group_down, H, I, s_bf16, (int64_t)wd, (int64_t)sd};
-    starts[0] = 0;
-    for (int64_t e = 0; e < E; e++) starts[e + 1] = starts[e] + counts[e];
-#pragma omp parallel num_threads(threads)
-    moe_phases(up, down, S, 1, E, starts, 0, 0, x, x_bf16, out, out_bf16, xp, h, hp, starts + E + 1, 0);
+    quant_moe_routed(bits_up, bits_down, S, 1, E, H, I, group_up, group_down, counts, 0, 0, x, x_bf16, wu, su, wd,
+                     sd, s_bf16, out, out_bf16, xp, h, hp, starts, 0, threads);
 }
 
 /* A routed SwiGLU expert layer as a model calls it: T tokens x [T, H] (unsorted), each with K selections
  * (`order` [T * K]: the flat (token, slot) selections sorted by expert, `counts` [E] selections each; `weights`
  * [T * K] float32) -> out [T, H]: each token's K expert outputs weighted and summed in slot order, in float32,
- * rounded once. Scratch as `quant_moe` (S = T * K selections), plus `where` S int64. */
+ * rounded once. Scratch as `quant_moe` (S = T * K selections), plus `where` S int64. Without `order` and
+ * `weights` (K = 1): `quant_moe`. */
 void quant_moe_routed(int bits_up, int bits_down, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
                       int64_t group_up, int64_t group_down, const int64_t *counts, const int64_t *order,
                       const float *weights, const void *x, int x_bf16, const uint8_t *wu, const void *su,
