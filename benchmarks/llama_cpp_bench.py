@@ -346,8 +346,8 @@ def main() -> None:
                    help="skip the conversion check (it holds the Thinker in bfloat16 in transformers)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    from benchmarks.quant_serving import decode_run, decode_step_bytes, thinker_weight_bytes
-    from omnistage import Omni, SamplingParams
+    from benchmarks.quant_serving import decode_run, decode_step_bytes, prefill_rate, thinker_weight_bytes
+    from omnistage import Omni
     from omnistage.models.layers import quant_kernels
 
     bandwidth = quant_kernels.read_bandwidth()
@@ -368,8 +368,7 @@ def main() -> None:
 
     rows = []
     n_max = max(args.concurrency)
-    # prefill: the best of three distinct prompts per engine (the first long prompt of a process also pays its
-    # scratch buffers' first touch; distinct, so omnistage's prefix cache cannot answer)
+    # prefill: the best of three distinct prompts per engine, as quant_serving.prefill_rate times ours
     long_prompts = [[int(x) for x in torch.randint(1000, 150000, (args.prefill_tokens,),
                                                     generator=torch.Generator().manual_seed(1 + i))] for i in range(3)]
     for name in args.types:
@@ -378,29 +377,24 @@ def main() -> None:
                                                 generator=torch.Generator().manual_seed(10 + i))] for i in range(n_max)]
         llama.decode_run(short[:1], 2)  # warm-up
         steps = {n: llama.decode_run(short[:n], args.max_tokens)[1] for n in args.concurrency}
-        prefill_rate = max(len(prompt) / llama.decode_run([prompt], 1)[0] for prompt in long_prompts)
+        rate = max(len(prompt) / llama.decode_run([prompt], 1)[0] for prompt in long_prompts)
         llama.close()
-        rows.append((f"llama.cpp {name.upper()}", files[name].stat().st_size, steps, prefill_rate))
+        rows.append((f"llama.cpp {name.upper()}", files[name].stat().st_size, steps, rate))
 
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, quantization=args.quantization)
     decode_run(omni, 1, 2)  # warm-up
     steps = {n: decode_run(omni, n, args.max_tokens)[1] for n in args.concurrency}
     bounds = {n: decode_step_bytes(omni, n) / bandwidth for n in args.concurrency}
-    prefill_rate = 0.0
-    for i in range(3):
-        text = f"run {i}: " + " ".join(["the sea the boat the wind"] * (args.prefill_tokens // 5))
-        t0 = time.perf_counter()
-        out = omni.generate(text, ["text"], SamplingParams(temperature=0.0, max_tokens=1))[0]
-        prefill_rate = max(prefill_rate, len(out.prompt_token_ids) / (time.perf_counter() - t0))
-    rows.append((f"omnistage {args.quantization} ({args.dtype})", thinker_weight_bytes(omni), steps, prefill_rate))
+    prefill = prefill_rate(omni, args.prefill_tokens)
+    rows.append((f"omnistage {args.quantization} ({args.dtype})", thinker_weight_bytes(omni), steps, prefill))
     omni.shutdown()
 
     head = " | ".join(f"{n} seq tok/s" for n in args.concurrency)
     print(f"\n| engine, weights | Thinker GB | {head} | prefill tok/s |")
     print("|---|---:|" + "---:|" * len(args.concurrency) + "---:|")
-    for label, nbytes, steps, prefill_rate in rows:
+    for label, nbytes, steps, rate in rows:
         cells = " | ".join(f"{n / steps[n]:.1f}" for n in args.concurrency)
-        print(f"| {label} | {nbytes / 1e9:.2f} | {cells} | {prefill_rate:.0f} |")
+        print(f"| {label} | {nbytes / 1e9:.2f} | {cells} | {rate:.0f} |")
     print("omnistage's bandwidth bound: " + ", ".join(f"{n} seq {n / bounds[n]:.1f} tok/s" for n in args.concurrency))
 
 

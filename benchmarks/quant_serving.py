@@ -126,6 +126,21 @@ def decode_run(omni, n: int, max_tokens: int) -> tuple[float, float, int]:
     return first - t0, (end - first) / max(1, max_tokens - 1), tokens
 
 
+def prefill_rate(omni, tokens: int = 512, runs: int = 3) -> float:
+    """Thinker prefill tokens/s of a ~``tokens``-token text prompt: the best of ``runs`` distinct prompts (the first
+    long prompt of a process also pays its scratch buffers' first touch; distinct, so the prefix cache cannot
+    answer), one output token each."""
+    from omnistage import SamplingParams
+
+    best = 0.0
+    for i in range(runs):
+        text = f"run {i}: " + " ".join(["the sea the boat the wind"] * (tokens // 5))
+        t0 = time.perf_counter()
+        out = omni.generate(text, ["text"], SamplingParams(temperature=0.0, max_tokens=1))[0]
+        best = max(best, len(out.prompt_token_ids) / (time.perf_counter() - t0))
+    return best
+
+
 def head_seconds(omni, rows: int, reps: int = 5) -> float:
     """One Thinker output-head call over ``rows`` rows, as the engine runs it."""
     thinker = omni.engine.orchestrator.stages["thinker"].runner.model.thinker
@@ -182,6 +197,7 @@ def main() -> None:
         print(f"thinker decode, {n:>2} requests: {n / step:7.1f} tokens/s aggregate, {1000 * step:.0f} ms per "
               f"step (bandwidth bound {1000 * bound:.0f} ms: {100 * bound / step:.0f}% of it); all first tokens "
               f"after {prefill:.2f} s")
+    print(f"thinker prefill, 512-token prompt: {prefill_rate(omni):.0f} tokens/s (best of 3)")
     for n in args.speech_requests:
         run = run_speech(omni.engine, [f"Say something short ({i})." for i in range(n)], 8, args.speech_frames)
         print(f"spoken answers, {n} requests (8 text tokens, {args.speech_frames} frames each): first audio "
