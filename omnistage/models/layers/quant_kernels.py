@@ -46,10 +46,8 @@ def _build() -> ctypes.CDLL:
     library.quant_linear.restype = None
     library.quant_linear.argtypes = [i32, i64, i64, i64, i64, p, p, i32, p, i32, p, p, i32, p, p, i32]
     library.quant_moe.restype = None
-    library.quant_moe.argtypes = ([i32, i32] + [i64] * 6 + [p, p, i32, p, p, p, p, i32, p, i32, p, p, p, p, i32])
-    library.quant_moe_routed.restype = None
-    library.quant_moe_routed.argtypes = ([i32, i32] + [i64] * 7 + [p, p, p, p, i32, p, p, p, p, i32, p, i32]
-                                         + [p] * 5 + [i32])
+    library.quant_moe.argtypes = ([i32, i32] + [i64] * 7 + [p, p, p, p, i32, p, p, p, p, i32, p, i32] + [p] * 5
+                                  + [i32])
     library.dense_bf16.restype = None
     library.dense_bf16.argtypes = [i64, i64, i64, p, p, i32, p, p, i32, p, p, i32]
     library.read_bytes.restype = i64
@@ -235,26 +233,8 @@ def _(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int, data_u
 def _moe(x: torch.Tensor, counts: torch.Tensor, bits_up: int, group_up: int | None, data_up: torch.Tensor,
          scales_up: torch.Tensor, bits_down: int, group_down: int | None, data_down: torch.Tensor,
          scales_down: torch.Tensor) -> torch.Tensor:
-    _require()
-    if scales_up.dtype != scales_down.dtype or x.dtype not in _DTYPES or scales_up.dtype not in _DTYPES:
-        raise ValueError("activations and scales must be float32 or bfloat16, one scale dtype for both weights")
-    rows, hidden = x.shape
-    experts, up_rows = data_up.shape[:2]
-    inter = up_rows // 2
-    x = x.contiguous()
-    counts = counts.to(torch.int64).contiguous()
-    out = torch.empty_like(x)
-    xp = scratch("q-x", rows * hidden + 2 * rows * (hidden // 32), torch.float32)
-    h = scratch("q-h", rows * up_rows, torch.float32)
-    hp = scratch("q-hp", rows * inter + 2 * rows * (inter // 32), torch.float32)
-    starts = scratch("q-starts", 2 * experts + 2, torch.int64)
-    bf16 = int(x.dtype == torch.bfloat16)
-    _lazy.library.quant_moe(bits_up, bits_down, rows, experts, hidden, inter, _group(bits_up, group_up, hidden),
-                       _group(bits_down, group_down, inter), counts.data_ptr(), x.data_ptr(), bf16,
-                       data_up.data_ptr(), scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(),
-                       int(scales_up.dtype == torch.bfloat16), out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(),
-                       hp.data_ptr(), starts.data_ptr(), torch.get_num_threads())
-    return out
+    return _moe_call(x, counts, None, None, (bits_up, group_up, data_up, scales_up),
+                     (bits_down, group_down, data_down, scales_down))
 
 
 def moe_routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -264,37 +244,47 @@ def moe_routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     (``gate_up`` / ``down`` as ``moe`` takes them) -> [T, H] in x's dtype: each token's k outputs weighted and
     summed in slot order in float32, rounded once (no sorted copy of the rows, no per-slot products in x's
     dtype). Eager only; tokens go in parts of ``MOE_ROWS_PER_CALL`` selections (bounded scratch)."""
-    _require()
-    bits_up, group_up, data_up, scales_up = gate_up
-    bits_down, group_down, data_down, scales_down = down
-    if scales_up.dtype != scales_down.dtype or x.dtype not in _DTYPES or scales_up.dtype not in _DTYPES:
-        raise ValueError("activations and scales must be float32 or bfloat16, one scale dtype for both weights")
     tokens, top_k = ids.shape
     per_call = max(1, MOE_ROWS_PER_CALL // top_k)
     if tokens > per_call:
         return torch.cat([moe_routed(x[t:t + per_call], ids[t:t + per_call], weights[t:t + per_call], gate_up, down)
                           for t in range(0, tokens, per_call)])
-    hidden = x.shape[1]
-    experts, up_rows = data_up.shape[:2]
-    inter, rows = up_rows // 2, tokens * top_k
-    x = x.contiguous()
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
-    weights = weights.reshape(-1).float().contiguous()
+    counts = torch.bincount(flat, minlength=gate_up[2].shape[0])
+    return _moe_call(x, counts, torch.argsort(flat, stable=True), weights.reshape(-1).float().contiguous(), gate_up,
+                     down)
+
+
+def _moe_call(x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor | None, weights: torch.Tensor | None,
+              gate_up: tuple, down: tuple) -> torch.Tensor:
+    """One ``quant_moe`` call: rows x sorted by expert (``order`` None) or tokens with their sorted selections
+    ``order`` and float32 slot ``weights`` (see the C entry)."""
+    _require()
+    bits_up, group_up, data_up, scales_up = gate_up
+    bits_down, group_down, data_down, scales_down = down
+    if scales_up.dtype != scales_down.dtype or x.dtype not in _DTYPES or scales_up.dtype not in _DTYPES:
+        raise ValueError("activations and scales must be float32 or bfloat16, one scale dtype for both weights")
+    tokens, hidden = x.shape
+    top_k = 1 if order is None else order.numel() // tokens
+    rows = tokens * top_k
+    experts, up_rows = data_up.shape[:2]
+    inter = up_rows // 2
+    x = x.contiguous()
+    counts = counts.to(torch.int64).contiguous()
     out = torch.empty_like(x)
     xp = scratch("q-x", rows * hidden + 2 * rows * (hidden // 32), torch.float32)
     h = scratch("q-h", rows * up_rows, torch.float32)
     hp = scratch("q-hp", rows * inter + 2 * rows * (inter // 32), torch.float32)
     starts = scratch("q-starts", 2 * experts + 2, torch.int64)
-    where = scratch("q-where", rows, torch.int64)
+    where = None if order is None else scratch("q-where", rows, torch.int64).data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
-    _lazy.library.quant_moe_routed(
+    _lazy.library.quant_moe(
         bits_up, bits_down, tokens, top_k, experts, hidden, inter, _group(bits_up, group_up, hidden),
-        _group(bits_down, group_down, inter), counts.data_ptr(), order.data_ptr(), weights.data_ptr(), x.data_ptr(),
-        bf16, data_up.data_ptr(), scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(),
-        int(scales_up.dtype == torch.bfloat16), out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(), hp.data_ptr(),
-        starts.data_ptr(), where.data_ptr(), torch.get_num_threads())
+        _group(bits_down, group_down, inter), counts.data_ptr(), None if order is None else order.data_ptr(),
+        None if weights is None else weights.data_ptr(), x.data_ptr(), bf16, data_up.data_ptr(),
+        scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(), int(scales_up.dtype == torch.bfloat16),
+        out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(), hp.data_ptr(), starts.data_ptr(), where,
+        torch.get_num_threads())
     return out
 
 

@@ -501,12 +501,12 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
                                                                  int64_t n0, int64_t n1) {
     int64_t row_bytes = bits == 4 ? K / 2 : K, groups = bits == 4 ? K / group : 1, scale_bytes = s_bf16 ? 2 : 4;
     int64_t ag = act_chunk(bits, K, group), ldg = K / ag;
-    int64_t wgroup = bits == 4 ? group : K, block = ROW_BLOCK;
+    int64_t wgroup = bits == 4 ? group : K;
 #if Q_AVX512
     const int wide = bits == 4 ? int4_step(ag) == 128 : ag % 128 == 0;
 #endif
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-        const int64_t m1 = m0 + block < M ? m0 + block : M;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
 #if Q_AVX512
         if (wide) {
             for (int64_t n = n0; n < n1; n += m1 - m0 > 1 ? 2 : 1) {
@@ -733,34 +733,18 @@ static void moe_phases(const int64_t *w_up, const int64_t *w_down, int64_t S, in
         }
 }
 
-void quant_moe_routed(int bits_up, int bits_down, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
-                      int64_t group_up, int64_t group_down, const int64_t *counts, const int64_t *order,
-                      const float *weights, const void *x, int x_bf16, const uint8_t *wu, const void *su,
-                      const uint8_t *wd, const void *sd, int s_bf16, void *out, int out_bf16, float *xp, float *h,
-                      float *hp, int64_t *starts, int64_t *where, int threads);
-
-/* A routed SwiGLU expert layer: x [S, H] (rows sorted by expert, `counts` [E] rows each) -> out [S, H], each
- * row through its expert's gate_up [E, 2I, H] (gate rows first) and down [E, H, I]; no routing weights (the
- * caller weights and sums the slots). Scratch (floats): xp S * H + 2 * S * (H / 32), h S * 2I,
- * hp S * I + 2 * S * (I / 32); starts 2E + 2 int64. One parallel region, a barrier between the phases. */
-void quant_moe(int bits_up, int bits_down, int64_t S, int64_t E, int64_t H, int64_t I, int64_t group_up,
-               int64_t group_down, const int64_t *counts, const void *x, int x_bf16, const uint8_t *wu,
-               const void *su, const uint8_t *wd, const void *sd, int s_bf16, void *out, int out_bf16, float *xp,
-               float *h, float *hp, int64_t *starts, int threads) {
-    quant_moe_routed(bits_up, bits_down, S, 1, E, H, I, group_up, group_down, counts, 0, 0, x, x_bf16, wu, su, wd,
-                     sd, s_bf16, out, out_bf16, xp, h, hp, starts, 0, threads);
-}
-
-/* A routed SwiGLU expert layer as a model calls it: T tokens x [T, H] (unsorted), each with K selections
- * (`order` [T * K]: the flat (token, slot) selections sorted by expert, `counts` [E] selections each; `weights`
- * [T * K] float32) -> out [T, H]: each token's K expert outputs weighted and summed in slot order, in float32,
- * rounded once. Scratch as `quant_moe` (S = T * K selections), plus `where` S int64. Without `order` and
- * `weights` (K = 1): `quant_moe`. */
-void quant_moe_routed(int bits_up, int bits_down, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I,
-                      int64_t group_up, int64_t group_down, const int64_t *counts, const int64_t *order,
-                      const float *weights, const void *x, int x_bf16, const uint8_t *wu, const void *su,
-                      const uint8_t *wd, const void *sd, int s_bf16, void *out, int out_bf16, float *xp, float *h,
-                      float *hp, int64_t *starts, int64_t *where, int threads) {
+/* A routed SwiGLU expert layer: T tokens x [T, H], each with K selections through its expert's gate_up
+ * [E, 2I, H] (gate rows first) and down [E, H, I]. `order` [T * K]: the flat (token, slot) selections sorted by
+ * expert, `counts` [E] selections each; with `weights` [T * K] (float32) out [T, H] holds each token's K expert
+ * outputs weighted and summed in slot order, in float32, rounded once. Without `order` and `weights` (K = 1): x
+ * holds the T rows already sorted by expert and out [T, H] each row's expert output (the caller weights and sums).
+ * Scratch (floats, S = T * K selections): xp S * H + 2 * S * (H / 32), h S * 2I, hp S * I + 2 * S * (I / 32);
+ * starts 2E + 2 int64; `where` S int64 (with weights). One parallel region, a barrier between the phases. */
+void quant_moe(int bits_up, int bits_down, int64_t T, int64_t K, int64_t E, int64_t H, int64_t I, int64_t group_up,
+               int64_t group_down, const int64_t *counts, const int64_t *order, const float *weights, const void *x,
+               int x_bf16, const uint8_t *wu, const void *su, const uint8_t *wd, const void *sd, int s_bf16,
+               void *out, int out_bf16, float *xp, float *h, float *hp, int64_t *starts, int64_t *where,
+               int threads) {
     const int64_t up[] = {bits_up, group_up, 2 * I, H, s_bf16, (int64_t)wu, (int64_t)su};
     const int64_t down[] = {bits_down, group_down, H, I, s_bf16, (int64_t)wd, (int64_t)sd};
     starts[0] = 0;
