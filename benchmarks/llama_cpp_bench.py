@@ -54,7 +54,7 @@ class ThinkerWeights:
     ``lm_head.weight``), packed layers dequantized to float32, read one at a time."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from omnistage.models.compressed_tensors import read_stored, stored_weights
+        from omnistage.models.compressed_tensors import read_stored, stored_layers
         from omnistage.models.loader import checkpoint_files
 
         self.files = {n: p for n, p in checkpoint_files(model_dir).items() if n.startswith(PREFIX)
@@ -68,7 +68,7 @@ class ThinkerWeights:
             for path in set(self.files.values()):
                 with safe_open(str(path), framework="pt") as f:
                     shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if n in self.files})
-            self.packed = stored_weights(shapes, stored)
+            self.packed = stored_layers(shapes, stored).packed
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.text = config["thinker_config"]["text_config"]
         self.n_layers = self.text["num_hidden_layers"]

@@ -10,8 +10,16 @@ little-endian host the int32 words of 4-bit values are, byte by byte, ``quant.pa
 column in the low nibble, offset 8), and those of 8-bit values are the values offset by 128.
 
 Supported: integer weights, symmetric, 4 or 8 bits, strategy ``group`` or ``channel``, no activation
-quantization. Anything else (asymmetric, float formats, activation schemes, other formats or methods) is
-refused with an error naming the scheme. Layers keep the stored values: no re-quantization.
+quantization. Layers keep the stored values: no re-quantization.
+
+FP8 (format ``float-quantized``: ``X.weight`` in float8 e4m3 and ``X.weight_scale`` per ``tensor`` [1], per
+``channel`` [N, 1] or per ``block`` [ceil(N / bn), ceil(K / bk)] of ``block_structure`` [bn, bk]) is
+*dequantized* as it is read, tensor by tensor, to ``value * scale`` in float32, then cast to the serving dtype, or
+quantized to int8 / int4 where ``--quantization`` asks (the full model's 35 GB of FP8 does not fit a 24 GiB
+machine as bfloat16). Its activation scheme (FP8 per token or per tensor, ``X.input_scale``) is not applied:
+activations stay in the serving dtype, as everywhere in omnistage (weight-only). Anything else (asymmetric, other
+float formats such as NVFP4, integer activation schemes, other formats or methods) is refused with an error
+naming the scheme.
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ import torch
 from omnistage.models.layers.quant import QuantFormat, pack_nibbles
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
-_SUPPORTED = "int weights, symmetric, 4 or 8 bits, strategy group or channel, no activation quantization"
+FP8_SUFFIXES = ("weight_scale", "input_scale")  # (beside an FP8 layer's own X.weight)
+FP8_STRATEGIES = ("tensor", "channel", "block")
+_SUPPORTED = ("pack-quantized: int weights, symmetric, 4 or 8 bits, strategy group or channel, no activation "
+              "quantization; float-quantized: float 8-bit weights, strategy tensor, channel or block")
 
 
 class UnsupportedQuantization(ValueError):
@@ -43,17 +54,67 @@ class StoredQuantization:
 
     groups: tuple[tuple[tuple[str, ...], int, int | None], ...]
     ignore: tuple[str, ...]
+    # FP8 config groups: (targets, strategy, block_structure [bn, bk] or None)
+    fp8_groups: tuple[tuple[tuple[str, ...], str, tuple[int, int] | None], ...] = ()
 
     def format_for(self, module: str, in_features: int) -> QuantFormat | None:
         """The stored format of module ``module`` (full checkpoint name, no ``.weight``); None: not quantized."""
         if any(_matches(pattern, module) for pattern in self.ignore):
             return None
         for targets, bits, group in self.groups:
-            if any(t == "Linear" or _matches(t, module) for t in targets):
+            if _targeted(targets, module):
                 if bits == 8:
                     return QuantFormat(8)
                 return QuantFormat(4, group if group is not None else in_features)
         return None
+
+    def fp8_scheme(self, module: str) -> Fp8Scale | None:
+        """How module ``module``'s FP8 weight is scaled, where an FP8 config group covers it."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, strategy, block in self.fp8_groups:
+            if _targeted(targets, module):
+                return Fp8Scale(strategy, block)
+        return None
+
+
+@dataclass(frozen=True)
+class Fp8Scale:
+    """An FP8 weight's scaling: ``strategy`` tensor / channel / block (``block`` [bn, bk] for the last)."""
+
+    strategy: str
+    block: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in FP8_STRATEGIES:
+            raise UnsupportedQuantization(f"FP8 strategy {self.strategy!r} is not supported ({list(FP8_STRATEGIES)})")
+        if (self.strategy == "block") != (self.block is not None):
+            raise UnsupportedQuantization("FP8 strategy block needs block_structure [rows, columns] (and only it)")
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """FP8 ``weight`` [N, K] and its ``weight_scale`` -> float32 ``weight * scale``; raises
+        UnsupportedQuantization where the scale's shape does not fit the strategy."""
+        n, k = weight.shape
+        s = scale.float()
+        if self.strategy == "tensor":
+            expected: tuple[int, ...] = (1,)
+            s = s.reshape(-1)
+        elif self.strategy == "channel":
+            expected = (n, 1)
+            s = s.reshape(-1, 1) if s.numel() == n else s
+        else:
+            bn, bk = self.block
+            expected = (-(-n // bn), -(-k // bk))
+            if tuple(s.shape) == expected:
+                s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        if s.numel() != (n * k if self.strategy == "block" else expected[0]):
+            raise UnsupportedQuantization(f"FP8 weight_scale of shape {list(scale.shape)} does not fit a [{n}, {k}] "
+                                          f"weight under strategy {self.strategy} (expected {list(expected)})")
+        return weight.float() * s
+
+
+def _targeted(targets: tuple[str, ...], module: str) -> bool:
+    return any(t == "Linear" or _matches(t, module) for t in targets)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -78,14 +139,17 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
         raise UnsupportedQuantization(f"checkpoint quantization method {method!r} is not supported (omnistage reads "
                                       "compressed-tensors pack-quantized checkpoints)")
     fmt = config.get("format")
-    groups = []
+    groups, fp8_groups = [], []
     for name, group in (config.get("config_groups") or {}).items():
         group_format = group.get("format") or fmt
-        if group_format != "pack-quantized":
-            raise UnsupportedQuantization(f"compressed-tensors format {group_format!r} (config group {name!r}) is not "
-                                          "supported; omnistage reads pack-quantized")
         w = group.get("weights") or {}
         scheme = {k: w.get(k) for k in ("num_bits", "type", "symmetric", "strategy", "group_size")}
+        if group_format in ("float-quantized", "naive-quantized") and w.get("type") == "float":
+            fp8_groups.append(_fp8_group(name, group, w, scheme))
+            continue
+        if group_format != "pack-quantized":
+            raise UnsupportedQuantization(f"compressed-tensors format {group_format!r} (config group {name!r}) is not "
+                                          "supported; omnistage reads pack-quantized and float-quantized (FP8)")
         if (group.get("input_activations") or group.get("output_activations") or w.get("type") != "int"
                 or w.get("symmetric") is not True or w.get("num_bits") not in (4, 8)
                 or w.get("strategy") not in ("group", "channel")
@@ -99,18 +163,59 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
             raise UnsupportedQuantization(f"compressed-tensors scheme of config group {name!r}: 8-bit weights in "
                                           f"groups of {group_size} are not supported (8-bit: strategy channel)")
         groups.append((tuple(group.get("targets") or ()), int(w["num_bits"]), group_size))
-    if not groups:
+    if not groups and not fp8_groups:
         raise UnsupportedQuantization("compressed-tensors quantization_config has no config_groups")
-    return StoredQuantization(tuple(groups), tuple(config.get("ignore") or ()))
+    return StoredQuantization(tuple(groups), tuple(config.get("ignore") or ()), tuple(fp8_groups))
 
 
-def stored_weights(shapes: Mapping[str, tuple[int, ...]],
-                   stored: StoredQuantization) -> dict[str, tuple[tuple[int, int], QuantFormat]]:
-    """The checkpoint's packed layers as the float weights they stand for: ``X.weight`` -> ([N, K], format),
-    from the ``X.weight_packed`` headers (K = words * 32 / bits). Raises UnsupportedQuantization for a packed
-    layer no config group covers, or one without its scale."""
-    out = {}
+def _fp8_group(name: str, group: Mapping[str, Any], w: Mapping[str, Any],
+               scheme: Mapping[str, Any]) -> tuple[tuple[str, ...], str, tuple[int, int] | None]:
+    """An FP8 config group as (targets, strategy, block), or UnsupportedQuantization naming what it is. Its
+    activation scheme, float 8-bit where present, is not applied (weight-only: the module docstring)."""
+    block = w.get("block_structure")
+    acts = [group.get(k) for k in ("input_activations", "output_activations") if group.get(k)]
+    ok = (w.get("num_bits") == 8 and w.get("symmetric") is True and w.get("strategy") in FP8_STRATEGIES
+          and (w.get("strategy") != "block" or (isinstance(block, list) and len(block) == 2
+                                                 and all(isinstance(b, int) and b > 0 for b in block)))
+          and all(a.get("type") == "float" and a.get("num_bits") == 8 for a in acts))
+    if not ok:
+        raise UnsupportedQuantization(f"compressed-tensors scheme of config group {name!r} is not supported: weights "
+                                      f"{dict(scheme, block_structure=block)}"
+                                      f"{f', activations {acts}' if acts else ''} (supported: {_SUPPORTED})")
+    return tuple(group.get("targets") or ()), w["strategy"], tuple(block) if w["strategy"] == "block" else None
+
+
+@dataclass(frozen=True)
+class StoredLayers:
+    """A pre-quantized checkpoint's layers as the float weights they stand for (names as in its files):
+    ``packed`` ``X.weight`` -> ([N, K], format), read from ``X.weight_packed``; ``fp8`` ``X.weight`` -> its
+    scaling, dequantized as read; ``aux``: the names read with their layer, not tensors of a module."""
+
+    packed: dict[str, tuple[tuple[int, int], QuantFormat]]
+    fp8: dict[str, Fp8Scale]
+    aux: frozenset[str]
+
+    def stand_in(self, shapes: dict[str, Any], packed_value: Any) -> None:
+        """``shapes`` (name -> anything, e.g. a shape) as the float checkpoint would list it: the aux names
+        dropped, each packed layer's ``X.weight`` in as ``packed_value(shape)``."""
+        for name in self.aux:
+            shapes.pop(name, None)
+        for name, (shape, _) in self.packed.items():
+            shapes[name] = packed_value(shape)
+
+
+def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantization) -> StoredLayers:
+    """The checkpoint's packed and FP8 layers, from the files' headers (packed: K = words * 32 / bits). Raises
+    UnsupportedQuantization for a packed layer no config group covers, or one without its scale."""
+    packed, fp8, aux = {}, {}, set()
     for name, shape in shapes.items():
+        if name.endswith(".weight") and name[: -len("weight")] + "weight_scale" in shapes:
+            module = name[: -len(".weight")]
+            scale = stored.fp8_scheme(module)
+            if scale is not None:
+                fp8[name] = scale
+                aux.update(n for n in (f"{module}.{suffix}" for suffix in FP8_SUFFIXES) if n in shapes)
+            continue
         if not name.endswith(".weight_packed"):
             continue
         module = name[: -len(".weight_packed")]
@@ -123,8 +228,9 @@ def stored_weights(shapes: Mapping[str, tuple[int, ...]],
         else:
             raise UnsupportedQuantization(f"{module} is stored packed but no config group of its quantization_config "
                                           "covers it (or it is listed in ignore)")
-        out[module + ".weight"] = ((shape[0], shape[-1] * 32 // fmt.bits), fmt)
-    return out
+        packed[module + ".weight"] = ((shape[0], shape[-1] * 32 // fmt.bits), fmt)
+        aux.update(n for n in (f"{module}.{suffix}" for suffix in SUFFIXES) if n in shapes)
+    return StoredLayers(packed, fp8, frozenset(aux))
 
 
 def unpack(packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:

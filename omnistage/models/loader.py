@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from omnistage.models.compressed_tensors import SUFFIXES, read_stored, stored_weights, unpack
+from omnistage.models.compressed_tensors import Fp8Scale, read_stored, stored_layers, unpack
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 
@@ -153,6 +153,28 @@ def _summary(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _reader(files: dict[Path, list[str]], handles: contextlib.ExitStack) -> Callable[[str], torch.Tensor]:
+    """A tensor by checkpoint name, each file opened once (a layer's parts may sit in different shards)."""
+    where = {name: path for path, names in files.items() for name in names}
+    opened: dict[Path, Any] = {}
+
+    def read(name: str) -> torch.Tensor:
+        path = where[name]
+        if path not in opened:
+            opened[path] = handles.enter_context(safe_open(str(path), framework="pt"))
+        return opened[path].get_tensor(name)
+
+    return read
+
+
+def _float_weight(read: Callable[[str], torch.Tensor], name: str, fp8: Fp8Scale | None) -> torch.Tensor:
+    """Tensor ``name`` as its module takes it: an FP8 layer's weight dequantized with its ``weight_scale``."""
+    tensor = read(name)
+    if fp8 is None:
+        return tensor
+    return fp8.dequantize(tensor, read(name[: -len("weight")] + "weight_scale"))
+
+
 def load_into(
     module: nn.Module,
     model_dir: str | Path,
@@ -189,14 +211,16 @@ def load_into(
                 shapes[name[len(prefix):]] = tuple(f.get_slice(name).get_shape())
     stored = read_stored(model_dir)
     packed: dict[str, QuantFormat] = {}
+    fp8: dict[str, Fp8Scale] = {}
+    aux: frozenset[str] = frozenset()
     if stored is not None:  # pre-quantized layers stand in for their float weights (name, shape) in the checks
-        for name, (shape, fmt) in stored_weights({prefix + k: v for k, v in shapes.items()}, stored).items():
-            key = name[len(prefix):]
-            base = key[: -len("weight")]
-            for suffix in SUFFIXES:
-                shapes.pop(base + suffix, None)
-            shapes[key] = shape
-            packed[key] = fmt
+        full = {prefix + k: v for k, v in shapes.items()}
+        layers = stored_layers(full, stored)
+        layers.stand_in(full, lambda shape: shape)
+        shapes = {k[len(prefix):]: v for k, v in full.items()}
+        packed = {k[len(prefix):]: fmt for k, (_, fmt) in layers.packed.items()}
+        fp8 = {k[len(prefix):]: scale for k, scale in layers.fp8.items()}
+        aux = frozenset(k[len(prefix):] for k in layers.aux)  # (read with their layers' weights)
         if packed:
             quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
     expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
@@ -223,15 +247,18 @@ def load_into(
     if quantize is not None:
         if on_meta:
             raise ValueError("a quantizing load needs the module's tensors allocated, not on the meta device")
-        _load_quantizing(module, files, prefix, expected, quantize, dtype, packed)
+        _load_quantizing(module, files, prefix, expected, quantize, dtype, packed, fp8, aux)
         return
-    for path, names in sorted(files.items()):
-        with safe_open(str(path), framework="pt") as f:
+    with contextlib.ExitStack() as handles:
+        read = _reader(files, handles)
+        for _, names in sorted(files.items()):
             part: dict[str, torch.Tensor] = {}
             held = 0
             for name in names:
                 key = name[len(prefix):]
-                tensor = f.get_tensor(name)
+                if key in aux:
+                    continue
+                tensor = _float_weight(read, name, fp8.get(key))
                 if not on_meta:  # straight into the module's tensor (copy_ casts): no converted copy
                     with torch.no_grad():
                         expected[key].copy_(tensor)
@@ -245,7 +272,7 @@ def load_into(
                     part, held = {}, 0
             if part:
                 module.load_state_dict(part, strict=False, assign=True)
-        del part
+            del part
     if dtype is not None:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
@@ -254,26 +281,18 @@ def load_into(
 
 def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: str,
                      expected: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype | None,
-                     packed: dict[str, QuantFormat]) -> None:
+                     packed: dict[str, QuantFormat], fp8: dict[str, Fp8Scale], aux: frozenset[str]) -> None:
     targets = quantize_targets(module, expected, scheme, dtype or torch.float32)
     pending = {id(t.module): t.module for t in targets.values()}
-    where = {name: path for path, names in files.items() for name in names}
     with torch.no_grad(), contextlib.ExitStack() as handles:
-        opened: dict[Path, Any] = {}
-
-        def read(name: str) -> torch.Tensor:  # (a packed layer's parts may sit in different shards)
-            path = where[name]
-            if path not in opened:
-                opened[path] = handles.enter_context(safe_open(str(path), framework="pt"))
-            return opened[path].get_tensor(name)
-
+        read = _reader(files, handles)
         for _, names in sorted(files.items()):
             for name in names:
                 key = name[len(prefix):]
-                if key.endswith(SUFFIXES):
+                if key in aux:
+                    if not key.endswith(".weight_packed"):
+                        continue  # (scales, shapes: read with their layer's values)
                     base = key.rpartition(".")[0]
-                    if not key.endswith(".weight_packed") or base + ".weight" not in packed:
-                        continue  # (scale and shape are read with their packed values)
                     key = base + ".weight"
                     shape = tuple(read(prefix + base + ".weight_shape").tolist())
                     if shape != tuple(expected[key].shape):
@@ -284,7 +303,7 @@ def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: st
                     target.buffer.write_quantized(target.start, values, scales)
                     del values, scales
                 else:
-                    tensor = read(name)
+                    tensor = _float_weight(read, name, fp8.get(key))
                     target = targets.get(key)
                     if target is None:
                         expected[key].copy_(tensor.to(dtype) if dtype is not None and tensor.is_floating_point()

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig
 from omnistage.config.quantization import NO_QUANTIZATION, Quantization
-from omnistage.models.compressed_tensors import SUFFIXES, read_stored, stored_weights
+from omnistage.models.compressed_tensors import read_stored, stored_layers
 from omnistage.models.family import ModelFamily
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
@@ -98,12 +98,9 @@ def plan_memory(family: ModelFamily, pipeline: PipelineConfig, dtype: torch.dtyp
     stored = read_stored(family.model_dir) if declared else None
     packed: dict[str, QuantFormat] = {}
     if stored is not None:  # a pre-quantized checkpoint: each packed layer counted as the weight it stands for
-        for name, (shape, fmt) in stored_weights({n: s for n, (s, _) in sizes.items()}, stored).items():
-            base = name[: -len("weight")]
-            for suffix in SUFFIXES:
-                sizes.pop(base + suffix, None)
-            sizes[name] = (shape, None)
-            packed[name] = fmt
+        layers = stored_layers({n: s for n, (s, _) in sizes.items()}, stored)
+        layers.stand_in(sizes, lambda shape: (shape, None))  # (FP8 weights load dequantized: the serving width)
+        packed = {name: fmt for name, (_, fmt) in layers.packed.items()}
     plans = []
     for name in pipeline.order:
         stage = pipeline.stage(name)

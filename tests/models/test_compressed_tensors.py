@@ -16,7 +16,9 @@ from omnistage import Omni
 from omnistage.checkpoints.presets import get_preset
 from omnistage.checkpoints.real import build_real_checkpoint
 from omnistage.config.quantization import Quantization
+from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.compressed_tensors import (
+    Fp8Scale,
     UnsupportedQuantization,
     pack,
     parse_config,
@@ -97,7 +99,8 @@ def test_prequantized_checkpoint_loads_the_online_quantized_weights(twins):
     assert config["quantization_config"]["format"] == "pack-quantized"
     index = json.loads((packed / "model.safetensors.index.json").read_text())["weight_map"]
     assert "thinker.model.layers.0.mlp.experts.1.up_proj.weight_packed" in index
-    assert "thinker.model.layers.0.mlp.gate.weight" in index and "thinker.lm_head.weight" in index
+    assert "thinker.model.layers.0.mlp.gate.weight" in index and "thinker.model.embed_tokens.weight" in index
+    assert "thinker.lm_head.weight_packed" in index and "talker.codec_head.weight" in index  # (int8 / as served)
     with safe_open(str(packed / index["talker.code_predictor.model.layers.0.self_attn.q_proj.weight_packed"]),
                    "pt") as f:  # the code predictor in int8: 4 values per word
         assert f.get_slice("talker.code_predictor.model.layers.0.self_attn.q_proj.weight_packed").get_shape()[1] == 16
@@ -120,3 +123,133 @@ def test_prequantized_checkpoint_is_planned_as_loaded_and_speaks(twins):
         assert [p.weight_bytes for p in omni.engine.memory_plan] == [p.weight_bytes for p in online.memory_plan]
         out = omni.generate(["Hello!"], modalities=["text", "audio"])[0]
         assert out.text and out.audio is not None and out.audio.numel() > 0
+
+
+# FP8 (float-quantized): each strategy on one stack of the tiny checkpoint (blocks that do not divide the
+# weights); the routers stay bfloat16.
+FP8_GROUPS = {"thinker": ("channel", None), "talker.model": ("block", (24, 40)), "talker.code_predictor": ("tensor", None)}
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+def _fp8(w: torch.Tensor, strategy: str, block: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
+    """A weight as llm-compressor stores it in FP8: (float8 e4m3 values, weight_scale), and the float32 weight
+    they stand for (each value times its own scale, written out here independently of the loader)."""
+    w = w.float()
+    n, k = w.shape
+    if strategy == "tensor":
+        scale = (w.abs().amax() / FP8_MAX).reshape(1)
+    elif strategy == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    else:
+        bn, bk = block
+        tiles = torch.nn.functional.pad(w.abs(), (0, -k % bk, 0, -n % bn)).unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+        scale = tiles.amax(dim=(1, 3)) / FP8_MAX
+    scale = scale.to(torch.bfloat16)
+    full = torch.empty(n, k)
+    for i in range(n):
+        for j in range(0, k, 8):
+            if strategy == "tensor":
+                full[i, j:j + 8] = scale[0]
+            elif strategy == "channel":
+                full[i, j:j + 8] = scale[i, 0]
+            else:
+                full[i, j:j + 8] = scale[i // block[0], j // block[1]]
+    values = (w / full).to(torch.float8_e4m3fn)
+    return values, scale, values.float() * full
+
+
+@pytest.fixture(scope="module")
+def fp8_twins(twins, tmp_path_factory):
+    """``twins``' plain checkpoint with its decoder layers in FP8 (weights, scales and everything else in three
+    files, so scales sit in other shards than their weights), and its float32 twin holding the dequantized
+    values the FP8 checkpoint stands for."""
+    from safetensors.torch import save_file
+
+    from omnistage.models.loader import checkpoint_files
+
+    plain = twins[0]
+    root = tmp_path_factory.mktemp("fp8")
+    fp8_dir, twin_dir = root / "fp8", root / "twin"
+    config = json.loads((plain / "config.json").read_text())
+    groups = {}
+    for i, (stack, (strategy, block)) in enumerate(FP8_GROUPS.items()):
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+                   "group_size": None, "block_structure": list(block) if block else None}
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+        groups[f"group_{i}"] = {"targets": [f"re:^{stack.replace('.', chr(92) + '.')}\\..*layers\\..*"],
+                                "weights": weights, "input_activations": acts, "format": "float-quantized"}
+    quant = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups,
+             "ignore": [r"re:.*mlp\.gate$", r"re:.*mlp\.shared_expert_gate$"]}
+    files = checkpoint_files(plain)
+    values, scales, rest, twin = {}, {}, {}, {}
+    for name, path in files.items():
+        with safe_open(str(path), "pt") as f:
+            tensor = f.get_tensor(name)
+        stack = next((s for s in FP8_GROUPS if name.startswith(s + ".") and ".layers." in name), None)
+        if stack is None or tensor.dim() != 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            rest[name] = twin[name] = tensor
+            continue
+        values[name], scales[name[: -len("weight")] + "weight_scale"], twin[name] = _fp8(tensor, *FP8_GROUPS[stack])
+        scales[name[: -len("weight")] + "input_scale"] = torch.ones(1, dtype=torch.bfloat16)  # (not applied)
+    assert values and any(s.numel() > 1 and s.dim() == 2 and s.shape[1] > 1 for s in scales.values())
+    for out, shards in ((fp8_dir, {"values": values, "scales": scales, "rest": rest}), (twin_dir, {"all": twin})):
+        out.mkdir()
+        for extra in plain.iterdir():
+            if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
+                (out / extra.name).write_bytes(extra.read_bytes())
+        weight_map = {}
+        for label, tensors in shards.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{label}.safetensors"))
+            weight_map.update(dict.fromkeys(tensors, f"{label}.safetensors"))
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (fp8_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return fp8_dir, twin_dir
+
+
+def test_fp8_checkpoint_loads_dequantized_and_quantizes_online(fp8_twins):
+    fp8_dir, twin_dir = fp8_twins
+    for part in ("thinker", "talker"):
+        got = load_part(fp8_dir, part, torch.float32, Quantization()).state_dict()
+        want = load_part(twin_dir, part, torch.float32, Quantization()).state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), part
+        online = _quantized(load_part(fp8_dir, part, torch.bfloat16, Quantization("int4", 32)))
+        reference = _quantized(load_part(twin_dir, part, torch.bfloat16, Quantization("int4", 32)))
+        assert online.keys() == reference.keys() and online
+        for path in online:
+            for a, b in zip(online[path], reference[path], strict=True):
+                assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales), path
+
+
+def test_fp8_checkpoint_is_planned_and_generates_as_its_dequantized_twin(fp8_twins):
+    fp8_dir, twin_dir = fp8_twins
+    outs, plans = [], []
+    for path in (fp8_dir, twin_dir):
+        with Omni(str(path), dtype="float32") as omni:
+            plans.append([p.weight_bytes for p in omni.engine.memory_plan])
+            sampling = {"thinker": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=8),
+                        "talker": SamplingParams(temperature=0.9, top_k=50, seed=4, max_tokens=12)}
+            out = omni.generate(["Hello!", "Tell me a story."], modalities=["text", "audio"], sampling_params=sampling)
+            outs.append([(o.text, o.audio) for o in out])
+    assert plans[0] == plans[1]
+    for (text, audio), (twin_text, twin_audio) in zip(*outs, strict=True):
+        assert text and text == twin_text
+        assert audio is not None and audio.numel() > 0 and torch.equal(audio, twin_audio)
+
+
+def test_unsupported_fp8_schemes_are_refused_naming_them():
+    def config(**weights):
+        w = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", **weights}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": w}}, "ignore": ["lm_head"]}
+
+    assert parse_config(config()).fp8_scheme("model.layers.0.q_proj") == Fp8Scale("channel")
+    assert parse_config(config()).fp8_scheme("lm_head") is None
+    assert parse_config(config(strategy="block", block_structure=[128, 128])).fp8_scheme("x") == \
+        Fp8Scale("block", (128, 128))
+    with pytest.raises(UnsupportedQuantization, match="'num_bits': 4"):  # NVFP4-like
+        parse_config(config(num_bits=4, strategy="tensor_group", group_size=16))
+    with pytest.raises(UnsupportedQuantization, match="block_structure"):
+        parse_config(config(strategy="block"))
+    with pytest.raises(UnsupportedQuantization, match=r"does not fit a \[4, 8\] weight"):
+        Fp8Scale("channel").dequantize(torch.zeros(4, 8, dtype=torch.float8_e4m3fn), torch.ones(3, 1))
