@@ -36,6 +36,9 @@ def test_quantized_layers_and_logits_stay_close(tiny_ckpt, part):
         if part == "talker":  # + the code predictor's layers (attention 2, MLP 2), int8 under both methods
             layers += 4 * len(model.code_predictor.model.layers)
             assert all(e.fmt == "int8" for e in errors if e.name.startswith("code_predictor."))
+        else:  # + the output head, int8 under both methods
+            layers += 1
+            assert [e.fmt for e in errors if e.name == "lm_head"] == ["int8"]
         assert len(errors) == layers
         assert max(e.relative_error for e in errors) <= max_error, (method, max(errors, key=lambda e: e.relative_error))
         assert min(e.relative_error for e in errors) > 0
