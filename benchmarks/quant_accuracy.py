@@ -9,6 +9,9 @@ same codes give the same waveform. Models load one at a time (the reference's ar
 logits). Prints a markdown table.
 
     python benchmarks/quant_accuracy.py --model /work/bigckpt/real-d2 --dtype bfloat16 --threads 2
+
+A method ``int8:32`` is int8 in groups of 32 inputs (``--quantization int8 --quantization-group-size 32``);
+``int4`` takes ``--group-size`` (default 128).
 """
 
 from __future__ import annotations
@@ -34,8 +37,16 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(floats.values()) + quantized
 
 
-def measure(model_dir: str, dtype: torch.dtype, methods: list[str], group: int, prompts: int, positions: int,
-            seed: int) -> list[dict]:
+def quantization_of(method: str, int4_group: int | None) -> Quantization:
+    """``int8``, ``int8:G`` (groups of G) or ``int4`` (groups of ``int4_group``) as a Quantization."""
+    name, _, group = method.partition(":")
+    if name == "int4":
+        return Quantization("int4", int(group) if group else int4_group)
+    return Quantization(name, int(group) if group else None)
+
+
+def measure(model_dir: str, dtype: torch.dtype, methods: list[str], group: int | None, prompts: int,
+            positions: int, seed: int) -> list[dict]:
     rows = []
     for part in ("thinker", "talker"):
         logits = thinker_logits if part == "thinker" else codec_logits
@@ -50,7 +61,7 @@ def measure(model_dir: str, dtype: torch.dtype, methods: list[str], group: int, 
         gc.collect()
         for method in methods:
             t0 = time.perf_counter()
-            model = load_part(model_dir, part, dtype, Quantization(method, group))
+            model = load_part(model_dir, part, dtype, quantization_of(method, group))
             agreement = float((logits(model, ids).argmax(-1) == expected).float().mean())
             by_format: dict[str, list[float]] = {}
             for e in layer_errors(model, model_dir, f"{part}."):
@@ -68,7 +79,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--methods", nargs="+", default=["int8", "int4"])
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=None, help="int4's groups (default 128)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--positions", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -76,7 +87,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {args.model}: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.dtype}, int4 groups of {args.group_size}, "
+          f"{torch.get_num_threads()} threads, {args.dtype}, int4 groups of {args.group_size or 128}, "
           f"{args.prompts} prefixes x {args.positions} positions")
     rows = measure(args.model, DTYPES[args.dtype], args.methods, args.group_size, args.prompts, args.positions,
                    args.seed)

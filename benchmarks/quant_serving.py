@@ -33,7 +33,7 @@ def rss_gib() -> tuple[float, float]:
     return now, peak
 
 
-def full_depth_weight_bytes(method: str, group: int, dtype: torch.dtype) -> dict[str, int]:
+def full_depth_weight_bytes(method: str, group: int | None, dtype: torch.dtype) -> dict[str, int]:
     """Weight bytes per part of the released architecture at full depth under ``method`` (the memory plan's
     rule: quantized tensors packed for the CPU kernels, the rest in ``dtype``)."""
     import warnings
@@ -161,7 +161,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="int4")
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=None, help="int4: default 128; int8: groups, not per channel")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--speech-frames", type=int, default=50, help="Talker frames of the spoken answer (12.5 / s)")
@@ -176,7 +176,7 @@ def main() -> None:
     bandwidth = quant_kernels.read_bandwidth()
     print(f"# streaming read, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s (quantized kernels: "
           f"{quant_kernels.isa()})")
-    print(f"# {args.model}, {args.quantization} (groups of {args.group_size}), {args.dtype}: "
+    print(f"# {args.model}, {args.quantization} (groups of {args.group_size or 'default'}), {args.dtype}: "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     t0 = time.perf_counter()
     omni = Omni(args.model, stage_config=args.stage_config, dtype=args.dtype, quantization=args.quantization,

@@ -35,7 +35,7 @@ def build_checkpoint(
     family: str = "qwen3_omni",
     depth: str | None = None,
     quantization: str = "none",
-    quantization_group_size: int = 128,
+    quantization_group_size: int | None = None,
 ) -> Path:
     """Write a complete checkpoint directory of model `family` and return its path.
 

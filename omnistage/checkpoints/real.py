@@ -177,11 +177,10 @@ def _with_quantization_config(out: Path, config_dict: dict, quantization: Quanti
     int8_only = [r"re:^talker\.code_predictor\.model\.layers\..*"]
     int8_only += [f"re:^thinker\\.{re.escape(prefix)}.*" for prefix in TOWER_LAYERS]
     int8_only.append(f"re:^thinker\\.{re.escape(HEAD.removesuffix('.weight'))}$")
-    int8 = QuantFormat(8)
     if quantization.method == "int8":
-        groups = [([decoders, *int8_only], int8)]
+        groups = [([decoders, *int8_only], QuantFormat(8, quantization.group_size))]
     else:
-        groups = [([decoders], QuantFormat(4, quantization.group_size)), (int8_only, int8)]
+        groups = [([decoders], QuantFormat(4, quantization.int4_group)), (int8_only, QuantFormat(8))]
     ignore = [r"re:.*mlp\.gate$", r"re:.*mlp\.shared_expert_gate$"]
     config_dict = {**config_dict, "quantization_config": quantization_config(groups, ignore)}
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=list(QUANT_METHODS), default="none",
                    help="with --preset real: write the weights `omnistage serve --quantization` would quantize "
                         "pre-quantized (compressed-tensors pack-quantized; int4 full depth: ~19 GB)")
-    p.add_argument("--quantization-group-size", type=int, default=128, help="int4: inputs per scale")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="inputs per scale: int4's groups (default 128); int8: groups instead of per channel")
     p.set_defaults(func=_make_checkpoint)
 
     p = sub.add_parser("generate", help="answer prompts offline (text, and speech with --audio)")

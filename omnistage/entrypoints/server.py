@@ -345,7 +345,7 @@ def serve(model: str | None = None, stage_config: str | None = None, host: str =
           device: str = "cpu", log_level: str = "info", limits: ServerLimits | None = None,
           distributed_executor_backend: str | None = None, fast: bool = True,
           voice_map: Mapping[str, str] | None = None, quantization: str = "none",
-          quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> None:
+          quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> None:
     """Start the engine and serve it until interrupted (``omnistage serve``)."""
     import uvicorn
 

@@ -64,7 +64,7 @@ class StoredQuantization:
         for targets, bits, group in self.groups:
             if _targeted(targets, module):
                 if bits == 8:
-                    return QuantFormat(8)
+                    return QuantFormat(8, group).for_inputs(in_features)
                 return QuantFormat(4, group if group is not None else in_features)
         return None
 
@@ -159,9 +159,6 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
                                           f"weights {scheme}{f', activations {activations}' if activations else ''} "
                                           f"(supported: {_SUPPORTED})")
         group_size = w["group_size"] if w["strategy"] == "group" else None
-        if w["num_bits"] == 8 and group_size is not None:
-            raise UnsupportedQuantization(f"compressed-tensors scheme of config group {name!r}: 8-bit weights in "
-                                          f"groups of {group_size} are not supported (8-bit: strategy channel)")
         groups.append((tuple(group.get("targets") or ()), int(w["num_bits"]), group_size))
     if not groups and not fp8_groups:
         raise UnsupportedQuantization("compressed-tensors quantization_config has no config_groups")
@@ -274,8 +271,8 @@ def quantization_config(groups: list[tuple[list[str], QuantFormat]], ignore: lis
         config_groups[f"group_{i}"] = {
             "targets": list(targets),
             "weights": {"num_bits": fmt.bits, "type": "int", "symmetric": True, "dynamic": False,
-                        "strategy": "channel" if fmt.bits == 8 else "group",
-                        "group_size": None if fmt.bits == 8 else fmt.group_size, "observer": "minmax",
+                        "strategy": "channel" if fmt.per_channel else "group",
+                        "group_size": fmt.group_size, "observer": "minmax",
                         "actorder": None},
             "input_activations": None, "output_activations": None, "format": "pack-quantized",
         }

@@ -24,7 +24,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # inproc | mp | ray; None: the pipeline config's
     worker_startup_timeout: float = 600.0  # seconds every stage worker has to load and answer Ready
     quantization: str = "none"  # none | int8 | int4: weight-only, online while loading (a stage may override)
-    quantization_group_size: int = 128  # int4: inputs per scale
+    quantization_group_size: int | None = None  # inputs per scale (None: int4 128, int8 per output channel)
     enable_prefix_caching: bool = True  # False: no AR stage shares KV blocks (overrides the stage configs)
 
     @property

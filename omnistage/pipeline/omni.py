@@ -89,7 +89,7 @@ def _resolve_model(model: str | Path | None) -> str:
 
 def _engine_args(model: str | Path | None, stage_config: str | None, dtype: str, device: str, fast: bool,
                  distributed_executor_backend: str | None, quantization: str = "none",
-                 quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> EngineArgs:
+                 quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> EngineArgs:
     return EngineArgs(_resolve_model(model), stage_config, dtype, device, fast,
                       distributed_executor_backend=distributed_executor_backend, quantization=quantization,
                       quantization_group_size=quantization_group_size, enable_prefix_caching=enable_prefix_caching)
@@ -102,7 +102,7 @@ class Omni:
     def __init__(self, model: str | Path | None = None, stage_config: str | None = None, dtype: str = "float32",
                  device: str = "cpu", pipeline=None, fast: bool = True,
                  distributed_executor_backend: str | None = None, quantization: str = "none",
-                 quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> None:
+                 quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> None:
         self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
                                               quantization, quantization_group_size, enable_prefix_caching), pipeline)
 
@@ -191,7 +191,7 @@ class AsyncOmni:
                  device: str = "cpu", pipeline=None, max_waiting_requests: int | None = None,
                  on_step: Callable[[Any], None] | None = None, fast: bool = True,
                  distributed_executor_backend: str | None = None, quantization: str = "none",
-                 quantization_group_size: int = 128, enable_prefix_caching: bool = True) -> None:
+                 quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> None:
         # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
         self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
                                               quantization, quantization_group_size, enable_prefix_caching),

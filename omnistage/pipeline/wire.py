@@ -52,7 +52,7 @@ class Init(msgspec.Struct, tag=True, array_like=True):
     device: str
     fast: bool
     quantization: str
-    quantization_group_size: int
+    quantization_group_size: int | None
     threads: int
     sys_path: list[str]
 

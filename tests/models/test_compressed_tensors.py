@@ -35,7 +35,7 @@ from omnistage.testing.quant_accuracy import load_part
 INT4 = QuantFormat(4, 32)
 
 
-@pytest.mark.parametrize("fmt", [QuantFormat(8), INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [QuantFormat(8), QuantFormat(8, 32), INT4], ids=["int8", "int8-g32", "int4"])
 def test_pack_round_trip(fmt):
     w = torch.randn(16, 64)
     values, scales = quantize(w, fmt)
@@ -86,6 +86,24 @@ def twins(tmp_path_factory):
     packed = build_real_checkpoint(root / "int4", seed=2, preset=preset, vocab_size=1000, max_shard_bytes=300_000,
                                    quantization=Quantization("int4", 32))
     return plain, packed
+
+
+def test_prequantized_int8_in_groups_loads_the_online_quantized_weights(twins, tmp_path):
+    """W8A16 with strategy group (what llm-compressor writes for int8 in groups) reads as stored."""
+    preset = replace(get_preset("tiny"), storage_dtype="bfloat16")
+    packed = build_real_checkpoint(tmp_path / "int8-g32", seed=2, preset=preset, vocab_size=1000,
+                                   quantization=Quantization("int8", 32))
+    weights = json.loads((packed / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (weights["weights"]["strategy"], weights["weights"]["group_size"]) == ("group", 32)
+    for part in ("thinker", "talker"):
+        online = _quantized(load_part(twins[0], part, torch.bfloat16, Quantization("int8", 32)))
+        stored = _quantized(load_part(packed, part, torch.bfloat16, Quantization()))
+        assert online.keys() == stored.keys() and online
+        for path in online:
+            for a, b in zip(online[path], stored[path], strict=True):
+                assert a.fmt == b.fmt and a.fmt.bits == 8, path
+                assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales), path
+        assert any(not w.fmt.per_channel for ws in online.values() for w in ws)
 
 
 def _quantized(model):

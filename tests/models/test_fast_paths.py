@@ -49,12 +49,13 @@ def _seeded(module: torch.nn.Module, seed: int = 0, std: float = 0.3) -> torch.n
 
 def _quantized(module: torch.nn.Module, method: str | None, prefix: str, dtype: torch.dtype) -> torch.nn.Module:
     """``module``'s decoder layers (under ``prefix``) quantized from their own float weights, as a quantizing load
-    quantizes a checkpoint's (int8 per channel, int4 in groups of 32; routers and shared gates kept)."""
+    quantizes a checkpoint's (int8 per channel, ``int8-g32`` in groups of 32, int4 in groups of 32; routers and
+    shared gates kept)."""
     if method is None:
         return module
     expected = module.state_dict(keep_vars=True)
     weights = {name: t.detach().clone() for name, t in expected.items()}
-    fmt = QuantFormat(8) if method == "int8" else QuantFormat(4, 32)
+    fmt = {"int8": QuantFormat(8), "int8-g32": QuantFormat(8, 32), "int4": QuantFormat(4, 32)}[method]
     for name, target in quantize_targets(module, expected, QuantScheme({prefix: fmt}), dtype).items():
         target.buffer.write_rows(target.start, weights[name])
         pack_if_complete(target.module)
@@ -359,7 +360,7 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pas
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 16])  # the scalar and the 16-lane attention
-@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("quant", [None, "int8", "int8-g32"])
 @torch.inference_mode()
 def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, quant):
     """``cpu_kernels.decoder_pass``: every layer of a pass in one call equals the decoder layers attending over
@@ -500,7 +501,7 @@ def test_fast_bfloat16_decoders_attend_in_float32_on_cpu():
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+@pytest.mark.parametrize("quant", [None, "int8", "int8-g32", "int4"])
 def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, quant, monkeypatch):
     """``cpu_kernels.decoder_step`` (a decode step's layers in one call, the fast option's default on CPU) equals
     the decoder layers one by one: a dense layer, then routed experts with and without a sigmoid-gated shared

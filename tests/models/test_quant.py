@@ -31,8 +31,10 @@ def _weight(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
 def test_format_validation() -> None:
     with pytest.raises(ValueError, match="bits"):
         QuantFormat(3)
-    with pytest.raises(ValueError, match="per output channel"):
-        QuantFormat(8, 128)
+    assert QuantFormat(8, 128).groups(256) == 2 and QuantFormat(8).groups(256) == 1
+    with pytest.raises(ValueError, match="int8 needs an even group_size"):
+        QuantFormat(8, 33)
+    assert QuantFormat(8, 128).for_inputs(64) == QuantFormat(8)  # shorter than a group: per channel
     with pytest.raises(ValueError, match="group_size"):
         QuantFormat(4, None)
     with pytest.raises(ValueError, match="do not divide"):
@@ -40,16 +42,18 @@ def test_format_validation() -> None:
     assert QuantFormat(4, 128).for_inputs(64) == QuantFormat(4, 64)  # a row shorter than a group: one group
     assert QuantFormat(4, 128).weight_bytes(10, 256, 2) == 10 * (128 + 2 * 2)
     assert INT8.weight_bytes(10, 256, 4) == 10 * (256 + 4)
+    assert QuantFormat(8, 64).weight_bytes(10, 256, 2) == 10 * (256 + 4 * 2)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4, QuantFormat(4, 128)], ids=["int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("fmt", [INT8, QuantFormat(8, 32), INT4, QuantFormat(4, 128)],
+                         ids=["int8", "int8-g32", "int4-g32", "int4-g128"])
 def test_quantize_error_within_half_a_step(fmt: QuantFormat) -> None:
     w = _weight()
     values, scales = quantize(w, fmt)
     limit = 127 if fmt.bits == 8 else 7
     assert values.dtype == torch.int8 and int(values.abs().max()) <= limit + (fmt.bits == 4)
     error = (dequantize(values, scales, fmt) - w).abs()
-    step = scales[:, None] if fmt.bits == 8 else scales.repeat_interleave(fmt.group_size, dim=1)
+    step = scales[:, None] if fmt.per_channel else scales.repeat_interleave(fmt.group_size, dim=1)
     assert bool((error <= step / 2 + 1e-6).all())
     # the largest value of each row (or group) is represented exactly up to float32 rounding
     assert int(values.abs().amax()) == limit
@@ -79,7 +83,8 @@ def _reference(x: torch.Tensor, fmt: QuantFormat, values: torch.Tensor, scales: 
 
 @pytest.mark.parametrize("own_kernels", [True, False], ids=["omnistage-kernels", "torch-ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", [INT8, INT4, QuantFormat(4, 128)], ids=["int8", "int4-g32", "int4-g128"])
+@pytest.mark.parametrize("fmt", [INT8, QuantFormat(8, 32), INT4, QuantFormat(4, 128)],
+                         ids=["int8", "int8-g32", "int4-g32", "int4-g128"])
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_kernels_match_dequantized_weight(fmt: QuantFormat, dtype: torch.dtype, rows: int, own_kernels: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +119,7 @@ def test_portable_layout_where_the_kernel_does_not_take_the_shape() -> None:
     torch.testing.assert_close(quant_matmul(x, packed), _reference(x, fmt, values, scales), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", [INT8, INT4], ids=["int8", "int4"])
+@pytest.mark.parametrize("fmt", [INT8, QuantFormat(8, 32), INT4], ids=["int8", "int8-g32", "int4"])
 def test_buffer_rows_in_parts_equal_whole_weight(fmt: QuantFormat) -> None:
     experts = torch.randn(3, 32, 64)  # [E, N, K]: stacked experts, filled one checkpoint part at a time
     buffer = QuantBuffer(tuple(experts.shape), fmt, torch.device("cpu"))

@@ -14,8 +14,10 @@ from omnistage.models.layers.quant import QuantFormat, dequantize, pack_nibbles,
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler: the kernels are not built")
 
 # (The int path unpacks int4 in steps of 32, 64 or, on AVX-512, 128 inputs, chosen by the group: each is here.)
-FORMATS = [QuantFormat(4, 32), QuantFormat(4, 64), QuantFormat(4, 128), QuantFormat(8)]
-IDS = ["int4-g32", "int4-g64", "int4-g128", "int8"]
+# int8 in groups takes the same chunked epilogue per group (one scale per 32, 64 or 128 inputs).
+FORMATS = [QuantFormat(4, 32), QuantFormat(4, 64), QuantFormat(4, 128), QuantFormat(8), QuantFormat(8, 32),
+           QuantFormat(8, 64), QuantFormat(8, 128)]
+IDS = ["int4-g32", "int4-g64", "int4-g128", "int8", "int8-g32", "int8-g64", "int8-g128"]
 
 
 def _quantized(n: int, k: int, fmt: QuantFormat, dtype: torch.dtype, seed: int = 0):
@@ -72,7 +74,8 @@ def test_row_results_do_not_depend_on_the_batch(fmt: QuantFormat) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("formats", [(QuantFormat(4, 32), QuantFormat(4, 32)), (QuantFormat(4, 64), QuantFormat(8)),
-                                     (QuantFormat(8), QuantFormat(8))], ids=["int4", "int4-int8", "int8"])
+                                     (QuantFormat(8), QuantFormat(8)), (QuantFormat(8, 64), QuantFormat(8, 32))],
+                         ids=["int4", "int4-int8", "int8", "int8-groups"])
 def test_moe_layer_matches_each_experts_swiglu(formats: tuple[QuantFormat, QuantFormat], dtype: torch.dtype) -> None:
     experts, hidden, inter = 6, 64, 96
     fmt_up, fmt_down = formats
@@ -138,6 +141,7 @@ def test_shapes_the_kernels_take() -> None:
     assert not quant_kernels.takes(4, 16, 256, cpu)  # groups of 16: torch's ops or the fallback serve
     assert not quant_kernels.takes(4, 128, 192, cpu)  # not whole groups
     assert not quant_kernels.takes(8, None, 80, cpu)  # inputs not a multiple of 32
+    assert quant_kernels.takes(8, 64, 256, cpu) and not quant_kernels.takes(8, 48, 192, cpu)  # int8 groups of 32n
     assert not quant_kernels.takes(4, 128, 2048, torch.device("meta"))
 
 

@@ -29,12 +29,13 @@ def _quantized(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return dequantize(*quantize(weight, fmt), fmt)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_loaded_layers_hold_the_quantized_checkpoint(tiny_ckpt, method: str) -> None:
-    scheme = Qwen3OmniFamily(tiny_ckpt).quant_scheme("thinker", Quantization(method, 32))
+@pytest.mark.parametrize(("method", "group", "fmt"), [("int8", None, QuantFormat(8)), ("int8", 32, QuantFormat(8, 32)),
+                                                     ("int4", 32, QuantFormat(4, 32))], ids=["int8", "int8-g32", "int4"])
+def test_loaded_layers_hold_the_quantized_checkpoint(tiny_ckpt, method: str, group: int | None,
+                                                     fmt: QuantFormat) -> None:
+    scheme = Qwen3OmniFamily(tiny_ckpt).quant_scheme("thinker", Quantization(method, group))
     thinker = _thinker(tiny_ckpt, scheme)
     raw = load_weights(tiny_ckpt, "thinker.model.layers.")
-    fmt = QuantFormat(8) if method == "int8" else QuantFormat(4, 32)
     for i, layer in enumerate(thinker.model.layers):
         attn, moe = layer.self_attn, layer.mlp
         assert isinstance(attn.qkv_proj, QuantLinear) and isinstance(attn.o_proj, QuantLinear)

@@ -37,9 +37,10 @@ def _models(engine: OmniEngine) -> dict[str, nn.Module]:
     return out
 
 
-@pytest.mark.parametrize("method, dtype", [("int8", "float32"), ("int4", "bfloat16")])
-def test_plan_equals_what_the_quantized_engine_holds(tiny_ckpt, method, dtype):
-    args = EngineArgs(str(tiny_ckpt), dtype=dtype, fast=False, quantization=method, quantization_group_size=32)
+@pytest.mark.parametrize("method, dtype, group", [("int8", "float32", None), ("int8", "bfloat16", 32),
+                                                  ("int4", "bfloat16", 32)])
+def test_plan_equals_what_the_quantized_engine_holds(tiny_ckpt, method, dtype, group):
+    args = EngineArgs(str(tiny_ckpt), dtype=dtype, fast=False, quantization=method, quantization_group_size=group)
     engine = OmniEngine(args, load_pipeline_config("qwen3_omni"))
     try:
         plans = {p.stage: p for p in engine.memory_plan}

@@ -1,8 +1,8 @@
 """Weight-only quantized weights: their formats, quantization, and the matrix products that read them.
 
 A weight [N, K] (output channels x inputs) is quantized symmetrically, row by row: int8 with one scale per output
-channel, or int4 with one scale per group of ``group_size`` consecutive inputs of a row (128 by default, the
-group size compressed-tensors' W4A16 uses). Values are ``round(w / scale)`` clamped to [-127, 127] (int8) or
+channel or per group of ``group_size`` consecutive inputs of a row, int4 with one scale per group (128 by default,
+the group size compressed-tensors' W4A16 uses). Values are ``round(w / scale)`` clamped to [-127, 127] (int8) or
 [-8, 7] (int4, scale = amax / 7). Activations stay in the serving dtype; scales are kept in it too.
 
 Quantization is row-local, so the rows of a fused weight (q/k/v, stacked experts) can be quantized as their
@@ -12,10 +12,11 @@ rows are in (``QuantBuffer.pack``).
 The packed weight (``QuantWeight``, a frozen dataclass) carries its format and layout, and ``quant_matmul``
 chooses the kernel by it:
 
-- ``int8``: int8 [.., N, K] + scales [.., N] -> for float32 activations ``torch.ops.aten._weight_int8pack_mm``
-  on CPU: float32 accumulation of ``x * q`` (in torch's order: within 1e-5 of the float32 GEMM's sums), times the
-  row's scale, rounded once to the activations' dtype (``tests/models/test_quant.py``);
-  for bfloat16 ones omnistage's kernels where they build (faster at every row count measured).
+- ``int8``: int8 [.., N, K] + scales [.., N] (per channel) or [.., N, K/g] -> per channel with float32
+  activations ``torch.ops.aten._weight_int8pack_mm`` on CPU: float32 accumulation of ``x * q`` (in torch's order:
+  within 1e-5 of the float32 GEMM's sums), times the row's scale, rounded once to the activations' dtype
+  (``tests/models/test_quant.py``); with bfloat16 ones, and grouped, omnistage's kernels where they build (faster
+  at every row count measured); elsewhere dequantized per call.
 - ``int4pack``: torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``: uint8 [.., N, K/2], interleaved
   in blocks of 64 rows) + scales-and-zeros [.., K/g, N, 2] -> ``_weight_int4pack_mm_for_cpu``, which dequantizes
   ``(q + 8 - 8) * scale + 0`` in registers; needs N % 16 == 0 and a group of 32/64/128/256.
@@ -40,41 +41,46 @@ INT8_MAX = 127
 INT4_MAX = 7  # symmetric: -8 is representable but a scale of amax / 7 never produces it
 INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 LAYOUTS = ("int8", "int4pack", "nibbles")
-DEFAULT_GROUP_SIZE = 128
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How a weight is quantized: ``bits`` 8 (one scale per output channel) or 4 (one per ``group_size`` inputs)."""
+    """How a weight is quantized: ``bits`` 8 or 4, one scale per ``group_size`` inputs of a row (int8: None, one
+    per output channel)."""
 
     bits: int
-    group_size: int | None = None  # int4 only; None for int8
+    group_size: int | None = None  # required for int4; None for int8 per channel
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
-        if self.bits == 8 and self.group_size is not None:
-            raise ValueError("int8 weights are quantized per output channel (group_size None)")
-        if self.bits == 4 and not (isinstance(self.group_size, int) and not isinstance(self.group_size, bool)
-                                   and self.group_size >= 2 and self.group_size % 2 == 0):
-            raise ValueError(f"int4 needs an even group_size >= 2, got {self.group_size!r}")
+        g = self.group_size
+        if (self.bits == 4 or g is not None) and not (isinstance(g, int) and not isinstance(g, bool)
+                                                       and g >= 2 and g % 2 == 0):
+            raise ValueError(f"int{self.bits} needs an even group_size >= 2{' (or None)' if self.bits == 8 else ''}, "
+                             f"got {g!r}")
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size is None
 
     @property
     def name(self) -> str:
-        return "int8" if self.bits == 8 else f"int4 (groups of {self.group_size})"
+        return f"int{self.bits}" if self.per_channel else f"int{self.bits} (groups of {self.group_size})"
 
     def groups(self, in_features: int) -> int:
         """Scales per row; raises ValueError when ``in_features`` does not divide into whole groups."""
-        if self.bits == 8:
+        if self.per_channel:
             return 1
         if in_features % self.group_size:
-            raise ValueError(f"{in_features} inputs do not divide into int4 groups of {self.group_size}")
+            raise ValueError(f"{in_features} inputs do not divide into int{self.bits} groups of {self.group_size}")
         return in_features // self.group_size
 
     def for_inputs(self, in_features: int) -> QuantFormat:
-        """This format for a weight with ``in_features`` inputs: a row shorter than one group is one group."""
-        if self.bits == 4 and in_features < self.group_size:
-            return QuantFormat(4, in_features)
+        """This format for a weight with ``in_features`` inputs: a row shorter than one group is one group
+        (int8: per channel)."""
+        if not self.per_channel and in_features < self.group_size:
+            return QuantFormat(8) if self.bits == 8 else QuantFormat(4, in_features)
         self.groups(in_features)
         return self
 
@@ -91,17 +97,17 @@ def packed_bytes(fmt: QuantFormat, rows: int, in_features: int, scale_bytes: int
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (values, float32 scales): int8 [N, K] and [N] (int8), or int8 [N, K] in [-8, 7] and
-    [N, K/g] (int4). Computed in float32 whatever the weight's dtype."""
+    """[N, K] float -> (values, float32 scales): int8 [N, K] and [N] (int8 per channel), or [N, K/g] (grouped;
+    int4 values in [-8, 7]). Computed in float32 whatever the weight's dtype."""
     w = weight.detach().float()
     n, k = w.shape
-    if fmt.bits == 8:
+    if fmt.per_channel:
         scales = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
         return torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
-    g = fmt.group_size
-    grouped = w.view(n, fmt.groups(k), g)
-    scales = (grouped.abs().amax(dim=2) / INT4_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(grouped / scales[..., None]).clamp_(-INT4_MAX - 1, INT4_MAX)
+    top, low = (INT8_MAX, -INT8_MAX) if fmt.bits == 8 else (INT4_MAX, -INT4_MAX - 1)
+    grouped = w.view(n, fmt.groups(k), fmt.group_size)
+    scales = (grouped.abs().amax(dim=2) / top).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(grouped / scales[..., None]).clamp_(low, top)
     return q.view(n, k).to(torch.int8), scales
 
 
@@ -121,7 +127,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """(int8 values [..., N, K], scales [..., N] or [..., N, K/g]) -> float32 weight [..., N, K]."""
     v = values.float()
-    if fmt.bits == 8:
+    if fmt.per_channel:
         return v * scales.float()[..., None]
     shape = v.shape
     return (v.view(*shape[:-1], -1, fmt.group_size) * scales.float()[..., None]).view(shape)
@@ -150,7 +156,8 @@ class QuantWeight:
             raise ValueError(f"{self.layout} data of a [{n}, {k}] weight must end in [{n}, {width}], "
                              f"got {tuple(self.data.shape)}")
         groups = self.fmt.groups(k)
-        tail = {"int8": (n,), "nibbles": (n, groups), "int4pack": (groups, n, 2)}[self.layout]
+        tail = {"int8": (n,) if self.fmt.per_channel else (n, groups), "nibbles": (n, groups),
+                "int4pack": (groups, n, 2)}[self.layout]
         if tuple(self.scales.shape[len(self.scales.shape) - len(tail):]) != tail:
             raise ValueError(f"{self.layout} scales of a [{n}, {k}] weight must end in {list(tail)}, "
                              f"got {tuple(self.scales.shape)}")
@@ -214,16 +221,18 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     """x [..., K] (the serving dtype) times ``weight``'s [N, K] transposed -> [..., N] in x's dtype."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    # int8 in float32 stays on torch's kernel (float32 sums, as exact as ours); in bfloat16 ours is faster
-    if (weight.layout == "nibbles" or x.dtype == torch.bfloat16) and own_kernel_takes(x, weight):
+    # int8 per channel in float32 stays on torch's kernel (float32 sums, as exact as ours); in bfloat16 ours is
+    # faster
+    if ((weight.layout == "nibbles" or x.dtype == torch.bfloat16 or not weight.fmt.per_channel)
+            and own_kernel_takes(x, weight)):
         return quant_kernels.linear(rows, *kernel_args(weight), bias).view(*shape[:-1], weight.out_features)
-    if weight.layout == "int8" and x.device.type == "cpu":
+    if weight.layout == "int8" and weight.fmt.per_channel and x.device.type == "cpu":
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight.data, _in(weight.scales, x.dtype))
     elif weight.layout == "int4pack":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), weight.data, weight.fmt.group_size,
                                                          _in(weight.scales, x.dtype))
-    else:
-        out = F.linear(rows, weight.dequantize(x.dtype))
+    else:  # (in float32: a bfloat16 copy of the weight would round int8 values times their scales)
+        out = F.linear(rows.float(), weight.dequantize(torch.float32)).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], weight.out_features)
@@ -315,7 +324,8 @@ class QuantBuffer:
         *lead, n, k = self.shape
         scales = self.scales.view(*lead, n, -1)
         if self.fmt.bits == 8:
-            return pack_weight(self.values.view(*lead, n, k), scales[..., 0], self.fmt, dtype)
+            return pack_weight(self.values.view(*lead, n, k), scales[..., 0] if self.fmt.per_channel else scales,
+                               self.fmt, dtype)
         if int4_layout(n, k, self.fmt, self.values.device) == "nibbles":
             return QuantWeight(self.fmt, "nibbles", self.values.view(*lead, n, k // 2), scales.to(dtype), n, k)
         flat = self.values.view(-1, n, k // 2)

@@ -75,17 +75,18 @@ def _require() -> None:
 
 
 def takes(bits: int, group_size: int | None, in_features: int, device: torch.device) -> bool:
-    """Whether a quantized weight (``bits``, int4 ``group_size``) with ``in_features`` inputs takes these
-    kernels on ``device``."""
+    """Whether a quantized weight (``bits``, ``group_size``: None for int8 per channel) with ``in_features``
+    inputs takes these kernels on ``device``."""
     if device.type != "cpu" or in_features % 32:
         return False
-    if bits == 4 and (group_size is None or group_size % 32 or in_features % group_size):
+    if (bits == 4 and group_size is None) or (group_size is not None and (group_size % 32 or in_features % group_size)):
         return False
     return available()
 
 
-def _group(bits: int, group_size: int | None, in_features: int) -> int:
-    return in_features if bits == 8 else int(group_size)
+def _group(group_size: int | None, in_features: int) -> int:
+    """The kernels' group: int8 per channel is one group of the whole row."""
+    return in_features if group_size is None else int(group_size)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,7 +115,7 @@ def kernel_weight(bits: int, group_size: int | None, data: torch.Tensor, scales:
         raise ValueError("a kernel weight needs contiguous data and float32 / bfloat16 scales")
     rows, width = data.shape[-2:]
     inputs = width * 2 if bits == 4 else width
-    words = [bits, _group(bits, group_size, inputs), rows, inputs, int(scales.dtype == torch.bfloat16),
+    words = [bits, _group(group_size, inputs), rows, inputs, int(scales.dtype == torch.bfloat16),
              data.data_ptr(), scales.data_ptr()]
     return KernelWeight(torch.tensor(words, dtype=torch.int64), data, scales)
 
@@ -162,7 +163,7 @@ def _linear(x: torch.Tensor, bits: int, group_size: int | None, data: torch.Tens
     out, bias_f, xp, yf = _linear_buffers(x, n, bias, rows * k + 2 * rows * (k // 32))
     bias_p = None if bias_f is None else bias_f.data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
-    _lazy.library.quant_linear(bits, rows, n, k, _group(bits, group_size, k), data.data_ptr(), scales.data_ptr(),
+    _lazy.library.quant_linear(bits, rows, n, k, _group(group_size, k), data.data_ptr(), scales.data_ptr(),
                           int(scales.dtype == torch.bfloat16), x.data_ptr(), bf16, bias_p, out.data_ptr(), bf16,
                           xp, yf, torch.get_num_threads())
     return out
@@ -279,8 +280,8 @@ def _moe_call(x: torch.Tensor, counts: torch.Tensor, order: torch.Tensor | None,
     where = None if order is None else scratch("q-where", rows, torch.int64).data_ptr()
     bf16 = int(x.dtype == torch.bfloat16)
     _lazy.library.quant_moe(
-        bits_up, bits_down, tokens, top_k, experts, hidden, inter, _group(bits_up, group_up, hidden),
-        _group(bits_down, group_down, inter), counts.data_ptr(), None if order is None else order.data_ptr(),
+        bits_up, bits_down, tokens, top_k, experts, hidden, inter, _group(group_up, hidden),
+        _group(group_down, inter), counts.data_ptr(), None if order is None else order.data_ptr(),
         None if weights is None else weights.data_ptr(), x.data_ptr(), bf16, data_up.data_ptr(),
         scales_up.data_ptr(), data_down.data_ptr(), scales_down.data_ptr(), int(scales_up.dtype == torch.bfloat16),
         out.data_ptr(), bf16, xp.data_ptr(), h.data_ptr(), hp.data_ptr(), starts.data_ptr(), where,

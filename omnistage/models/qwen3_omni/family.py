@@ -96,13 +96,15 @@ def quant_scheme(part: str, quantization: Quantization, tied_head: bool = False)
     1.1 GiB of which int8 saves is what lets the whole model fit 21 GiB) and the Thinker's output head (int8 per
     vocabulary row: 152064 x 2048 is 0.62 GB a decode step reads in bfloat16, 30% of a token's bytes at int4;
     llama.cpp's 4-bit types keep it in 6 bits). A head tied to the embedding (``tied_head``) stays as it is: the
-    embedding is read as float rows. Under int8 all of these in int8. Embeddings, the Talker's and code
+    embedding is read as float rows. Under int8 all of these in int8 (per channel, or in the configured groups). Embeddings, the Talker's and code
     predictor's heads, routers, the projections, the towers' convolutions and mergers and Code2Wav keep the
     serving dtype."""
     if not quantization.enabled or part not in ("thinker", "talker"):
         return None
-    int8 = QuantFormat(8)
-    decoder = int8 if quantization.method == "int8" else QuantFormat(4, quantization.group_size)
+    if quantization.method == "int8":
+        int8 = decoder = QuantFormat(8, quantization.group_size)
+    else:
+        int8, decoder = QuantFormat(8), QuantFormat(4, quantization.int4_group)
     formats = {"model.layers.": decoder}
     if part == "talker":
         formats["code_predictor.model.layers."] = int8

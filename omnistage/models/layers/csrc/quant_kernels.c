@@ -4,7 +4,7 @@
  * Formats (the weight's, chosen by the layer; activations stay float32 or bfloat16, sums are float32):
  *   int4: uint8 [N, K/2], two values per byte, even input index in the low nibble, each offset by 8 (the
  *         bytes of compressed-tensors' pack-quantized words), one scale per `group` inputs of a row;
- *   int8: int8 [N, K], one scale per row.
+ *   int8: int8 [N, K], one scale per `group` inputs of a row (per channel: the group is K).
  * Scales are float32 or bfloat16.
  *
  * Why: in a decode step every weight is read once for a few rows, so the step costs the weights' bytes. A
@@ -399,11 +399,10 @@ static inline __attribute__((always_inline)) void rows_range_of(const int bits, 
 }
 
 #if Q_AVX2
-/* The int16 path's activation chunk: the weight's group where it is at most 128 inputs, else 128 (int8 rows:
- * 128 where K allows, else 32). */
-static inline int64_t act_chunk(int bits, int64_t K, int64_t group) {
-    int64_t g = bits == 4 ? group : K;
-    return g <= 128 ? g : (g % 128 == 0 ? 128 : 32);
+/* The int16 path's activation chunk: the weight's group where it is at most 128 inputs, else 128 where it
+ * divides the group, else 32 (int8 per channel: the group is the whole row). */
+static inline int64_t act_chunk(int64_t group) {
+    return group <= 128 ? group : (group % 128 == 0 ? 128 : 32);
 }
 
 /* Row `src` ([K], float32 or bfloat16) -> int16 `dst` in the order `iweights32` gives the weights (int4: per
@@ -499,9 +498,8 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
                                                                  int s_bf16, const int16_t *xq, const float *xs,
                                                                  const int32_t *xsum, float *y, int64_t ldo,
                                                                  int64_t n0, int64_t n1) {
-    int64_t row_bytes = bits == 4 ? K / 2 : K, groups = bits == 4 ? K / group : 1, scale_bytes = s_bf16 ? 2 : 4;
-    int64_t ag = act_chunk(bits, K, group), ldg = K / ag;
-    int64_t wgroup = bits == 4 ? group : K;
+    int64_t row_bytes = bits == 4 ? K / 2 : K, groups = K / group, scale_bytes = s_bf16 ? 2 : 4;
+    int64_t ag = act_chunk(group), ldg = K / ag;
 #if Q_AVX512
     const int wide = bits == 4 ? int4_step(ag) == 128 : ag % 128 == 0;
 #endif
@@ -512,7 +510,7 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
             for (int64_t n = n0; n < n1; n += m1 - m0 > 1 ? 2 : 1) {
                 const uint8_t *wn = w + n * row_bytes;
                 const void *sn = (const char *)s + n * groups * scale_bytes;
-#define T512(NR, MR) itile512(bits, NR, MR, K, wgroup, ag, wn, row_bytes, sn, groups, s_bf16, xq + m * K, K,      \
+#define T512(NR, MR) itile512(bits, NR, MR, K, group, ag, wn, row_bytes, sn, groups, s_bf16, xq + m * K, K,      \
                               xs + m * ldg, xsum + m * ldg, ldg, y + m * ldo + n, ldo)
 #define PAIR(MR) T512(2, MR)
 #define ONE(MR) T512(1, MR)
@@ -531,7 +529,7 @@ static inline __attribute__((always_inline)) void irows_range_of(const int bits,
         for (int64_t n = n0; n < n1; n++) {
             const uint8_t *wn = w + n * row_bytes;
             const void *sn = (const char *)s + n * groups * scale_bytes;
-#define T256(MR) itile(bits, MR, K, wgroup, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, \
+#define T256(MR) itile(bits, MR, K, group, ag, wn, sn, s_bf16, xq + m * K, K, xs + m * ldg, xsum + m * ldg, ldg, \
                        y + m * ldo + n, ldo)
             ITILE_ROWS(T256)
 #undef T256
@@ -597,7 +595,7 @@ static inline Acts acts_in(int x_bf16, int64_t M, int64_t K, float *scratch) {
 static inline void acts_row(int bits, int64_t K, int64_t group, const void *src, int bf16, Acts a, int64_t m) {
 #if Q_AVX2
     if (a.int16) {
-        int64_t ag = act_chunk(bits, K, group);
+        int64_t ag = act_chunk(group);
         int16_t *natural = a.xq + (a.rows + m) * K;
         quantize_row_i16(K, ag, src, bf16, natural, a.xs + m * (K / ag), a.xsum + m * (K / ag));
         order_row_i16(bits, K, ag, natural, a.xq + m * K);
@@ -612,7 +610,7 @@ static inline void rows_of(int bits, int64_t M, int64_t K, int64_t group, const 
                            int s_bf16, Acts a, int64_t r0, float *y, int64_t ldo, int64_t n0, int64_t n1) {
 #if Q_AVX2
     if (a.int16) {
-        int64_t ag = act_chunk(bits, K, group);
+        int64_t ag = act_chunk(group);
         (bits == 4 ? irows_range_4 : irows_range_8)(M, K, group, w, s, s_bf16, a.xq + r0 * K, a.xs + r0 * (K / ag),
                                                     a.xsum + r0 * (K / ag), y, ldo, n0, n1);
         return;
