@@ -12,11 +12,11 @@ rows are in (``QuantBuffer.pack``).
 The packed weight (``QuantWeight``, a frozen dataclass) carries its format and layout, and ``quant_matmul``
 chooses the kernel by it:
 
-- ``int8``: int8 [.., N, K] + scales [.., N] (per channel) or [.., N, K/g] -> per channel with float32
-  activations ``torch.ops.aten._weight_int8pack_mm`` on CPU: float32 accumulation of ``x * q`` (in torch's order:
-  within 1e-5 of the float32 GEMM's sums), times the row's scale, rounded once to the activations' dtype
-  (``tests/models/test_quant.py``); with bfloat16 ones, and grouped, omnistage's kernels where they build (faster
-  at every row count measured); elsewhere dequantized per call.
+- ``int8``: int8 [.., N, K] + scales [.., N] (per channel) or [.., N, K/g] -> omnistage's kernels where they
+  build (float32 activations: float32 sums, within 1e-5 of the float32 GEMM's); where they do not, per channel on
+  the CPU ``torch.ops.aten._weight_int8pack_mm`` (float32 accumulation of ``x * q`` in torch's order, times the
+  row's scale, rounded once to the activations' dtype; ``tests/models/test_quant.py``), else dequantized per
+  call.
 - ``int4pack``: torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``: uint8 [.., N, K/2], interleaved
   in blocks of 64 rows) + scales-and-zeros [.., K/g, N, 2] -> ``_weight_int4pack_mm_for_cpu``, which dequantizes
   ``(q + 8 - 8) * scale + 0`` in registers; needs N % 16 == 0 and a group of 32/64/128/256.
@@ -221,10 +221,9 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     """x [..., K] (the serving dtype) times ``weight``'s [N, K] transposed -> [..., N] in x's dtype."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    # int8 per channel in float32 stays on torch's kernel (float32 sums, as exact as ours); in bfloat16 ours is
-    # faster
-    if ((weight.layout == "nibbles" or x.dtype == torch.bfloat16 or not weight.fmt.per_channel)
-            and own_kernel_takes(x, weight)):
+    # omnistage's kernels wherever they take the weight: torch's int8 kernel in float32 (as exact: float32 sums)
+    # was 17x slower at one row and 18x at 256 (AMD EPYC Zen 4, 2 threads, 4096 x 2048)
+    if own_kernel_takes(x, weight):
         return quant_kernels.linear(rows, *kernel_args(weight), bias).view(*shape[:-1], weight.out_features)
     if weight.layout == "int8" and weight.fmt.per_channel and x.device.type == "cpu":
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight.data, _in(weight.scales, x.dtype))
