@@ -44,7 +44,7 @@ from omnistage.config.quantization import NO_QUANTIZATION, Quantization
 from omnistage.models.compressed_tensors import pack, quantization_config, stored_scales
 from omnistage.models.layers.quant import QuantFormat, quantize
 from omnistage.models.layers.quant_layers import QuantScheme
-from omnistage.models.qwen3_omni.family import HEAD, TOWER_LAYERS, quant_scheme
+from omnistage.models.qwen3_omni.family import TOWER_LAYERS, quant_scheme
 
 REAL_VOCAB = 152064
 STACKS = ("thinker", "talker", "code_predictor", "code2wav", "audio", "vision")
@@ -176,7 +176,6 @@ def _with_quantization_config(out: Path, config_dict: dict, quantization: Quanti
     decoders = r"re:^(thinker|talker)\.model\.layers\..*"
     int8_only = [r"re:^talker\.code_predictor\.model\.layers\..*"]
     int8_only += [f"re:^thinker\\.{re.escape(prefix)}.*" for prefix in TOWER_LAYERS]
-    int8_only.append(f"re:^thinker\\.{re.escape(HEAD.removesuffix('.weight'))}$")
     if quantization.method == "int8":
         groups = [([decoders, *int8_only], QuantFormat(8, quantization.group_size))]
     else:

@@ -95,10 +95,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "fast kernels round differently: a near-tie may pick another greedy token")
     p.add_argument("--quantization", choices=list(QUANT_METHODS), default="none",
                    help="weight-only quantization while loading: int4 = the Thinker's and Talker's decoder layers "
-                        "in int4 (symmetric, grouped), the code predictor, the towers' layers and the Thinker's "
-                        "output head in int8; int8 = all of these in int8; embeddings, the other heads, the "
-                        "towers' convolutions and Code2Wav stay in --dtype (a stage's `quantization:` in the stage "
-                        "config overrides; default: %(default)s)")
+                        "in int4 (symmetric, grouped), the code predictor's and the towers' layers in int8; int8 = "
+                        "all of these in int8; embeddings, heads, the towers' convolutions and Code2Wav stay in "
+                        "--dtype (a stage's `quantization:` in the stage config overrides; default: %(default)s)")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="inputs per scale: int4's groups (default 128); with int8, groups instead of one scale "
                         "per output channel (the default)")

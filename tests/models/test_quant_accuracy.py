@@ -37,15 +37,13 @@ def test_quantized_layers_and_logits_stay_close(tiny_ckpt, part):
         method = quantization.method
         model = load_part(tiny_ckpt, part, torch.float32, quantization)
         errors = layer_errors(model, tiny_ckpt, f"{part}.")
-        # the int8 parts (code predictor, output head) are in int8's groups under int8, per channel under int4
+        # the int8 parts (the code predictor) are in int8's groups under int8, per channel under int4
         int8 = QuantFormat(8, quantization.group_size if method == "int8" else None).name
         layers = 2 * len(model.model.layers) + len(model.model.layers) * (2 if part == "thinker" else 4)
         if part == "talker":  # + the code predictor's layers (attention 2, MLP 2), int8 under both methods
             layers += 4 * len(model.code_predictor.model.layers)
             assert all(e.fmt == int8 for e in errors if e.name.startswith("code_predictor."))
-        else:  # + the output head, int8 under both methods
-            layers += 1
-            assert [e.fmt for e in errors if e.name == "lm_head"] == [int8]
+        assert not any(e.name == "lm_head" for e in errors)  # output heads stay in the serving dtype
         assert len(errors) == layers
         assert max(e.relative_error for e in errors) <= max_error, (method, max(errors, key=lambda e: e.relative_error))
         assert min(e.relative_error for e in errors) > 0

@@ -60,7 +60,6 @@ from omnistage.runtime_env import cpu_computes_bf16
 
 PREFERRED_VOICE = "ethan"
 TOWER_LAYERS = ("audio_tower.layers.", "visual.blocks.")  # (relative to "thinker.") what quantization covers
-HEAD = "lm_head.weight"  # the Thinker's output head (relative to "thinker."), int8 under quantization
 
 
 
@@ -88,17 +87,15 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
     return MediaEncoders(towers["audio"], towers["vision"])
 
 
-def quant_scheme(part: str, quantization: Quantization, tied_head: bool = False) -> QuantScheme | None:
+def quant_scheme(part: str, quantization: Quantization) -> QuantScheme | None:
     """Qwen3-Omni's quantized weights. Under int4: the Thinker's and Talker's decoder layers (attention
     projections, routed and shared experts) in int4; the code predictor's layers in int8 (its 15 passes per
     frame compound rounding; int8 keeps its codes close, ``benchmarks/quant_accuracy.py``), and so are the audio
     and vision towers' layers (int8: 0.6% per-layer error; they are 2.2 GiB in bfloat16 at the released widths,
-    1.1 GiB of which int8 saves is what lets the whole model fit 21 GiB) and the Thinker's output head (int8 per
-    vocabulary row: 152064 x 2048 is 0.62 GB a decode step reads in bfloat16, 30% of a token's bytes at int4;
-    llama.cpp's 4-bit types keep it in 6 bits). A head tied to the embedding (``tied_head``) stays as it is: the
-    embedding is read as float rows. Under int8 all of these in int8 (per channel, or in the configured groups). Embeddings, the Talker's and code
-    predictor's heads, routers, the projections, the towers' convolutions and mergers and Code2Wav keep the
-    serving dtype."""
+    1.1 GiB of which int8 saves is what lets the whole model fit 21 GiB). Under int8 all of these in int8 (per
+    channel, or in the configured groups). Embeddings, output heads, routers, the projections, the towers'
+    convolutions and mergers and Code2Wav keep the serving dtype (an int8 Thinker head was measured: half the
+    bytes, but no clear gain at one request and slower from 8 rows up, docs/quantization.md)."""
     if not quantization.enabled or part not in ("thinker", "talker"):
         return None
     if quantization.method == "int8":
@@ -109,7 +106,7 @@ def quant_scheme(part: str, quantization: Quantization, tied_head: bool = False)
     if part == "talker":
         formats["code_predictor.model.layers."] = int8
     else:
-        formats.update({prefix: int8 for prefix in (*TOWER_LAYERS, *(() if tied_head else (HEAD,)))})
+        formats.update({prefix: int8 for prefix in TOWER_LAYERS})
     return QuantScheme(formats)
 
 
@@ -146,8 +143,7 @@ class Qwen3OmniFamily(HFChatFamily):
 
     # ---- stage side ---------------------------------------------------------------------------------
     def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
-        tied = bool(getattr(self.config.thinker_config, "tie_word_embeddings", False))
-        return quant_scheme(part, quantization, tied_head=tied)
+        return quant_scheme(part, quantization)
 
     def weight_dtype(self, part: str, dtype: torch.dtype, device: str) -> torch.dtype:
         """Code2Wav runs in float32 where bfloat16 would be served on a CPU without bfloat16 arithmetic: there
