@@ -201,14 +201,16 @@ class StoredLayers:
             shapes[name] = packed_value(shape)
 
 
-def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantization) -> StoredLayers:
-    """The checkpoint's packed and FP8 layers, from the files' headers (packed: K = words * 32 / bits). Raises
+def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantization,
+                  prefix: str = "") -> StoredLayers:
+    """The checkpoint's packed and FP8 layers, from the files' headers (packed: K = words * 32 / bits), named as
+    in ``shapes`` (relative to ``prefix``; the config's targets match the full names). Raises
     UnsupportedQuantization for a packed layer no config group covers, or one without its scale."""
     packed, fp8, aux = {}, {}, set()
     for name, shape in shapes.items():
         if name.endswith(".weight") and name[: -len("weight")] + "weight_scale" in shapes:
             module = name[: -len(".weight")]
-            scale = stored.fp8_scheme(module)
+            scale = stored.fp8_scheme(prefix + module)
             if scale is not None:
                 fp8[name] = scale
                 aux.update(n for n in (f"{module}.{suffix}" for suffix in FP8_SUFFIXES) if n in shapes)
@@ -217,13 +219,13 @@ def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantizat
             continue
         module = name[: -len(".weight_packed")]
         if module + ".weight_scale" not in shapes:
-            raise UnsupportedQuantization(f"{module}: weight_packed without weight_scale")
+            raise UnsupportedQuantization(f"{prefix}{module}: weight_packed without weight_scale")
         for bits in (4, 8):
-            fmt = stored.format_for(module, shape[-1] * 32 // bits)
+            fmt = stored.format_for(prefix + module, shape[-1] * 32 // bits)
             if fmt is not None and fmt.bits == bits:
                 break
         else:
-            raise UnsupportedQuantization(f"{module} is stored packed but no config group of its quantization_config "
+            raise UnsupportedQuantization(f"{prefix}{module} is stored packed but no config group of its quantization_config "
                                           "covers it (or it is listed in ignore)")
         packed[module + ".weight"] = ((shape[0], shape[-1] * 32 // fmt.bits), fmt)
         aux.update(n for n in (f"{module}.{suffix}" for suffix in SUFFIXES) if n in shapes)

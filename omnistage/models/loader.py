@@ -214,13 +214,10 @@ def load_into(
     fp8: dict[str, Fp8Scale] = {}
     aux: frozenset[str] = frozenset()
     if stored is not None:  # pre-quantized layers stand in for their float weights (name, shape) in the checks
-        full = {prefix + k: v for k, v in shapes.items()}
-        layers = stored_layers(full, stored)
-        layers.stand_in(full, lambda shape: shape)
-        shapes = {k[len(prefix):]: v for k, v in full.items()}
-        packed = {k[len(prefix):]: fmt for k, (_, fmt) in layers.packed.items()}
-        fp8 = {k[len(prefix):]: scale for k, scale in layers.fp8.items()}
-        aux = frozenset(k[len(prefix):] for k in layers.aux)  # (read with their layers' weights)
+        layers = stored_layers(shapes, stored, prefix)
+        layers.stand_in(shapes, lambda shape: shape)
+        packed = {k: fmt for k, (_, fmt) in layers.packed.items()}
+        fp8, aux = layers.fp8, layers.aux  # (aux: read with their layers' weights)
         if packed:
             quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
     expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
