@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,19 +66,29 @@ def explicit_talker_mask(model) -> Iterator[None]:
             kwargs["attention_mask"] = torch.ones(rows.shape[0], past + rows.shape[1], dtype=torch.long)
         return original(*args, **kwargs)
 
-    talker.forward = forward
-    try:
+    with _shadowed(talker, "forward", forward):
         yield
-    finally:
-        del talker.forward
 
 
 @contextlib.contextmanager
 def codes_only(model) -> Iterator[None]:
     """Within the block, ``generate`` stops at the Talker's codes: Token2Wav is not run (one silent sample per
     code comes back instead of the waveform)."""
-    model.token2wav.forward = lambda code, **_: torch.zeros(code.shape[-1])
+    with _shadowed(model.token2wav, "forward", lambda code, **_: torch.zeros(code.shape[-1])):
+        yield
+
+
+@contextlib.contextmanager
+def _shadowed(owner: Any, attr: str, value: Any) -> Iterator[None]:
+    """``owner.<attr>`` is ``value`` within the block; after it, whatever the instance held before (another
+    wrapper, e.g. a benchmark's timer) or, if nothing, its class's attribute again."""
+    had = attr in vars(owner)
+    before = vars(owner).get(attr)
+    setattr(owner, attr, value)
     try:
         yield
     finally:
-        del model.token2wav.forward
+        if had:
+            setattr(owner, attr, before)
+        else:
+            delattr(owner, attr)
