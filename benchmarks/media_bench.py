@@ -9,11 +9,18 @@ real-time factor, and the audio encoder's share of the Thinker's prefill time in
 
     python -m benchmarks.media_bench --preset small --concurrency 1 8 --threads 1
     python -m benchmarks.media_bench --family qwen2_5_omni --preset small --concurrency 1 8 --threads 2
+
+``--bridge-args`` measures other audio chunkings in the same run (one engine each, against the same transformers
+run), e.g. Qwen2.5-Omni's fixed 3-block chunks beside the packaged growing ones on longer answers:
+
+    python -m benchmarks.media_bench --family qwen2_5_omni --preset small --concurrency 8 --threads 2 \
+        --talker-tokens 300 --hf-requests 1 --bridge-args '{"max_chunk_blocks": null}' '{}'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import subprocess
@@ -188,6 +195,9 @@ def main() -> None:
         ap.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_omni")
+    ap.add_argument("--bridge-args", type=json.loads, nargs="+", default=[{}], metavar="JSON",
+                    help="overrides of the audio stage's bridge_args, one engine each, measured in turn against the "
+                         "same transformers run, e.g. '{\"max_chunk_blocks\": null}' '{}'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -202,10 +212,15 @@ def main() -> None:
     hf_class, generation, audio_args = FAMILIES[args.family]
     model = resolve_model(args.model, args.preset, args.family)
     top = max(args.concurrency)
-    stages = {name: {"scheduler": {"max_num_seqs": top}} for name in ("thinker", "talker", generation)}
-    pipeline = load_pipeline_config(args.family, {"stages": stages})
-    engine = OmniEngine(EngineArgs(model), pipeline)
-    clock = PrefillClock(engine)
+
+    def build(bridge_args: dict):
+        stages = {name: {"scheduler": {"max_num_seqs": top}} for name in ("thinker", "talker", generation)}
+        stages[generation]["bridge_args"] = bridge_args
+        pipeline = load_pipeline_config(args.family, {"stages": stages})
+        engine = OmniEngine(EngineArgs(model), pipeline)
+        return engine, PrefillClock(engine), dict(pipeline.stage(generation).bridge_args)
+
+    engine, clock, chunking = build(args.bridge_args[0])
     with quiet_config_checks():
         hf = getattr(transformers, hf_class).from_pretrained(model, dtype=torch.float32).eval()
     params = {
@@ -220,14 +235,25 @@ def main() -> None:
     clips = [spoken_question(i) for i in range(top)]
     print(f"CPU: {cpu_name()}, torch threads={args.threads}, {Path(model).name}, float32; questions "
           f"{', '.join(f'{c.size / RATE:.1f}' for c in clips)} s; answers {args.thinker_tokens} text tokens, "
-          f"{args.talker_tokens} codec frames; first audio chunk {dict(pipeline.stage(generation).bridge_args)}")
+          f"{args.talker_tokens} codec frames")
     with torch.no_grad():
         ref = run_hf(hf, engine, clips[: args.hf_requests], args.thinker_tokens, args.talker_tokens, audio_args)
+    for i, bridge_args in enumerate(args.bridge_args):
+        if i:
+            engine.shutdown()
+            engine, clock, chunking = build(bridge_args)
+            run_omnistage(engine, clock, [spoken_question(0)[:RATE]], warm)
+        print(f"audio chunks: {chunking}")
+        print_rows(engine, clock, clips, params, ref, args.concurrency)
+    engine.shutdown()
+
+
+def print_rows(engine, clock, clips, params, ref, concurrency) -> None:
     print(f"{'':>3} | {'omnistage':^58} | {'transformers (1 at a time)':^46} | {'ratio':^13}")
     print(f"{'N':>3} | {'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} {'wall s':>7} | "
           f"{'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} | "
           f"{'x thru':>6} {'TTFA':>6}")
-    for n in args.concurrency:
+    for n in concurrency:
         ours = run_omnistage(engine, clock, clips[:n], params)
         print(f"{n:>3} | {ours['ttfa']:>7.2f} {ours['tokens'] / ours['wall']:>7.1f} "
               f"{ours['audio_s'] / ours['wall']:>9.2f} {ours['wall'] / ours['audio_s']:>6.2f} "

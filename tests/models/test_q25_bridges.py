@@ -105,7 +105,13 @@ def test_end_with_every_window_out_is_a_bare_end_of_input():
 
 
 def test_bridge_args_are_validated():
-    assert dict(talker2token2wav_args({"future_blocks": 0})) == {"chunk_blocks": 3, "past_blocks": 2, "future_blocks": 0}
+    assert dict(talker2token2wav_args({"future_blocks": 0})) == {"chunk_blocks": 3, "past_blocks": 2, "future_blocks": 0,
+                                                                 "max_chunk_blocks": 24}
+    assert talker2token2wav_args({"max_chunk_blocks": None})["max_chunk_blocks"] is None  # fixed chunks
+    with pytest.raises(ValueError, match="max_chunk_blocks must be an int >= 1"):
+        talker2token2wav_args({"max_chunk_blocks": 0})
+    with pytest.raises(ValueError, match="max_chunk_blocks must be an int"):
+        talker2token2wav_args({"max_chunk_blocks": "24"})
     with pytest.raises(ValueError, match="unknown key"):
         talker2token2wav_args({"chunk_frames": 3})
     with pytest.raises(ValueError, match="chunk_blocks must be an int >= 1"):

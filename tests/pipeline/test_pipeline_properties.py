@@ -51,7 +51,9 @@ def _code2wav_args(rng: random.Random) -> dict:
 
 
 def _token2wav_args(rng: random.Random) -> dict:
-    return {"chunk_blocks": rng.randint(1, 3), "past_blocks": rng.randint(0, 2), "future_blocks": rng.randint(0, 2)}
+    chunk = rng.randint(1, 3)
+    return {"chunk_blocks": chunk, "past_blocks": rng.randint(0, 2), "future_blocks": rng.randint(0, 2),
+            "max_chunk_blocks": rng.choice([None, chunk, rng.randint(chunk, 8)])}  # fixed or growing chunks
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 
 Without ``--model`` the tiny checkpoint (seed 0) is built in a temporary directory. Codes are random ids of the
 codec vocabulary, noise is seeded, the voice is the first speaker. For each plan: number of windows, codes
-needed before the first audio, audio length vs one-shot, max |diff| and RMS(diff) / RMS(one-shot).
+needed before the first audio, mel frames the DiT decodes (one-shot: 2 per code), audio length vs one-shot, max |diff| and RMS(diff) / RMS(one-shot).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from omnistage.models.qwen2_5_omni.token2wav import NoiseStream
 
 PLANS = (
     ChunkPlan(3, 2, 1),  # Qwen's own geometry
+    ChunkPlan(3, 2, 1, max_chunk_blocks=24),  # the packaged plan: growing chunks
     ChunkPlan(3, 4, 1),
     ChunkPlan(3, 2, 2),
     ChunkPlan(3, 2, 3),
@@ -56,7 +57,9 @@ def measure(model_dir: str, num_codes: int, steps: int, piece: int = 5) -> list[
             audio = torch.cat(t2w.decode_windows(windows))
             diff = audio - whole if audio.shape == whole.shape else None
             rows.append({
-                "plan": f"chunk {plan.chunk_blocks} / past {plan.past_blocks} / future {plan.future_blocks}",
+                "plan": f"chunk {plan.chunk_blocks} / past {plan.past_blocks} / future {plan.future_blocks}"
+                        + (f" / max {plan.max_chunk_blocks}" if plan.max_chunk_blocks else ""),
+                "decoded_frames": sum(w.noise.shape[0] for w in windows),
                 "windows": len(windows),
                 "first_audio_after_codes": first,
                 "length": f"{audio.numel()} vs {whole.numel()}",
@@ -81,10 +84,11 @@ def main() -> None:
     t2w_cfg = load_config(model_dir).token2wav_config.dit_config
     print(f"model {model_dir}: DiT block {t2w_cfg.block_size} mel frames = {t2w_cfg.block_size // t2w_cfg.repeats} "
           f"codes; {args.codes} codes; {args.steps} ODE steps")
-    print("| plan (blocks) | windows | first audio after codes | samples (chunked vs one-shot) | max abs diff | RMS diff / RMS |")
-    print("|---|---|---|---|---|---|")
+    print("| plan (blocks) | windows | mel frames decoded | first audio after codes | samples (chunked vs one-shot) "
+          "| max abs diff | RMS diff / RMS |")
+    print("|---|---|---|---|---|---|---|")
     for r in measure(model_dir, args.codes, args.steps):
-        print(f"| {r['plan']} | {r['windows']} | {r['first_audio_after_codes']} | {r['length']} | "
+        print(f"| {r['plan']} | {r['windows']} | {r['decoded_frames']} | {r['first_audio_after_codes']} | {r['length']} | "
               f"{r['max_abs_diff']:.2e} | {r['rms_rel_diff']:.2e} |")
 
 

@@ -110,8 +110,8 @@ def test_text_only_equals_transformers_and_never_reaches_the_talker(batched):
 
 
 def test_audio_streams_before_the_talker_finishes_in_qwen_windows():
-    """The packaged geometry (3 new blocks, 2 back, 1 ahead): audio arrives while the Talker still runs, and is
-    exactly the windows of the request's codes decoded on their own."""
+    """The packaged geometry (3 new blocks, 2 back, 1 ahead, later chunks growing): audio arrives while the
+    Talker still runs, and is exactly the windows of the request's codes decoded on their own."""
     o = omni()
     rid = o.engine.add_request(PROMPTS[0], ["text", "audio"], params(codes=40), "ethan")
     audio, codes, first_audio_with_talker_running = [], [], None
@@ -127,12 +127,16 @@ def test_audio_streams_before_the_talker_finishes_in_qwen_windows():
     codes = torch.cat(codes, 1)[0]
     t2w = o.engine.orchestrator.stages["token2wav"].runner.model.token2wav
     dit = t2w.code2wav_dit_model
-    alone = Token2WavStream(ChunkPlan(), dit.block_size, dit.repeats, "Ethan",
+    plan = ChunkPlan(**o.engine.pipeline.stage("token2wav").bridge_args)
+    assert plan.max_chunk_blocks is not None and plan.next_chunk(6) > plan.chunk_blocks  # the packaged plan grows
+    alone = Token2WavStream(plan, dit.block_size, dit.repeats, "Ethan",
                             NoiseStream(torch.Generator().manual_seed(SEED), dit.mel_dim))
     with torch.inference_mode():
-        expect = torch.cat(t2w.decode_windows(alone.push(codes) + alone.finish()))
+        windows = alone.push(codes) + alone.finish()
+        expect = torch.cat(t2w.decode_windows(windows))
     got = torch.cat(audio)
-    assert len(audio) > 1 and got.shape == expect.shape == (codes.numel() * 2 * t2w.hop,)
+    assert len(audio) == len(windows) > 2 and got.shape == expect.shape == (codes.numel() * 2 * t2w.hop,)
+    assert windows[2].keep_frames > windows[1].keep_frames  # a grown chunk was served
     assert (got - expect).abs().max().item() <= 1e-5
     assert_free(o)
 

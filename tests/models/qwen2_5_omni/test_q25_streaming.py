@@ -95,6 +95,9 @@ def test_vocoder_context_bound_reproduces_one_shot_vocoding():
         (ChunkPlan(chunk_blocks=3, past_blocks=8, future_blocks=4), 1e-4),
         # Qwen's own geometry (3 new blocks, 2 back, 1 ahead): an approximation; measured max 0.2 here.
         (ChunkPlan(), 0.5),
+        # Growing chunks (3, 3, 6 blocks here) keep the alignment exact and the first audio as early.
+        (ChunkPlan(chunk_blocks=3, past_blocks=8, future_blocks=4, max_chunk_blocks=24), 1e-4),
+        (ChunkPlan(max_chunk_blocks=24), 0.5),
     ],
 )
 @torch.inference_mode()
@@ -127,15 +130,49 @@ def test_windows_batched_across_requests_equal_solo():
         assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-4  # batch-size rounding
 
 
-def test_stream_memory_stays_bounded():
+@pytest.mark.parametrize("plan", [ChunkPlan(), ChunkPlan(max_chunk_blocks=6)])
+def test_stream_memory_stays_bounded(plan):
     dit = loaded().token2wav.code2wav_dit_model
-    plan = ChunkPlan()
     stream = Token2WavStream(plan, dit.block_size, dit.repeats, "Ethan", _noise())
     for _ in range(100):
         stream.push(torch.zeros(4, dtype=torch.long))
-    limit = (plan.past_blocks + plan.chunk_blocks + plan.future_blocks) * dit.block_size
+    largest = plan.max_chunk_blocks or plan.chunk_blocks
+    limit = (plan.past_blocks + largest + plan.future_blocks) * dit.block_size
     assert stream.total_frames == 800 and stream._rows.shape[0] <= limit
     assert stream._codes.numel() * dit.repeats == stream._rows.shape[0]
+
+
+def test_growing_chunks_sizes_readiness_and_work():
+    """Each chunk takes as many new blocks as were handed out (3, 3, 6, 12, then the cap), becomes ready only
+    when its codes and look-ahead exist, and the windows cover the answer once, in order, with less DiT work
+    than fixed chunks."""
+    dit = loaded().token2wav.code2wav_dit_model
+    block = dit.block_size
+    fixed, grown = ChunkPlan(), ChunkPlan(max_chunk_blocks=12)
+    assert [grown.next_chunk(e) for e in (0, 3, 6, 12, 24, 36)] == [3, 3, 6, 12, 12, 12]
+    stream = Token2WavStream(grown, block, dit.repeats, "Ethan", _noise())
+    codes_per_block = block // dit.repeats
+    windows, pushed, ready_at = [], 0, []
+    for _ in range(60 * codes_per_block):  # 60 blocks of codes, one code at a time
+        got = stream.push(torch.zeros(1, dtype=torch.long))
+        pushed += 1
+        ready_at += [pushed] * len(got)
+        windows += got
+    windows += stream.finish()
+    kept = [w.keep_frames // block for w in windows]
+    assert kept == [3, 3, 6, 12, 12, 12, 12]
+    ends = [sum(kept[: i + 1]) for i in range(len(kept))]
+    # a chunk is handed out the moment its last block and one block of look-ahead exist (the last at finish)
+    assert ready_at == [(e + grown.future_blocks) * codes_per_block for e in ends[:-1]]
+    assert all(w.keep_start == min(w.keep_start, grown.past_blocks * block) for w in windows)
+
+    def decoded_frames(plan: ChunkPlan) -> int:
+        s = Token2WavStream(plan, block, dit.repeats, "Ethan", _noise())
+        return sum(w.noise.shape[0] for w in s.push(torch.zeros(60 * codes_per_block, dtype=torch.long)) + s.finish())
+
+    # windows: first 3 + 1 ahead, then 2 back + chunk + 1 ahead, the last with nothing ahead (the one-shot: 60)
+    assert decoded_frames(fixed) == (4 + 18 * 6 + 5) * block
+    assert decoded_frames(grown) == (4 + 6 + 9 + 15 + 15 + 15 + 14) * block
 
 
 def test_noise_stream_pieces_equal_one_draw():
@@ -153,3 +190,6 @@ def test_window_validation():
         Token2WavWindow(torch.zeros(4, dtype=torch.long), torch.zeros(8, 80), "Ethan", keep_start=6, keep_frames=3)
     with pytest.raises(ValueError, match="chunk_blocks"):
         ChunkPlan(chunk_blocks=0)
+    with pytest.raises(ValueError, match="max_chunk_blocks"):
+        ChunkPlan(max_chunk_blocks=0)
+    assert [ChunkPlan(chunk_blocks=5, max_chunk_blocks=2).next_chunk(e) for e in (0, 5, 50)] == [5, 5, 5]
