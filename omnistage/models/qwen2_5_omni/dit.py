@@ -6,7 +6,8 @@ Names follow the checkpoint under ``token2wav.code2wav_dit_model.``. The network
   embedding, speaker ``cond``], each per mel frame;
 - ``transformer_blocks``: AdaLayerNorm-Zero modulated by the time embedding, attention over *blocks* of
   ``block_size`` mel frames (a layer sees its own block, plus one block back if listed in
-  ``look_backward_layers``, plus one block ahead if listed in ``look_ahead_layers``), rotary on the first head
+  ``look_backward_layers``, plus one block ahead if listed in ``look_ahead_layers``; computed block by block,
+  not as a masked T x T attention), rotary on the first head
   only (interleaved layout), GELU(tanh) MLP;
 - ``norm_out`` + ``proj_out`` -> velocity [T, mel_dim].
 Sampling integrates dx/dt from x_0 = noise over a swayed time grid with RK4 (3/8 rule), with classifier-free
@@ -243,13 +244,68 @@ class DiTAttention(nn.Module):
         head0 = torch.cat((head0[..., 0::2], head0[..., 1::2]), dim=-1)
         return torch.cat((apply_rotary(head0.transpose(1, 2), cos, sin).transpose(1, 2), x[:, 1:]), dim=1)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, blocks: BlockSpan) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
         q = self._rotate_first_head(q, cos, sin)
         k = self._rotate_first_head(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = block_attention(q, k, v, blocks)
         return self.to_out[0](out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+@dataclass(frozen=True)
+class BlockSpan:
+    """Which frames a layer's queries see: their own block of ``size`` frames, ``back`` blocks before it and
+    ``ahead`` after it (the reference's mask ``-back <= key block - query block <= ahead``), in a window of
+    ``frames`` frames; ``valid`` [blocks, slots] marks the key slots that hold a frame (None: all do)."""
+
+    size: int
+    back: int
+    ahead: int
+    frames: int
+    valid: torch.Tensor | None
+
+    @classmethod
+    def of(cls, size: int, back: int, ahead: int, frames: int, device: torch.device) -> BlockSpan:
+        n = -(-frames // size)
+        offsets = torch.arange(-back, ahead + 1, device=device)
+        first = (torch.arange(n, device=device)[:, None] + offsets[None, :]) * size  # [n, span]: slot's first frame
+        key = (first[:, :, None] + torch.arange(size, device=device)).reshape(n, -1)  # [n, span * size]
+        valid = (key >= 0) & (key < frames)
+        return cls(size, back, ahead, frames, None if bool(valid.all()) else valid)
+
+
+def _shift_blocks(x: torch.Tensor, offset: int) -> torch.Tensor:
+    """x [B, H, n, size, D] -> the same with block i holding block i + offset (zeros past either end)."""
+    if offset == 0:
+        return x
+    n = x.shape[2]
+    fill = x.new_zeros(*x.shape[:2], min(abs(offset), n), *x.shape[3:])
+    if offset < 0:
+        return torch.cat((fill, x[:, :, : max(0, n + offset)]), dim=2)
+    return torch.cat((x[:, :, offset:], fill), dim=2)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: BlockSpan) -> torch.Tensor:
+    """Attention of q, k, v [B, H, T, D] under the block mask, computed block by block: each block's queries
+    against only the (1 + back + ahead) blocks of keys they may see, instead of all T x T pairs with the rest
+    masked out (the same softmax over the same keys; the work grows with T instead of T^2)."""
+    b, h, t, d = q.shape
+    size = blocks.size
+    n = -(-t // size)
+    if n * size != t:  # the last block padded; its missing keys are masked by ``valid``
+        q, k, v = (F.pad(z, (0, 0, 0, n * size - t)) for z in (q, k, v))
+    q, k, v = (z.reshape(b, h, n, size, d) for z in (q, k, v))
+    offsets = range(-blocks.back, blocks.ahead + 1)
+    if len(offsets) > 1:
+        k, v = (torch.cat([_shift_blocks(z, o) for o in offsets], dim=3) for z in (k, v))
+    mask = None
+    if blocks.valid is not None:  # [n, keys] -> [H * n, 1, keys], broadcast over batch and query rows
+        mask = blocks.valid.repeat(h, 1)[:, None, :]
+    out = F.scaled_dot_product_attention(
+        q.reshape(b, h * n, size, d), k.reshape(b, h * n, -1, d), v.reshape(b, h * n, -1, d), attn_mask=mask
+    )
+    return out.reshape(b, h, n * size, d)[:, :, :t]
 
 
 class DiTMLP(nn.Module):
@@ -276,12 +332,11 @@ class DiTBlock(nn.Module):
         self.ff = DiTMLP(cfg.hidden_size, cfg.ff_mult)
 
     def forward(
-        self, x: torch.Tensor, t_emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_diff: torch.Tensor
+        self, x: torch.Tensor, t_emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, blocks: BlockSpan
     ) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.modulation(t_emb)
         h = _norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
-        mask = (block_diff >= -self.look_back) & (block_diff <= self.look_ahead)
-        x = x + gate_msa.unsqueeze(1) * self.attn(h, cos, sin, mask)
+        x = x + gate_msa.unsqueeze(1) * self.attn(h, cos, sin, blocks)
         h = _norm(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(h)
 
@@ -299,12 +354,12 @@ class FinalNorm(nn.Module):
 @dataclass
 class DiTConditioning:
     """What stays fixed over one batched ODE solve: per-row constant input projections (conditioned rows then
-    unconditioned rows, [2B, T, hidden]), rotary tables and the block-difference matrix."""
+    unconditioned rows, [2B, T, hidden]), rotary tables and each layer's block span."""
 
     constant: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    block_diff: torch.Tensor
+    spans: list[BlockSpan]
 
 
 class DiT(nn.Module):
@@ -356,15 +411,19 @@ class DiT(nn.Module):
             )
         )
         cos, sin = self.rotary(torch.arange(t, device=codes.device), constant.dtype)
-        blocks = torch.arange(t, device=codes.device) // self.block_size
-        return DiTConditioning(constant, cos, sin, blocks[None, :] - blocks[:, None])
+        spans: dict[tuple[int, int], BlockSpan] = {}
+        for blk in self.transformer_blocks:
+            key = (blk.look_back, blk.look_ahead)
+            if key not in spans:
+                spans[key] = BlockSpan.of(self.block_size, *key, t, codes.device)
+        return DiTConditioning(constant, cos, sin, [spans[(b.look_back, b.look_ahead)] for b in self.transformer_blocks])
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, c: DiTConditioning) -> torch.Tensor:
         """One network evaluation on the doubled batch: x [2B, T, mel], t 0-d -> [2B, T, mel]."""
         t_emb = self.time_embed(t.reshape(1).expand(x.shape[0]))
         h = self.input_embed(x, c.constant)
-        for block in self.transformer_blocks:
-            h = block(h, t_emb, c.cos, c.sin, c.block_diff)
+        for block, span in zip(self.transformer_blocks, c.spans):
+            h = block(h, t_emb, c.cos, c.sin, span)
         return self.proj_out(self.norm_out(h, t_emb))
 
     def sample(self, noise: torch.Tensor, c: DiTConditioning, ode: ODEConfig) -> torch.Tensor:
