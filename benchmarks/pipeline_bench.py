@@ -213,11 +213,16 @@ _FRAME_FLOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (weak: 
 
 
 def code2wav_frame_flops(c2w) -> float:
-    """Counted matmul/conv flops of one Code2Wav frame (a 50-frame probe; once per loaded model)."""
+    """Counted matmul/conv flops of one Code2Wav frame (a 50-frame probe on the reference kernels, whose torch
+    convolutions the counter sees, unlike omnistage's own kernels; once per loaded model)."""
     if c2w not in _FRAME_FLOPS:
         probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long,
                             device=c2w.code_embedding.weight.device)
-        _FRAME_FLOPS[c2w] = count_flops(c2w, probe) / 50
+        fast, c2w.reference_kernels = c2w.reference_kernels, True
+        try:
+            _FRAME_FLOPS[c2w] = count_flops(c2w, probe) / 50
+        finally:
+            c2w.reference_kernels = fast
     return _FRAME_FLOPS[c2w]
 
 

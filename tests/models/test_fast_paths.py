@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.layers import cpu_kernels
+from omnistage.models.layers import amx_kernels, cpu_kernels
+from omnistage.models.layers.amx_kernels import AmxWeight
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
@@ -360,25 +361,36 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pas
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 16])  # the scalar and the 16-lane attention
-@pytest.mark.parametrize("quant", [None, "int8", "int8-g32"])
+@pytest.mark.parametrize("quant", [None, "int8", "int8-g32", "bf16-valued"])
 @torch.inference_mode()
 def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, quant):
     """``cpu_kernels.decoder_pass``: every layer of a pass in one call equals the decoder layers attending over
     the frame cache (a 2-row first pass, then a 1-row pass), float32 to rounding, bfloat16 to about one
     rounding; the keys and values land in the caches at the rows' positions. With int8 layers (the code
-    predictor's under ``--quantization``) the pass runs them through the quantized kernels' phases."""
+    predictor's under ``--quantization``) the pass runs them through the quantized kernels' phases; with
+    bfloat16-valued weights on an AMX CPU (a checkpoint stored in bfloat16) its dense layers run on AMX tiles
+    (``amx_kernels``' phase), float32 rows as three exact parts."""
     if not cpu_kernels.supports_decoder_layers(dtype, 64, head_dim):
         pytest.skip("the panel kernels are off")
     if dtype == torch.bfloat16 and quant is None and cpu_kernels.widened_bf16_decoders():
         pytest.skip("without AVX512-BF16 dot products the decoder kernels serve quantized bfloat16 decoders only")
+    amx = quant == "bf16-valued"
+    if amx and not amx_kernels.available():
+        pytest.skip("no AMX on this CPU")
+    quant = None if amx else quant
     dec = DecoderConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                         intermediate_size=80 if quant is None else 96, rms_norm_eps=1e-6, rope_theta=10000.0)
     cp = _seeded(CodePredictor(CodePredictorConfig(dec, vocab_size=64, num_code_groups=5)), seed=11, std=0.2)
+    if amx:
+        for p in cp.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
     cp = _quantized(cp.to(dtype), quant, "model.layers.", dtype)
     fast_kernels(cp, True)
     layers = cp.pass_layers()
     assert len(layers) == 2
     assert all(isinstance(w.qkv, KernelWeight) and isinstance(w.down, KernelWeight) for w in layers) == bool(quant)
+    if amx:
+        assert all(isinstance(getattr(w, name), AmxWeight) for w in layers for name in ("qkv", "o", "gate_up", "down"))
     g = torch.Generator().manual_seed(12)
     first, second = torch.randn(3, 2, 64, generator=g).to(dtype), torch.randn(3, 1, 64, generator=g).to(dtype)
     cache = cp.new_cache(3, first)

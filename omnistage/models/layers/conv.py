@@ -20,7 +20,8 @@ layouts: oneDNN runs a channels-last convolution without reordering activations 
 convolutions become plain GEMMs whose outputs already have the next layer's layout, and streaming
 histories are prepended with contiguous copies. Results equal the [B, C, T] path up to float rounding
 (other summation order). Weights in the layouts these calls need are derived on first use and kept until
-the weight changes.
+the weight changes; ``use_amx`` instead packs them once for ``amx_kernels`` (AMX CPUs, bfloat16-valued weights),
+which then serve the channels-last path.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from omnistage.models.layers import amx_kernels
 
 # Length rules accept plain ints or integer tensors (one length per request).
 LengthT = TypeVar("LengthT", int, torch.Tensor)
@@ -94,6 +97,17 @@ class CausalConv1d(nn.Module):
         self.stride = stride
         self.receptive_field = (kernel_size - 1) * dilation + 1
         self.left_pad = self.receptive_field - stride
+        self.amx_weight: amx_kernels.AmxWeight | None = None
+
+    def use_amx(self) -> bool:
+        """Serve the channels-last path from AMX tiles (``amx_kernels``) where they take this convolution (stride
+        1, no groups, more than ``FEW_OUTPUTS`` outputs, a bfloat16-valued weight, an AMX CPU): the weight
+        is packed once, now (call after loading). Returns whether they do."""
+        conv = self.conv
+        if (self.stride == 1 and conv.groups == 1 and conv.out_channels > self.FEW_OUTPUTS
+                and amx_kernels.takes(conv.weight)):
+            self.amx_weight = amx_kernels.pack(conv.weight)
+        return self.amx_weight is not None
 
     def output_length(self, length: LengthT) -> LengthT:
         return -(-length // self.stride)  # ceil division; works on ints and integer tensors
@@ -158,6 +172,10 @@ class CausalConv1d(nn.Module):
         overwritten with the result: a kernel-1 convolution accumulates into it)."""
         conv = self.conv
         batch = padded.shape[0]
+        if self.amx_weight is not None and padded.device.type == "cpu":
+            if residual is not None and not residual.is_contiguous():
+                residual = residual.contiguous()
+            return amx_kernels.conv(padded, self.amx_weight, conv.dilation[0], conv.bias, residual)
         if conv.kernel_size[0] == 1 and self.stride == 1 and conv.groups == 1:
             # A pointwise convolution is one GEMM; the residual is its accumulator (no extra pass).
             weight = derived(self, "_cl_gemm_weight", conv.weight, lambda w: w[:, :, 0].t().contiguous())
@@ -202,6 +220,17 @@ class CausalConvTranspose1d(nn.Module):
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.stride = stride
         self.trim = kernel_size - stride
+        self.amx_weight: amx_kernels.AmxWeight | None = None
+
+    def use_amx(self) -> bool:
+        """Serve ``forward_channels_last``'s GEMM from AMX tiles where they take the weight (kernel == stride or
+        2 * stride, a bfloat16-valued weight, an AMX CPU): packed once, now. Returns whether they do."""
+        if self.trim in (0, self.stride) and amx_kernels.takes(self.conv.weight):
+            # The GEMM's weight as a convolution over consecutive inputs: tap 0 the earlier input's rows.
+            gemm = self._gemm_weight(self.conv.weight.detach()).t()  # [stride * C_out, taps * C_in]
+            taps = 2 if self.trim else 1
+            self.amx_weight = amx_kernels.pack(gemm.reshape(gemm.shape[0], taps, -1).permute(0, 2, 1))
+        return self.amx_weight is not None
 
     def output_length(self, length: LengthT) -> LengthT:
         kept = (length - 1) * self.stride + self.conv.kernel_size[0] - 2 * self.trim
@@ -293,13 +322,17 @@ class CausalConvTranspose1d(nn.Module):
         if self.trim not in (0, self.stride):
             return self.forward(hidden.transpose(1, 2)).transpose(1, 2)
         batch, length, channels = hidden.shape
-        weight = derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
+        bias = self.conv.bias
+        if self.amx_weight is not None and hidden.device.type == "cpu" and length > self.amx_weight.taps - 1:
+            # (two taps: the pairs of consecutive inputs are read in place, not concatenated)
+            out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride))
+            return out.view(batch, out.shape[1] * self.stride, self.conv.out_channels)
         if self.trim:
             length = max(length - 1, 0)
             hidden = torch.cat((hidden[:, :-1], hidden[:, 1:]), dim=2) if length else hidden[:, :0]
             channels *= 2
         rows = hidden.reshape(-1, channels)
-        bias = self.conv.bias
+        weight = derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
         out = rows @ weight if bias is None else torch.addmm(bias.repeat(self.stride), rows, weight)
         return out.view(batch, length * self.stride, self.conv.out_channels)
 

@@ -54,7 +54,8 @@ from pathlib import Path
 
 import torch
 
-from omnistage.models.layers import quant_kernels
+from omnistage.models.layers import amx_kernels, quant_kernels
+from omnistage.models.layers.amx_kernels import AmxWeight
 from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 from omnistage.models.layers.quant_kernels import KernelWeight
 
@@ -480,9 +481,9 @@ def snake_pointwise(
 
 # -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------
 
-_LAYER_WIDTH = 20  # the C table's entries per layer (enum L_* in cpu_kernels.c)
-_BUFFERS = 36  # the C kernel's buffer addresses (enum B_*)
-_QUANT_BITS = {"qkv": 1, "o": 4, "gate_up": 8, "down": 9, "experts": 12}  # L_QUANT's bit per entry (L_*)
+_LAYER_WIDTH = 21  # the C table's entries per layer (enum L_* in cpu_kernels.c)
+_BUFFERS = 39  # the C kernel's buffer addresses (enum B_*)
+_QUANT_BITS = {"qkv": 1, "o": 4, "gate_up": 8, "down": 9, "experts": 12}  # L_QUANT's / L_AMX's bit per entry (L_*)
 MAX_EXPERTS = 512  # the C router's bound
 
 
@@ -495,7 +496,7 @@ def supports_decoder_layers(dtype: torch.dtype, hidden: int, head_dim: int) -> b
     )
 
 
-Weight = torch.Tensor | KernelWeight  # panels, or a quantized weight (quant_kernels' words)
+Weight = torch.Tensor | KernelWeight | AmxWeight  # panels, a quantized weight, or an AMX weight (their words)
 
 
 @dataclass(frozen=True)
@@ -506,7 +507,8 @@ class LayerWeights:
     (``top_k`` of ``num_experts``, weights renormalised with ``norm_topk``) plus, where ``gate_up`` is given too, a
     shared expert scaled by the sigmoid of ``shared_gate`` (a 1-output linear layer). q/k/v, o, the MLP's
     gate/up and down and the experts (both or neither) may instead be quantized weights (``KernelWeight``:
-    quant_kernels' phases run them); the router and the shared gate are panels."""
+    quant_kernels' phases run them); q/k/v, o, gate/up and down may be AMX weights (``AmxWeight``: amx_kernels'
+    phase runs them); the router and the shared gate are panels."""
 
     input_norm: torch.Tensor
     qkv: Weight
@@ -528,11 +530,14 @@ class LayerWeights:
         tensors = [self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm]
         tensors += [t for t in (self.gate_up, self.down, self.router, self.shared_gate) if t is not None]
         tensors += list(self.experts or ())
-        tensors = [t.data if isinstance(t, KernelWeight) else t for t in tensors]
+        tensors = [t.data if isinstance(t, (KernelWeight, AmxWeight)) else t for t in tensors]
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
             raise ValueError("decoder layer weights must be contiguous CPU tensors")
         if self.experts is not None and len({isinstance(t, KernelWeight) for t in self.experts}) != 1:
             raise ValueError("routed experts are quantized both (gate/up and down) or neither")
+        if not all(isinstance(t, torch.Tensor) for t in (*(self.experts or ()), self.router, self.shared_gate)
+                   if t is not None and not isinstance(t, KernelWeight)):
+            raise ValueError("the experts, router and shared gate are panels or quantized weights, not AMX weights")
         if isinstance(self.router, KernelWeight) or isinstance(self.shared_gate, KernelWeight):
             raise ValueError("the router and the shared expert's gate are panels, not quantized weights")
         if (self.gate_up is None) != (self.down is None) or (self.gate_up is not None and self.intermediate <= 0):
@@ -551,9 +556,16 @@ class LayerWeights:
                  "experts": self.experts[0] if self.experts else None}
         return {name: w for name, w in named.items() if isinstance(w, KernelWeight)}
 
+    def amx(self) -> dict[str, AmxWeight]:
+        """The layer's AMX weights by entry."""
+        named = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
+        return {name: w for name, w in named.items() if isinstance(w, AmxWeight)}
+
     def entries(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
         def address(t: Weight | None) -> int:
-            return 0 if t is None else t.words.data_ptr() if isinstance(t, KernelWeight) else t.data_ptr()
+            if t is None:
+                return 0
+            return t.words.data_ptr() if isinstance(t, (KernelWeight, AmxWeight)) else t.data_ptr()
 
         up, down = self.experts or (None, None)
         expert_inter = 0 if up is None else down.inputs if isinstance(down, KernelWeight) else up.shape[1] * UP_PANEL
@@ -561,7 +573,8 @@ class LayerWeights:
         return [address(t) for t in (self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm,
                                      k_cache, v_cache, self.gate_up, self.down)] + [
             self.intermediate, address(self.router), address(up), address(down), self.num_experts, self.top_k,
-            expert_inter, int(self.norm_topk), address(self.shared_gate), quant]
+            expert_inter, int(self.norm_topk), address(self.shared_gate), quant,
+            sum(1 << _QUANT_BITS[name] for name in self.amx())]
 
 
 @dataclass(frozen=True)
@@ -578,6 +591,7 @@ class LayerTable:
     quant_inputs: int = 0  # quantized weights (0: none): the most inputs, outputs (experts: 2I) and expert
     quant_outputs: int = 0  # intermediate among them, which size their phases' scratch
     quant_intermediate: int = 0
+    amx_channels: int = 0  # the most (padded) inputs of an AMX weight (0: none), which sizes its phase's scratch
 
     def part(self, start: int, stop: int) -> LayerTable:
         """Layers ``start`` .. ``stop - 1`` only."""
@@ -599,6 +613,7 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
         expert_intermediate=max((w.experts[0].shape[1] * UP_PANEL for w in layers
                                  if w.experts and "experts" not in w.quantized()), default=0),
         **_quant_sizes(layers),
+        amx_channels=max((w.padded_channels for layer in layers for w in layer.amx().values()), default=0),
     )
 
 
@@ -646,6 +661,15 @@ def _quant_workspace(rows: int, table: LayerTable) -> list[int]:
             *_kept("quant-layers", (rows, inputs, table.quant_outputs, inter, table.top_k, table.experts), make)]
 
 
+def _amx_workspace(rows: int, table: LayerTable, threads: int) -> list[int]:
+    """bufs B_AMX..B_AMX_STRIDE: amx_kernels' phase, its scratch and one thread's share (zeros: no AMX weight)."""
+    if not table.amx_channels:
+        return [0] * 3
+    stride = amx_kernels.phase_scratch(rows, table.amx_channels)
+    planes = _scratch("amx-phase", threads * stride, torch.bfloat16)
+    return [amx_kernels.phase_address(), planes.data_ptr(), stride]
+
+
 def _run_layers(
     x: torch.Tensor, table: LayerTable, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, ...],
     max_kv: int, geometry: list[int], inputs: list[int], head: list[int], eps: float,
@@ -662,7 +686,8 @@ def _run_layers(
     dims = (ctypes.c_int64 * 15)(rows, x.shape[-1], heads, kv_heads, head_dim, qkv_width, rows_max, max_kv,
                                  *geometry)
     bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch,
-                                       scores.data_ptr(), *head, *_quant_workspace(rows, table))
+                                       scores.data_ptr(), *head, *_quant_workspace(rows, table),
+                                       *_amx_workspace(rows, table, threads))
     _function(f"decoder_layers_{_layers_suffix(x.dtype, x.shape[-1])}")(
         dims, table.addresses.data_ptr(), table.addresses.shape[0], bufs, eps, head_dim**-0.5, threads,
     )

@@ -164,7 +164,7 @@ def kernel_layer(layer: DecoderLayer, dtype: torch.dtype) -> cpu_kernels.LayerWe
             return None
         if isinstance(linear, QuantLinear):
             return decoder_kernel_weight(linear.weight_q, dtype)
-        return getattr(linear, "panels", None)
+        return getattr(linear, "amx_weight", None) or getattr(linear, "panels", None)
 
     norms = [n.weight.detach().float().contiguous()
              for n in (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm)]

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from omnistage.models.layers import cpu_kernels, quant_kernels
+from omnistage.models.layers import amx_kernels, cpu_kernels, quant_kernels
 from omnistage.models.layers.cpu_kernels import pack_bias, pack_linear
 from omnistage.runtime_env import cpu_computes_bf16, release_free_heap
 
@@ -83,13 +83,17 @@ def _(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch
 
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward reads its weight packed by ``pack_linear_weights``: ``panels`` (with
-    ``panel_bias``) for ``cpu_kernels.linear``, else ``packed_weight`` for oneDNN."""
+    ``panel_bias``) for ``cpu_kernels.linear``, else ``packed_weight`` for oneDNN; or by ``pack_amx``:
+    ``amx_weight`` for ``amx_kernels.linear`` (float32 or bfloat16 rows)."""
 
     panels: torch.Tensor | None
     panel_bias: torch.Tensor | None
     packed_weight: torch.Tensor | None
+    amx_weight: amx_kernels.AmxWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_weight is not None:
+            return amx_kernels.linear(x, self.amx_weight, self.bias)
         packed = self.panels if self.panels is not None else self.packed_weight
         if x.dtype != packed.dtype:  # the unpacked weight is gone: compute in the weight's dtype
             return self.forward(x.to(packed.dtype)).to(x.dtype)
@@ -183,11 +187,23 @@ def pack_panels(linear: nn.Module) -> int:
     return 1
 
 
-def _to_packed(linear: nn.Linear, panels: torch.Tensor | None, packed_weight: torch.Tensor | None) -> None:
+def pack_amx(linear: nn.Module) -> int:
+    """An ``nn.Linear`` turned into a PackedLinear on an AMX weight (``amx_kernels``: AMX CPUs, bfloat16-valued
+    weights; its weight released), for layers that always see many rows or run inside the decoder kernels; 1, or 0
+    where AMX does not take it."""
+    if type(linear) is not nn.Linear or not amx_kernels.takes(linear.weight):
+        return 0
+    _to_packed(linear, None, None, amx_kernels.pack(linear.weight.detach()))
+    return 1
+
+
+def _to_packed(linear: nn.Linear, panels: torch.Tensor | None, packed_weight: torch.Tensor | None,
+               amx_weight: amx_kernels.AmxWeight | None = None) -> None:
     linear.register_buffer("panels", panels, persistent=False)
     linear.register_buffer("panel_bias", None if panels is None else pack_bias(linear.bias, linear.out_features),
                            persistent=False)
     linear.register_buffer("packed_weight", packed_weight, persistent=False)
+    linear.amx_weight = amx_weight
     linear.__class__ = PackedLinear
     release_weight(linear, "weight")
 

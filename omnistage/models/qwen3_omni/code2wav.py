@@ -443,7 +443,8 @@ class ResidualUnit(nn.Module):
         SnakeBeta, the kernel-1 convolution and the residual run as one pass (``cpu_kernels.snake_pointwise``)."""
         h = _conv_channels_last(self.conv1, x, stream, self.act1)
         conv = self.conv2.conv
-        if conv.bias is not None and x.is_contiguous() and cpu_kernels.supports_snake_pointwise(x):
+        if (self.conv2.amx_weight is None and conv.bias is not None and x.is_contiguous()
+                and cpu_kernels.supports_snake_pointwise(x)):
             panels = derived(self.conv2, "_cl_panels", conv.weight, lambda w: cpu_kernels.pack_linear(w[:, :, 0]))
             alpha = self.act2.alpha.exp()
             scale = (self.act2.beta.exp() + 1e-9).rsqrt()
@@ -586,6 +587,13 @@ class Code2Wav(nn.Module):
             return self._synthesize(codes)
         rows = max(1, self.cpu_tile_samples // max(1, codes.shape[-1] * self.samples_per_frame))
         return torch.cat([self._synthesize(part) for part in codes.split(rows)])
+
+    def pack_weights(self, batch_hint: int) -> int:
+        """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it before the linear layers):
+        the decoder's convolutions on AMX tiles where the CPU has them and the weights are bfloat16 values
+        (``amx_kernels``; their layouts for the other kernels are then never made). Returns how many."""
+        convs = (m for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d)))
+        return sum(conv.use_amx() for conv in convs)
 
     def uses_fast_kernels(self, device: torch.device) -> bool:
         """The channels-last kernels are CPU kernels (oneDNN, inductor's C++); other devices keep the reference

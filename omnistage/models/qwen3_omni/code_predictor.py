@@ -34,7 +34,7 @@ from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layers, quantized
-from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear_at, release_weight
+from omnistage.models.layers.fast_linear import can_pack, pack_amx, pack_weight, packed_linear_at, release_weight
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import RotaryEmbedding
@@ -258,6 +258,15 @@ class CodePredictor(nn.Module):
                    and all(quantized(layer) for layer in self.model.layers))  # (the pass kernel reads panels)
         if cpu_kernels.supports_linear(weight[0]) or widened:
             self.packed_heads = cpu_kernels.pack_linear(weight)
+            d = self.cfg.decoder
+            if cpu_kernels.supports_decoder_layers(weight.dtype, d.hidden_size, d.head_dim):
+                # The pass kernel's dense layers on AMX tiles where they take them (before the layers' own packing)
+                for layer in self.model.layers:
+                    attn, mlp = layer.self_attn, layer.mlp
+                    for linear in (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
+                                   getattr(mlp, "down_proj", None)):
+                        if linear is not None and linear.bias is None:
+                            pack_amx(linear)
         elif can_pack(weight):
             self.packed_heads = [pack_weight(w, batch_hint) for w in weight]
         else:

@@ -613,6 +613,7 @@ enum { /* a layer's row of the table */
     L_GU, L_DOWN, L_INTER, /* dense SwiGLU MLP, or the shared expert (L_GU 0: none): gate rows first */
     L_ROUTER, L_EUP, L_EDOWN, L_EXPERTS, L_TOPK, L_EINTER, L_NORM_TOPK, L_SGATE, /* L_ROUTER 0: dense MLP */
     L_QUANT, /* bit i set: entry i (L_QKV, L_O, L_GU, L_DOWN; L_EUP for both experts) is a quantized weight's words */
+    L_AMX, /* bit i set: entry i (L_QKV, L_O, L_GU, L_DOWN) is an AMX weight's words (amx_kernels.c) */
     L_WIDTH
 };
 enum { /* bufs */
@@ -629,11 +630,15 @@ enum { /* bufs */
     B_QLINEAR, B_QMOE, B_QX, B_QY, B_QHP, B_QIDS, B_QWHERE, /* quantized weights (L_QUANT): quant_kernels.c's
                                phase_linear / phase_moe, and their scratch (float32 QX, QY, QHP; int64 QIDS
                                [E + 1], QWHERE [R k]); 0 where no layer has any */
+    B_AMX, B_AMX_SCRATCH, B_AMX_STRIDE, /* AMX weights (L_AMX): amx_kernels.c's amx_phase_linear, its planes'
+                               scratch (bfloat16) and each thread's share of it in elements; 0 where none */
     B_WIDTH
 };
 /* quant_kernels.c's phases (orphaned `omp for`s, run by every thread of the layers' parallel region). */
 typedef void (*quant_linear_fn)(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out,
                                 int64_t ldo, int out_bf16, int add, float *xp, float *yf);
+typedef void (*amx_linear_fn)(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out,
+                              int64_t ldo, int out_bf16, int add, uint16_t *scratch);
 typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t T, int64_t K, int64_t E,
                              const int64_t *starts, const int64_t *order, const float *weights, const void *x,
                              int x_bf16, void *out, int out_bf16, float *xp, float *h, float *hp, int64_t *ids,
@@ -645,6 +650,9 @@ typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t
         if (a[L_QUANT] >> (slot) & 1)                                                                      \
             ((quant_linear_fn)bufs[B_QLINEAR])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, \
                                                out, N, bf16, add, (float *)bufs[B_QX], (float *)bufs[B_QY]); \
+        else if (a[L_AMX] >> (slot) & 1)                                                                   \
+            ((amx_linear_fn)bufs[B_AMX])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, out, N, \
+                                         bf16, add, (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE]); \
         else                                                                                               \
             linear_panels_##SUFFIX(R, K, N, (const T *const *)rows_in, (const WT *)a[slot], 0, out, bf16, add, \
                                    ys, (float *const *)rows_out, ones);                                    \

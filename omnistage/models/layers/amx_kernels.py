@@ -1,0 +1,165 @@
+"""omnistage's AMX kernels (``csrc/amx_kernels.c``): convolutions over [B, T, C] signals and linear layers as
+implicit GEMMs on Intel AMX tiles (Sapphire Rapids and later), for the compute-bound layers with many rows:
+the vocoders' convolutions, the Token2Wav DiT's linear layers.
+
+A TDPBF16PS instruction takes 16 x 16 x 32 bfloat16 products per 16 cycles, eight times the float32 FMA units'
+rate. float32 rows stay float32-accurate: each value is split into three bfloat16 parts whose sum is the value
+exactly, and every part's product with a weight that is a bfloat16 value exactly (a checkpoint stored in
+bfloat16, as released ones are) is exact in float32, so a row's dot product is the float32 sum of exact
+products; it differs from a float32 GEMM's by summation rounding only (measured ~1e-6 relative, like two float32
+GEMM libraries). bfloat16 rows take one part. Measured here (Xeon, Emerald Rapids, 2 threads; float32 rows,
+three parts, against oneDNN's float32 convolution / GEMM): a 768-channel kernel-7 convolution 722 vs 313
+GFLOP/s, 192 channels 917 vs 310, a 1024 x 1024 linear layer over 4096 rows 562 vs 302.
+
+Which weights a kernel takes (``takes``): CPU, float32 holding bfloat16 values exactly, or bfloat16; only where
+the CPU has AMX and the build has its intrinsics (``available``); others keep their path.
+``OMNISTAGE_CPU_KERNELS=0`` turns these off with the other kernels, ``OMNISTAGE_AMX_KERNELS=0`` alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
+
+_SOURCE = Path(__file__).with_name("csrc") / "amx_kernels.c"
+_BLOCK = 32  # outputs per weight block, channels per input chunk
+ENV = "OMNISTAGE_AMX_KERNELS"
+
+
+def _build() -> ctypes.CDLL:
+    if not torch.cpu._is_amx_tile_supported():
+        raise RuntimeError("this CPU has no AMX tiles")
+    library = build_library(_SOURCE)
+    if not hasattr(library, "amx_conv"):
+        raise RuntimeError("the compiler built no AMX code for this CPU")
+    if library.amx_init() != 0:
+        raise RuntimeError("Linux refused this process AMX tile state")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.amx_split.restype = None
+    library.amx_split.argtypes = [i64, i64, i64, p, i64, i32, i32, p, i64, i32]
+    library.amx_conv.restype = None
+    library.amx_conv.argtypes = [i64] * 6 + [i32, i64, p, p, i64, p, p, i64, i32, i32, i32]
+    return library
+
+
+_lazy = LazyLibrary(_build, "AMX kernels", "convolutions and linear layers keep oneDNN and the panel kernels")
+
+
+def available() -> bool:
+    """Whether the kernels serve here (an AMX CPU, a compiler that builds them; built on the first call)."""
+    # (a CPU without AMX is not a failure worth a warning: asked first, quietly)
+    return os.environ.get(ENV, "1") != "0" and torch.cpu._is_amx_tile_supported() and _lazy.available()
+
+
+def phase_address() -> int:
+    """``amx_phase_linear``'s address, for the decoder kernels (``cpu_kernels``) to call inside their region."""
+    return ctypes.cast(_lazy.require().amx_phase_linear, ctypes.c_void_p).value
+
+
+def phase_scratch(rows: int, channels: int) -> int:
+    """bfloat16 values of scratch one thread's ``amx_phase_linear`` call needs for ``rows`` rows of at most
+    ``channels`` padded channels (three parts)."""
+    return _round_up(rows, _BLOCK) * channels * 3
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A convolution weight [N, C, taps] (a linear weight is one tap) packed for ``conv``: ``data`` [N'/32,
+    taps * C' / 2, 32, 2] bfloat16, N and C padded to multiples of 32 with zeros."""
+
+    data: torch.Tensor
+    outputs: int
+    channels: int
+    taps: int
+    # (data address, N, C', C): how ``amx_phase_linear`` reads a one-tap weight inside the decoder kernels
+    words: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        words = [self.data.data_ptr(), self.outputs, self.padded_channels, self.channels]
+        object.__setattr__(self, "words", torch.tensor(words, dtype=torch.int64))
+
+    @property
+    def padded_channels(self) -> int:
+        return self.data.shape[1] * 2 // self.taps
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of ``weight`` is a bfloat16 value (what three-part float32 products need)."""
+    if weight.dtype == torch.bfloat16:
+        return True
+    return weight.dtype == torch.float32 and bool((weight.to(torch.bfloat16).float() == weight).all())
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether ``pack`` takes this weight: on the CPU, bfloat16 or float32 of bfloat16 values, AMX here."""
+    return weight.device.type == "cpu" and available() and bf16_exact(weight.detach())
+
+
+def pack(weight: torch.Tensor) -> AmxWeight:
+    """A convolution weight [N, C, taps] (or a linear weight [N, C]) -> ``AmxWeight``; ``takes(weight)`` must
+    hold."""
+    if weight.dim() == 2:
+        weight = weight[:, :, None]
+    outputs, channels, taps = weight.shape
+    padded = weight.new_zeros(_round_up(outputs, _BLOCK), taps, _round_up(channels, _BLOCK), dtype=torch.bfloat16)
+    padded[:outputs, :, :channels] = weight.detach().permute(0, 2, 1)
+    k = padded.shape[1] * padded.shape[2]
+    data = padded.view(-1, _BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    return AmxWeight(data, outputs, channels, taps)
+
+
+def conv(
+    x: torch.Tensor, weight: AmxWeight, dilation: int = 1, bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Convolution of x [B, T, C] (float32 or bfloat16, already carrying its left context) with ``weight`` at
+    ``dilation``, stride 1 -> [B, T - (taps - 1) * dilation, N] in x's dtype, plus ``bias`` and ``residual``
+    (contiguous, of the result's shape and dtype: the sum is written into it and returned)."""
+    batch, length, channels = x.shape
+    if channels != weight.channels or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"x must be [B, T, {weight.channels}] float32 or bfloat16 on the CPU, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    out_length = length - (weight.taps - 1) * dilation
+    if out_length < 1:
+        raise ValueError(f"{length} inputs give no output of a {weight.taps}-tap convolution at dilation {dilation}")
+    library = _lazy.require()
+    threads = torch.get_num_threads()
+    parts = 3 if x.dtype == torch.float32 else 1
+    cp = weight.padded_channels
+    plane = (batch * length + _BLOCK) * cp  # slack: the last row block's padding rows read past the signal
+    planes = scratch("amx-planes", parts * plane, torch.bfloat16)
+    rows = x.reshape(batch * length, channels)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    library.amx_split(batch * length, channels, cp, rows.data_ptr(), rows.stride(0), int(x.dtype == torch.bfloat16),
+                      parts, planes.data_ptr(), plane, threads)
+    if residual is None:
+        out = x.new_empty(batch, out_length, weight.outputs)
+    else:
+        if residual.shape != (batch, out_length, weight.outputs) or residual.dtype != x.dtype or not residual.is_contiguous():
+            raise ValueError("the residual must be a contiguous tensor of the result's shape and dtype")
+        out = residual
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+    library.amx_conv(batch, length, out_length, cp, weight.taps, dilation, parts, plane, planes.data_ptr(),
+                     weight.data.data_ptr(), weight.outputs, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                     weight.outputs, int(x.dtype == torch.bfloat16), int(residual is not None), threads)
+    return out
+
+
+def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., C] -> [..., N]: ``conv`` with one tap over all rows."""
+    if weight.taps != 1:
+        raise ValueError("a linear layer's weight has one tap")
+    rows = x.reshape(1, -1, x.shape[-1])
+    return conv(rows, weight, 1, bias).view(*x.shape[:-1], weight.outputs)

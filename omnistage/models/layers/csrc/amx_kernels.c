@@ -1,0 +1,228 @@
+/* Matrix products on Intel AMX tiles (Sapphire Rapids and later): convolutions over [rows, channels] signals
+ * as implicit GEMMs (a linear layer is the one-tap case), bfloat16 products summed in float32.
+ *
+ * Why: the vocoders' convolutions and the DiT's linear layers are compute-bound GEMMs with hundreds to thousands
+ * of rows. A TDPBF16PS instruction takes 16 x 16 x 32 bfloat16 products in 16 cycles, eight times what the FMA
+ * units do in float32 in that time.
+ *
+ * Float32 inputs stay float32-accurate: a float32 value is the sum of three bfloat16 values (hi = x rounded,
+ * mid = (x - hi) rounded, lo = the rest, which has at most 8 significant bits), so with weights that are
+ * bfloat16 values exactly (checkpoints are stored in bfloat16) every product of a part and a weight is exact
+ * in float32 and x.w is the float32 sum of the three parts' products (`parts` 3); the result differs from a
+ * float32 GEMM's by float32 summation rounding only. `parts` 1 is a plain bfloat16 product (bfloat16 inputs).
+ *
+ * Layouts:
+ *   planes  [parts][rows][CP] bfloat16, CP a multiple of 32 (zero past the signal's C channels), with at
+ *           least 32 + (taps - 1) * dil rows of slack after the last row a call reads (the last row block's
+ *           padding rows read them; their outputs are not stored);
+ *   weights [NP/32][taps * CP / 2][32][2] bfloat16: per block of 32 outputs, pairs of consecutive inputs
+ *           (input k = tap * CP + channel), each pair's two values side by side per output (the layout of an
+ *           AMX B tile, two of which cover the block's 32 outputs);
+ *   out     [rows][ldo] float32 or bfloat16, N valid outputs per row.
+ *
+ * A call: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of
+ *         plane[b * TI + t + tap * dil][c] * w[n][tap][c].
+ * Threads take jobs of 128 output rows x a share of the output blocks; each job's rows of the planes stay in
+ * L2 while the weights stream through, 32 x 32 outputs (4 accumulator tiles) at a time.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define MCHUNK 128
+
+/* Linux hands out AMX tile state only to processes that ask for it: 0 when granted. */
+int amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static inline __m512i round_bf16(__m512 v) { /* 16 floats -> 16 bfloat16 (nearest even) in the low halves */
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+}
+
+static inline __m512 widen_bf16(__m512i halves) { return _mm512_castsi512_ps(_mm512_slli_epi32(halves, 16)); }
+
+/* One row (float32 or bfloat16, C channels) -> `parts` planes' rows of CP channels (`plane` elements apart), zero
+ * past C: hi = the value rounded, then each part the rest rounded (the rest of float32 after three is 0). */
+static inline void split_row(const void *x, int x_bf16, int64_t C, int64_t CP, int parts, uint16_t *p0,
+                             int64_t plane) {
+    for (int64_t c = 0; c < CP; c += 16) {
+        const int64_t n = C - c >= 16 ? 16 : C - c > 0 ? C - c : 0;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        __m512i hi;
+        __m512 v;
+        if (x_bf16) {
+            hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + c));
+            v = widen_bf16(hi);
+        } else {
+            v = _mm512_maskz_loadu_ps(m, (const float *)x + c);
+            hi = round_bf16(v);
+        }
+        _mm256_storeu_si256((__m256i *)(p0 + c), _mm512_cvtepi32_epi16(hi));
+        __m512 rest = _mm512_sub_ps(v, widen_bf16(hi)); /* exact */
+        for (int p = 1; p < parts; p++) {
+            const __m512i part = round_bf16(rest);
+            _mm256_storeu_si256((__m256i *)(p0 + p * plane + c), _mm512_cvtepi32_epi16(part));
+            rest = _mm512_sub_ps(rest, widen_bf16(part));
+        }
+    }
+}
+
+/* Rows of x (float32 or bfloat16, row stride ldx elements, C channels) -> `parts` planes of CP channels
+ * (plane stride `plane` elements), zero past C. */
+void amx_split(int64_t rows, int64_t C, int64_t CP, const void *x, int64_t ldx, int x_bf16, int parts,
+               uint16_t *planes, int64_t plane, int threads) {
+    const size_t esize = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++)
+        split_row((const char *)x + r * ldx * esize, x_bf16, C, CP, parts, planes + r * CP, plane);
+}
+
+/* 32 (or `cols` < 32) outputs of one row from the accumulators' float32 `acc`, plus bias, into out. */
+static inline void store_row(const float *acc, const float *bias, void *out, int out_bf16, int accumulate,
+                             int64_t cols) {
+    for (int64_t c = 0; c < cols; c += 16) {
+        const int64_t n = cols - c >= 16 ? 16 : cols - c;
+        const __mmask16 m = (__mmask16)((1u << n) - 1u);
+        __m512 v = _mm512_loadu_ps(acc + c);
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + c));
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + c;
+            if (accumulate) { /* the product rounded as stored, then the sum (as separate ops would round) */
+                const __m512 old = widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, o)));
+                v = _mm512_add_ps(widen_bf16(round_bf16(v)), old);
+            }
+            _mm256_mask_storeu_epi16(o, m, _mm512_cvtepi32_epi16(round_bf16(v)));
+        } else {
+            float *o = (float *)out + c;
+            if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, o));
+            _mm512_mask_storeu_ps(o, m, v);
+        }
+    }
+}
+
+static inline void load_tile_config(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* acc [32][32] float32 = planes' rows (32 from `a`, CP channels a row, `plane` elements between parts; tap t's
+ * rows start t * dil rows further) times the weight block `wb` ([K/2][32][2], K = taps * CP). */
+static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
+    const uint16_t *a, int64_t CP, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *wb,
+    float *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32) {
+        const int64_t tap = k / CP, c0 = k - tap * CP;
+        const uint16_t *wk = wb + k * 32; /* 16 input pairs x 32 outputs x 2 */
+        _tile_loadd(6, wk, 128);
+        _tile_loadd(7, wk + 32, 128);
+        const uint16_t *ak = a + tap * dil * CP + c0;
+        for (int p = 0; p < parts; p++) {
+            _tile_loadd(4, ak + p * plane, CP * 2);
+            _tile_loadd(5, ak + p * plane + 16 * CP, CP * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
+    int64_t B, int64_t TI, int64_t TO, int64_t CP, int64_t taps, int64_t dil, int parts, int64_t plane,
+    const uint16_t *a, const uint16_t *w, int64_t N, const float *bias, void *out, int64_t ldo, int out_bf16,
+    int accumulate, int threads) {
+    const int64_t K = taps * CP, nblocks = (N + 31) / 32;
+    const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + MCHUNK / 32 - 1) / (MCHUNK / 32);
+    /* Output blocks split into groups when there are too few row chunks to keep every thread busy. */
+    int64_t groups = (2 * threads + B * chunks - 1) / (B * chunks);
+    if (groups > nblocks) groups = nblocks;
+    if (groups < 1) groups = 1;
+    const int64_t per_group = (nblocks + groups - 1) / groups;
+    const size_t esize = out_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    {
+        load_tile_config();
+        float acc[32 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic)
+        for (int64_t job = 0; job < B * chunks * groups; job++) {
+            const int64_t b = job / (chunks * groups), chunk = job / groups % chunks, group = job % groups;
+            const int64_t m0 = chunk * MCHUNK, m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
+            const int64_t nb1 = (group + 1) * per_group < nblocks ? (group + 1) * per_group : nblocks;
+            for (int64_t nb = group * per_group; nb < nb1; nb++) {
+                for (int64_t m = m0; m < m1; m += 32) {
+                    block_32x32(a + (b * TI + m) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
+                    const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
+                    for (int64_t r = 0; r < rows; r++)
+                        store_row(acc + r * 32, bias ? bias + n0 : 0,
+                                  (char *)out + ((b * TO + m + r) * ldo + n0) * esize, out_bf16, accumulate, cols);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* A linear layer inside the caller's parallel region (cpu_kernels.c's decoder kernels, as quant_kernels.c's
+ * phases): every thread of the region calls it. Each thread splits the M rows (pointers, float32 or bfloat16)
+ * into its own planes (`scratch`, round32(M) * CP * 3 bfloat16 values: no barrier before the product), then the
+ * 32 x 32 output blocks are shared out (an orphaned omp for, ending in its barrier). w: the weight's words
+ * (data address, N, CP, C); out's rows ldo apart; add: out += the product, rounded to out's type first. */
+__attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
+    const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out, int64_t ldo, int out_bf16,
+    int add, uint16_t *scratch) {
+    const uint16_t *data = (const uint16_t *)w[0];
+    const int64_t N = w[1], CP = w[2], C = w[3], MP = (M + 31) / 32 * 32, plane = MP * CP;
+    const int parts = x_bf16 ? 1 : 3;
+    for (int64_t r = 0; r < MP; r++) {
+        if (r < M) {
+            split_row(rows[r], x_bf16, C, CP, parts, scratch + r * CP, plane);
+        } else {
+            for (int p = 0; p < parts; p++) memset(scratch + p * plane + r * CP, 0, (size_t)CP * 2);
+        }
+    }
+    load_tile_config();
+    float acc[32 * 32] __attribute__((aligned(64)));
+    const int64_t nblocks = (N + 31) / 32, mblocks = MP / 32;
+    const size_t esize = out_bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < nblocks * mblocks; job++) {
+        const int64_t nb = job / mblocks, m = job % mblocks * 32, n0 = nb * 32;
+        block_32x32(scratch + m * CP, CP, CP, 1, parts, plane, data + nb * CP * 32, acc);
+        const int64_t count = M - m < 32 ? M - m : 32, cols = N - n0 < 32 ? N - n0 : 32;
+        for (int64_t r = 0; r < count; r++)
+            store_row(acc + r * 32, 0, (char *)out + ((m + r) * ldo + n0) * esize, out_bf16, add, cols);
+    }
+    _tile_release();
+}
+#endif

@@ -1,0 +1,138 @@
+"""omnistage's AMX kernels (Intel AMX CPUs only; skipped elsewhere): convolutions and linear layers equal float64
+references within float32 rounding for float32 rows (three bfloat16 parts against bfloat16-valued weights) and
+within bfloat16 rounding for bfloat16 rows; odd shapes, dilations, batches, residuals; a row's result does not
+depend on its batch mates; weights that are not bfloat16 values are refused; Code2Wav's decoder on them equals
+the reference kernels one-shot and streamed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_code2wav import random_codes, randomize_
+from test_code2wav_stream import stream_interleaved
+
+from omnistage.models.layers import amx_kernels
+from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
+
+pytestmark = pytest.mark.skipif(not amx_kernels.available(), reason="this CPU has no AMX (or no compiler for it)")
+
+
+def _bf16_valued(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(torch.bfloat16).float()
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dilation: int) -> torch.Tensor:
+    """float64 convolution of x [B, T, C] with w [N, C, taps] -> [B, T', N]."""
+    out = F.conv1d(x.double().transpose(1, 2), w.double(), None if bias is None else bias.double(), dilation=dilation)
+    return out.transpose(1, 2)
+
+
+SHAPES = [  # batch, length, channels, outputs, taps, dilation
+    (1, 37, 32, 32, 1, 1),
+    (3, 70, 200, 90, 3, 2),  # channels and outputs off the 32 blocks, rows off the 16-row tiles
+    (2, 129, 96, 96, 7, 9),
+    (1, 300, 768, 64, 7, 3),  # many input chunks
+    (5, 1, 40, 33, 1, 1),  # one row per request
+]
+
+
+@pytest.mark.parametrize("batch, length, channels, outputs, taps, dilation", SHAPES)
+def test_conv_equals_float64(batch, length, channels, outputs, taps, dilation):
+    w = _bf16_valued(outputs, channels, taps, seed=1, scale=channels**-0.5)
+    bias = torch.randn(outputs, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(batch, length + (taps - 1) * dilation, channels, generator=torch.Generator().manual_seed(3))
+    packed = amx_kernels.pack(w)
+    expect = _reference(x, w, bias, dilation)
+    float32 = _reference(x.float(), w, bias, dilation).float()  # the float32 conv's own rounding, for scale
+    got = amx_kernels.conv(x, packed, dilation, bias)
+    assert got.dtype == torch.float32 and got.shape == expect.shape
+    scale = expect.abs().max().item()
+    f32_err = (F.conv1d(x.transpose(1, 2), w, bias, dilation=dilation).transpose(1, 2).double() - expect).abs().max()
+    err = (got.double() - expect).abs().max().item()
+    assert err <= max(8 * f32_err.item(), 2e-6 * scale), (err, f32_err.item())
+    # residual: written into it, the same sum
+    residual = torch.randn_like(got)
+    summed = amx_kernels.conv(x, packed, dilation, bias, residual=residual.clone())
+    assert (summed.double() - (expect + residual.double())).abs().max().item() <= err + 1e-5 * scale
+    # bfloat16 rows: one part; the result rounded to bfloat16
+    xb = x.to(torch.bfloat16)
+    gotb = amx_kernels.conv(xb, packed, dilation, bias)
+    expectb = _reference(xb.float(), w, bias, dilation)
+    assert gotb.dtype == torch.bfloat16
+    assert (gotb.double() - expectb).abs().max().item() <= 2 ** -8 * expectb.abs().max().item()
+    assert float32.shape == got.shape
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """Each request's rows give the same bits alone or among others, at any position in the row tiles."""
+    w = _bf16_valued(64, 48, 7, seed=4, scale=0.15)
+    packed = amx_kernels.pack(w)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 50 + 6 * 2, 48, generator=gen)
+    together = amx_kernels.conv(x, packed, 2)
+    for b in range(4):
+        assert torch.equal(amx_kernels.conv(x[b : b + 1].clone(), packed, 2)[0], together[b])
+    rows = torch.randn(45, 48, generator=gen)
+    linear = amx_kernels.pack(_bf16_valued(40, 48, seed=6))
+    whole = amx_kernels.linear(rows, linear)
+    for lo, hi in ((0, 1), (3, 20), (17, 45)):
+        assert torch.equal(amx_kernels.linear(rows[lo:hi].clone(), linear), whole[lo:hi])
+
+
+def test_only_bfloat16_valued_weights_are_taken():
+    w = _bf16_valued(32, 32, 3, seed=7)
+    assert amx_kernels.takes(w) and amx_kernels.takes(w.to(torch.bfloat16))
+    w[0, 0, 0] += 1e-4  # no longer a bfloat16 value: three parts would not be exact products
+    assert not amx_kernels.takes(w)
+    assert not amx_kernels.takes(torch.zeros(4, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: CausalConv1d(64, 64, 7, dilation=3), lambda: CausalConv1d(48, 40, 1),
+     lambda: CausalConvTranspose1d(64, 32, 10, 5), lambda: CausalConvTranspose1d(64, 32, 4, 4)],
+    ids=["k7-d3", "k1", "transposed-2x", "transposed-1x"],
+)
+def test_layers_on_amx_equal_their_other_kernels(make):
+    gen = torch.Generator().manual_seed(8)
+    layer = make()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5).to(torch.bfloat16).float())
+    x = torch.randn(3, 41, layer.conv.in_channels, generator=gen)
+    with torch.no_grad():
+        other = layer.forward_channels_last(x)
+        assert layer.use_amx() and layer.amx_weight is not None
+        got = layer.forward_channels_last(x)
+    assert got.shape == other.shape
+    assert (got - other).abs().max().item() <= 1e-5 * other.abs().max().item()
+
+
+def test_code2wav_on_amx_equals_the_reference_kernels():
+    """Code2Wav's ``fast`` packing puts its decoder convolutions on AMX (weights stored as bfloat16 values):
+    one-shot and streamed, the waveform equals the reference kernels' within float32 rounding."""
+    config = Code2WavConfig(
+        codebook_size=64, num_quantizers=8, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16, decoder_dim=128,
+    )
+    model = Code2Wav(config).eval()
+    randomize_(model, seed=3)
+    with torch.no_grad():
+        for p in model.parameters():  # as a checkpoint stored in bfloat16 loads
+            p.copy_(p.to(torch.bfloat16).float())
+    codes = random_codes(8, 30, seed=5, batch=2)
+    with torch.no_grad():
+        model.reference_kernels = True
+        reference = model(codes)[:, 0]
+        model.reference_kernels = False
+        convs = [m for m in model.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))]
+        assert model.pack_weights(16) == len(convs) - 1  # all but the last convolution (one output)
+        fast = model(codes)[:, 0]
+    diff = (fast - reference).abs().max().item()
+    assert reference.std() > 0.02 and diff <= 1e-5, diff
+    streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[1, 6, 23], [4, 25, 1]], rounds=12, seed=1)
+    assert max((s - r).abs().max().item() for s, r in zip(streams, reference)) <= 1e-4
