@@ -34,7 +34,13 @@ from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
 from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layers, quantized
-from omnistage.models.layers.fast_linear import can_pack, pack_amx, pack_weight, packed_linear_at, release_weight
+from omnistage.models.layers.fast_linear import (
+    can_pack,
+    pack_amx,
+    pack_weight,
+    packed_linear_at,
+    release_weight,
+)
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import RotaryEmbedding
@@ -260,12 +266,13 @@ class CodePredictor(nn.Module):
             self.packed_heads = cpu_kernels.pack_linear(weight)
             d = self.cfg.decoder
             if cpu_kernels.supports_decoder_layers(weight.dtype, d.hidden_size, d.head_dim):
-                # The pass kernel's dense layers on AMX tiles where they take them (before the layers' own packing)
+                # The pass kernel's dense layers on AMX tiles where they take them, before the layers' own packing
+                # (inputs a multiple of 32: the kernel's panel tiles read the same weights at few rows)
                 for layer in self.model.layers:
                     attn, mlp = layer.self_attn, layer.mlp
                     for linear in (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
                                    getattr(mlp, "down_proj", None)):
-                        if linear is not None and linear.bias is None:
+                        if linear is not None and linear.bias is None and linear.in_features % 32 == 0:
                             pack_amx(linear)
         elif can_pack(weight):
             self.packed_heads = [pack_weight(w, batch_hint) for w in weight]

@@ -166,6 +166,10 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
+    DEFINE_TILES(SUFFIX, WT, XT, XS)
+
+/* The row tiles on a variant's panel_dots: rows XT (read by get_##XS), weights WT. */
+#define DEFINE_TILES(SUFFIX, WT, XT, XS)                                                                     \
     /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
     static inline __attribute__((always_inline)) void gate_up_tile_##SUFFIX(                                 \
         const int rows, int64_t H, const XT *const *x, const WT *w, XT *const *h) {                          \
@@ -212,7 +216,7 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
     }
 /* A panel's rows: x / h rows of type XT / HT, weights WT. */
 #define DEFINE_PANELS(SUFFIX, WT, XT, HT)                                                                    \
-    static void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const XT *const *x, const WT *w,             \
+    static inline void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const XT *const *x, const WT *w,             \
                                        HT *const *h) {                                                      \
         ROW_TILES(rows, gate_up_tile_##SUFFIX, (H, x + r0, w, h + r0))                                      \
     }                                                                                                       \
@@ -226,6 +230,33 @@ DEFINE_KERNELS(f32, float, load_f32, float, f32)
 DEFINE_KERNELS(bf16, uint16_t, load_bf16, float, f32)
 /* bfloat16 rows on widened bfloat16 weights: the decoder kernels' bfloat16 variant without dot products. */
 DEFINE_KERNELS(bf16x, uint16_t, load_bf16, uint16_t, bf16)
+
+#if LANES == 16
+/* float32 rows on bfloat16 weights in pairs of inputs ([K/2][32][2]: the AMX kernels' and the dot-product
+ * variant's layout), each widened exactly: the decoder kernels' float32 layers on AMX weights at few rows
+ * (amx_kernels.c's tiles waste most of their 16 rows there). Each column sums in k order as the float32
+ * panels do, so a bfloat16-valued weight gives their bits. K even. */
+typedef uint32_t uvu __attribute__((vector_size(64), aligned(4)));
+
+static inline __attribute__((always_inline)) void panel_dots_f32p(
+    const int rows, int64_t K, const float *const *x, const uint16_t *w, vf (*acc)[PV], const uint16_t *pf) {
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = splat(0.0f);
+    for (int64_t k = 0; k < K; k += 2) {
+        if (pf) PREFETCH_K(pf, k, 128);
+        const uv lo = *(const uvu *)(w + k * 32), hi = *(const uvu *)(w + k * 32 + 32);
+        const vf even0 = (vf)(lo << 16), odd0 = (vf)(lo & 0xffff0000u), even1 = (vf)(hi << 16);
+        const vf odd1 = (vf)(hi & 0xffff0000u);
+        for (int r = 0; r < rows; r++) {
+            const vf a = splat(x[r][k]), b = splat(x[r][k + 1]);
+            acc[r][0] += a * even0;
+            acc[r][1] += a * even1;
+            acc[r][0] += b * odd0;
+            acc[r][1] += b * odd1;
+        }
+    }
+}
+DEFINE_TILES(f32p, uint16_t, float, f32)
+#endif
 
 #if defined(__AVX512BF16__)
 /* bfloat16 with AVX512-BF16 dot products (two products per float32 lane and instruction, no widening): rows
@@ -435,6 +466,15 @@ static inline vf load_columns(const void *out, int out_bf16, int64_t offset) {
 
 DEFINE_LINEAR(f32, float, float)
 DEFINE_LINEAR(bf16x, uint16_t, uint16_t)
+#if LANES == 16
+DEFINE_LINEAR(f32p, uint16_t, float)
+#else /* (no AMX without AVX-512: AMX weights never reach an AVX2 build's decoder kernels) */
+static void linear_panels_f32p(int64_t T, int64_t K, int64_t N, const float *const *rows_in, const uint16_t *w,
+                               const float *bias, void *out, int out_bf16, int add, const float *ys,
+                               float *const *rows_out, const float *ones) {
+    __builtin_trap();
+}
+#endif
 #if defined(__AVX512BF16__)
 DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
 #endif
@@ -645,14 +685,23 @@ typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t
                              int64_t *where);
 /* A layer's linear layer `slot` over rows_in: quantized (L_QUANT) or panels of N (padded) columns; out's rows
  * are N wide either way. */
-#define LAYER_LINEAR(SUFFIX, T, WT, slot, K, N, out, add)                                                  \
+/* AMX weights serve from this many rows on; fewer rows take the same weights ([K/2][32][2] bfloat16, K a multiple
+ * of 32) on panel tiles (PAIRED: f32p, or the dot-product variant), as the AMX tiles' 16 rows are mostly padding
+ * there. Code predictor frames at the released widths (2 layers, 2 threads, Xeon Emerald Rapids; ms per frame,
+ * float32 panels -> AMX weights): 1 row 50 -> 29 (float32: half the bytes), 4 rows 127 -> 50, 16 rows 150-190 ->
+ * 110-150; bfloat16 panels -> AMX weights: 1 and 4 rows equal (the same dot-product tiles), 16 rows 160 -> 60-100. */
+#define AMX_MIN_ROWS 16
+#define LAYER_LINEAR(SUFFIX, PAIRED, T, WT, slot, K, N, out, add)                                          \
     do {                                                                                                   \
         if (a[L_QUANT] >> (slot) & 1)                                                                      \
             ((quant_linear_fn)bufs[B_QLINEAR])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, \
                                                out, N, bf16, add, (float *)bufs[B_QX], (float *)bufs[B_QY]); \
-        else if (a[L_AMX] >> (slot) & 1)                                                                   \
+        else if ((a[L_AMX] >> (slot) & 1) && R >= AMX_MIN_ROWS)                                            \
             ((amx_linear_fn)bufs[B_AMX])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, out, N, \
                                          bf16, add, (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE]); \
+        else if (a[L_AMX] >> (slot) & 1)                                                                   \
+            linear_panels_##PAIRED(R, K, N, (const T *const *)rows_in, (const uint16_t *)((const int64_t *)a[slot])[0], \
+                                   0, out, bf16, add, ys, (float *const *)rows_out, ones);                 \
         else                                                                                               \
             linear_panels_##SUFFIX(R, K, N, (const T *const *)rows_in, (const WT *)a[slot], 0, out, bf16, add, \
                                    ys, (float *const *)rows_out, ones);                                    \
@@ -678,7 +727,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
     }
 }
 
-#define DEFINE_DECODER_LAYERS(SUFFIX, TS, WT, T)                                                              \
+#define DEFINE_DECODER_LAYERS(SUFFIX, TS, WT, T, PAIRED)                                                      \
     /* Route each row: softmax (float32) over its router logits, the top k (the first of equal values first), \
      * optionally renormalised, rounded to the model's type as a tensor of it holds them. */                 \
     static inline void route_row_##SUFFIX(const T *logits, int64_t E, int64_t K, int norm_topk, int64_t *ids,  \
@@ -719,7 +768,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
             row_norm_##TS(H, x + r * H, norm1, eps, 0, normed + r * H);                                    \
         for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
-        LAYER_LINEAR(SUFFIX, T, WT, L_QKV, H, NQKV, qkv, 0);                                               \
+        LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_QKV, H, NQKV, qkv, 0);                                               \
         /* q/k norms, rotary; k and v into the caches */                                                   \
         _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * (NQ + NKV); task++) {         \
             const int64_t r = task / (NQ + NKV), head = task % (NQ + NKV);                                 \
@@ -768,14 +817,14 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             for (int64_t d = 0; d < D; d++) put_##TS(o + d, row[d]);                                       \
         }                                                                                                  \
         for (int64_t r = 0; r < R; r++) rows_in[r] = attn + r * NQ * D;                                    \
-        LAYER_LINEAR(SUFFIX, T, WT, L_O, NQ * D, H, x, 1);                                                 \
+        LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_O, NQ * D, H, x, 1);                                                 \
         /* post-attention norm; the dense MLP or the shared expert's gate/up (and its gate), the router */  \
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
             row_norm_##TS(H, x + r * H, norm2, eps, 0, normed + r * H);                                    \
         for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
         const int64_t I = a[L_INTER], NGU = round32(2 * I), E = a[L_EXPERTS], K = a[L_TOPK];                \
         T *logits = (T *)bufs[B_LOGITS], *sg = (T *)bufs[B_SG], *moe = (T *)bufs[B_MOE];                   \
-        if (a[L_GU]) LAYER_LINEAR(SUFFIX, T, WT, L_GU, H, NGU, gu, 0);                                     \
+        if (a[L_GU]) LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_GU, H, NGU, gu, 0);                                     \
         if (a[L_ROUTER])                                                                                   \
             linear_panels_##SUFFIX(R, H, round32(E), (const T *const *)rows_in, (const WT *)a[L_ROUTER], 0,   \
                                    logits, bf16, 0, ys, (float *const *)rows_out, ones);                   \
@@ -798,7 +847,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         }                                                                                                  \
         if (!a[L_ROUTER]) { /* dense: down + residual */                                                   \
             for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                      \
-            LAYER_LINEAR(SUFFIX, T, WT, L_DOWN, I, H, x, 1);                                               \
+            LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_DOWN, I, H, x, 1);                                               \
             return;                                                                                        \
         }                                                                                                  \
         int64_t *order = (int64_t *)bufs[B_SORT], *starts = order + R * K;                                  \
@@ -816,7 +865,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
                 rows_in[r] = act + r * I;                                                                  \
                 rows_out[r] = ys + r * 32;                                                                 \
             }                                                                                              \
-            LAYER_LINEAR(SUFFIX, T, WT, L_DOWN, I, H, gu, 0);                                              \
+            LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_DOWN, I, H, gu, 0);                                              \
         }                                                                                                  \
         /* x += experts + sigmoid(shared gate) * shared expert */                                          \
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                               \
@@ -860,8 +909,9 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         }                                                                                                  \
     }
 
-DEFINE_DECODER_LAYERS(f32, f32, float, float)
-DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t)
+DEFINE_DECODER_LAYERS(f32, f32, float, float, f32p)
+/* (AMX CPUs have AVX512-BF16: bfloat16 decoders with AMX weights take the dot-product variant, never this one) */
+DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t, bf16x)
 #if defined(__AVX512BF16__)
-DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t)
+DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t, bf16dp)
 #endif
