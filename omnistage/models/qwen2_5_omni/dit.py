@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.fast_linear import pack_amx
 from omnistage.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
 
 _TIME_FREQ_DIM = 256
@@ -384,6 +385,14 @@ class DiT(nn.Module):
         )
         self.norm_out = FinalNorm(cfg.hidden_size)
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.mel_dim)
+
+    def pack_weights(self, batch_hint: int) -> int:
+        """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it before the layers): the
+        transformer blocks' linear layers on AMX tiles where the CPU has them and the weights are bfloat16 values
+        (``amx_kernels``: float32 rows as three exact parts). Every evaluation runs all of a batch's mel frames
+        twice (conditioned and not): hundreds to thousands of rows, where the tiles beat the panel kernels.
+        Returns how many; the others keep the panel kernels."""
+        return sum(pack_amx(m) for m in self.transformer_blocks.modules() if type(m) is nn.Linear)
 
     @property
     def receptive_blocks(self) -> tuple[int, int]:
