@@ -626,3 +626,81 @@ def test_packing_keeps_one_copy_of_the_weights_resident(panels, monkeypatch):
     assert packed - start <= 1.1 * weight_bytes, (packed - start) / weight_bytes
     x = torch.randn(3, 1024)
     assert model[0](x).shape == (3, 2048)
+
+
+def _bf16_valued(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s float32 parameters rounded to bfloat16 values, as a checkpoint stored in bfloat16 loads."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return module
+
+
+_no_pairs = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels._has_pairs()),
+                               reason="this build has no float32-on-bfloat16-pair tiles (AVX-512 only)")
+
+
+@_no_pairs
+@torch.inference_mode()
+def test_float32_weights_of_bfloat16_values_are_kept_as_pairs_with_the_same_bits():
+    """A float32 linear layer or expert stack whose weights are bfloat16 values is packed as bfloat16 pairs: half
+    the bytes, and each row's result has exactly the float32 panels' bits (the same products, the same order)."""
+    g = torch.Generator().manual_seed(31)
+    weight = torch.randn(70, 96, generator=g).to(torch.bfloat16).float()
+    pairs, plain = cpu_kernels.pack_linear(weight, float32_pairs=True), cpu_kernels.pack_linear(weight)
+    assert pairs.dtype == torch.bfloat16 and plain.dtype == torch.float32
+    assert pairs.numel() * pairs.element_size() * 2 == plain.numel() * plain.element_size()
+    for rows in (1, 5, 17, 64):
+        x = torch.randn(rows, 96, generator=g)
+        assert torch.equal(cpu_kernels.linear(x, pairs, None, 70), cpu_kernels.linear(x, plain, None, 70))
+    not_exact = weight.clone()
+    not_exact[3, 4] += 1e-5
+    assert cpu_kernels.pack_linear(not_exact, float32_pairs=True).dtype == torch.float32
+    gate_up = torch.randn(6, 2 * 40, 64, generator=g).to(torch.bfloat16).float()
+    down = torch.randn(6, 64, 40, generator=g).to(torch.bfloat16).float()
+    experts_pairs = cpu_kernels.pack_experts(gate_up, down, float32_pairs=True)
+    experts_plain = cpu_kernels.pack_experts(gate_up, down)
+    assert {t.dtype for t in experts_pairs} == {torch.bfloat16}
+    x = torch.randn(9, 64, generator=g)
+    ids = torch.randint(0, 6, (9, 2), generator=g)
+    route = torch.rand(9, 2, generator=g)
+    assert torch.equal(cpu_kernels.moe_experts(x, ids, route, experts_pairs),
+                       cpu_kernels.moe_experts(x, ids, route, experts_plain))
+
+
+@_no_pairs
+@torch.inference_mode()
+def test_a_float32_decoder_of_bfloat16_values_decodes_on_pairs_with_the_same_bits(monkeypatch):
+    """A float32 MoE decoder (shared expert, router) whose weights are bfloat16 values: its decode steps run on
+    bfloat16 pairs and give exactly the bits of the same decoder on float32 panels, in half the weight bytes."""
+    from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
+    from omnistage.runner.memory_use import weight_bytes_by_component
+
+    cfg = DecoderConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                        rms_norm_eps=1e-6, rope_theta=1e4, num_experts=6, num_experts_per_tok=2,
+                        moe_intermediate_size=32, sparse_layers=(1,), shared_expert_intermediate_size=64)
+
+    def decoder(pairs: bool) -> PagedDecoder:
+        dec = _bf16_valued(_seeded(PagedDecoder(cfg), seed=33, std=0.2))
+        if not pairs:
+            monkeypatch.setattr(cpu_kernels, "keeps_float32_as_pairs", lambda weight: False)
+        dec = fast_kernels(dec, True)
+        monkeypatch.undo()
+        return dec
+
+    on_pairs, on_float32 = decoder(True), decoder(False)
+    assert {t.dtype for layer in on_pairs.kernel_layers() for t in layer.panels()} == {torch.bfloat16}
+    assert {t.dtype for layer in on_float32.kernel_layers() for t in layer.panels()} == {torch.float32}
+    held = (sum(weight_bytes_by_component(d).values()) for d in (on_pairs, on_float32))
+    assert next(held) < 0.55 * next(held)
+    tables, contexts = [[5, 2], [7], [0, 6, 3]], [5, 1, 9]
+    g = torch.Generator().manual_seed(34)
+    prompt, step = torch.randn(sum(contexts), 64, generator=g), torch.randn(3, 64, generator=g)
+    outs = []
+    for dec in (on_pairs, on_float32):
+        caches = allocate_kv_cache(2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+        meta = build_attention_metadata(contexts, [0, 0, 0], tables, 4, 8)
+        dec.run_layers(prompt, torch.cat([torch.arange(n) for n in contexts]), caches, meta)
+        meta = build_attention_metadata([1, 1, 1], contexts, tables, 4, 8)
+        outs.append(dec.run_layers(step, torch.tensor(contexts), caches, meta)[0])
+    assert torch.equal(outs[0], outs[1])

@@ -68,6 +68,8 @@ _LIBS = ["-lmvec", "-lm"]  # glibc's vector math (the vocoder's sin)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DOT = "bf16dp"
 _WIDE = "bf16x"  # bfloat16 rows on widened bfloat16 weights (linear layers, decoder layers without dot products)
+# float32 rows on bfloat16 weights in pairs (AVX-512 builds): a float32 model's weights that are bfloat16 values
+_PAIRS = "f32p"
 _ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 6 otherwise)
 # Panel widths the layout needs: gate/up panels of 16 intermediate columns, down (and linear) panels of 32
 # output columns.
@@ -80,20 +82,20 @@ _local = threading.local()
 def _build() -> ctypes.CDLL:
     library = build_library(_SOURCE, tuple(_LIBS))
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for suffix in (*_SUFFIX.values(), _DOT):
+    for suffix in (*_SUFFIX.values(), _DOT, _PAIRS):
         if not hasattr(library, f"moe_experts_{suffix}"):
             continue
         experts = getattr(library, f"moe_experts_{suffix}")
         experts.restype = None
         experts.argtypes = [i64] * 6 + [pointer] * 6 + [i32] + [pointer] * 4 + [i32]
-    for suffix in ("f32", _DOT, _WIDE):
+    for suffix in ("f32", _DOT, _WIDE, _PAIRS):
         if hasattr(library, f"linear_{suffix}"):
             linear = getattr(library, f"linear_{suffix}")
             linear.restype = None
             linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
-    for suffix in ("f32", _DOT, _WIDE):
+    for suffix in ("f32", _DOT, _WIDE, _PAIRS):
         if hasattr(library, f"decoder_layers_{suffix}"):
             layers = getattr(library, f"decoder_layers_{suffix}")
             layers.restype = None
@@ -183,13 +185,39 @@ def _has_dot() -> bool:
     return hasattr(_lazy.library, f"moe_experts_{_DOT}")
 
 
-def _suffix(dtype: torch.dtype, inputs: int) -> str:
+def _suffix(dtype: torch.dtype, inputs: int, weights: torch.dtype | None = None) -> str:
+    """The expert kernel's variant for rows of ``dtype`` on panels of ``weights`` (default: the same)."""
+    if dtype == torch.float32 and weights == torch.bfloat16:
+        return _PAIRS
     return _DOT if _dot_bf16(dtype, inputs) else _SUFFIX[dtype]
 
 
-def _layers_suffix(dtype: torch.dtype, inputs: int) -> str:
-    """The linear and decoder-layer kernels' variant: bfloat16 rows stay bfloat16 on either bfloat16 layout."""
-    return "f32" if dtype == torch.float32 else _DOT if _dot_bf16(dtype, inputs) else _WIDE
+def _layers_suffix(dtype: torch.dtype, inputs: int, weights: torch.dtype | None = None) -> str:
+    """The linear and decoder-layer kernels' variant for rows of ``dtype`` on panels of ``weights`` (default: the
+    same): bfloat16 rows stay bfloat16 on either bfloat16 layout; float32 rows on bfloat16 pairs widen them."""
+    if dtype == torch.float32:
+        return _PAIRS if weights == torch.bfloat16 else "f32"
+    return _DOT if _dot_bf16(dtype, inputs) else _WIDE
+
+
+def _has_pairs() -> bool:
+    return hasattr(_lazy.library, f"linear_{_PAIRS}")
+
+
+def keeps_float32_as_pairs(weight: torch.Tensor) -> bool:
+    """Whether ``pack_linear`` / ``pack_experts`` (asked to) keep this float32 weight as bfloat16 pairs: all its
+    values are bfloat16 values (a checkpoint stored in bfloat16), its inputs are even and this build has the
+    pair tiles (AVX-512). Half the bytes to hold and to stream, and the float32 panels' bits: each product of a
+    float32 row and such a weight is the same, summed in the same order."""
+    _require()
+    return (weight.dtype == torch.float32 and weight.shape[-1] % 2 == 0 and _has_pairs()
+            and amx_kernels.bf16_exact(weight.detach()))
+
+
+def rows_take(rows: torch.dtype, weights: torch.dtype) -> bool:
+    """Whether the kernels take rows of dtype ``rows`` on panels of dtype ``weights``: the same dtype, or float32
+    rows on bfloat16 pairs (``keeps_float32_as_pairs``)."""
+    return rows == weights or (rows == torch.float32 and weights == torch.bfloat16 and _has_pairs())
 
 
 def widened_bf16_decoders() -> bool:
@@ -210,19 +238,26 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def pack_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_experts(gate_up: torch.Tensor, down: torch.Tensor,
+                 float32_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked weights gate_up [E, 2I, H], down [E, H, I] -> the kernel's panels: gate/up [E, I'/16, H, 32]
     (16 gate then 16 up columns per hidden index), down [E, H'/32, I', 32], with I and H padded to I', H'
     (multiples of 16 and 32) by zero weights. For the bfloat16 dot-product variant, each panel's rows go in
-    pairs of consecutive indices, interleaved per column (``[K/2][32][2]``; same shapes)."""
+    pairs of consecutive indices, interleaved per column (``[K/2][32][2]``; same shapes); with
+    ``float32_pairs``, float32 weights that ``keeps_float32_as_pairs`` are packed so, as bfloat16."""
     _require()  # the layout depends on the variants built for this CPU
+    if float32_pairs and keeps_float32_as_pairs(gate_up) and keeps_float32_as_pairs(down):
+        gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
+        pairs = True
+    else:
+        pairs = _dot_bf16(gate_up.dtype, gate_up.shape[-1])
     experts, hidden, inter = down.shape
     inter_p, hidden_p = _round_up(inter, UP_PANEL), _round_up(hidden, DOWN_PANEL)
     halves = gate_up.new_zeros(experts, 2, inter_p, hidden)
     halves[:, :, :inter] = gate_up.reshape(experts, 2, inter, hidden)
     padded = down.new_zeros(experts, hidden_p, inter_p)
     padded[:, :hidden, :inter] = down
-    if _dot_bf16(gate_up.dtype, hidden):
+    if pairs:
         halves = halves.view(experts, 2, inter_p // UP_PANEL, UP_PANEL, hidden // 2, 2).permute(0, 2, 4, 1, 3, 5)
         padded = padded.view(experts, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p // 2, 2).permute(0, 1, 3, 2, 4)
     else:
@@ -244,7 +279,7 @@ def moe_experts(
     experts, inter, hidden = panels_up.shape[0], panels_up.shape[1] * UP_PANEL, panels_up.shape[2]
     hidden_p = panels_down.shape[1] * DOWN_PANEL
     tokens, top_k = ids.shape
-    if x.shape != (tokens, hidden) or x.device.type != "cpu" or x.dtype != panels_up.dtype:
+    if x.shape != (tokens, hidden) or x.device.type != "cpu" or not rows_take(x.dtype, panels_up.dtype):
         raise ValueError(f"x must be [{tokens}, {hidden}] {panels_up.dtype} on the CPU, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
     threads = torch.get_num_threads()
@@ -258,7 +293,7 @@ def moe_experts(
     y = _scratch("y", threads * n * DOWN_PANEL, torch.float32)
     sort = _scratch("sort", 2 * n + 2 * experts + 2, torch.int64)
     pointers = _scratch("pointers", threads * 2 * n, torch.int64)
-    _function(f"moe_experts_{_suffix(x.dtype, hidden)}")(
+    _function(f"moe_experts_{_suffix(x.dtype, hidden, panels_up.dtype)}")(
         tokens, top_k, experts, hidden, hidden_p, inter, rows.data_ptr(), ids.data_ptr(), weights.data_ptr(),
         panels_up.data_ptr(), panels_down.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16),
         h.data_ptr(), y.data_ptr(), sort.data_ptr(), pointers.data_ptr(), threads,
@@ -280,16 +315,20 @@ def supports_linear(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear(weight: torch.Tensor, float32_pairs: bool = False) -> torch.Tensor:
     """Linear weight [..., N, K] -> panels [..., N'/32, K, 32] (N padded to N' by zero rows; for bfloat16 dot
     products the input indices in pairs per column, ``[K/2][32][2]``, same shape); leading dims stack weights
-    (one copy for all of them)."""
+    (one copy for all of them). ``float32_pairs``: a float32 weight that ``keeps_float32_as_pairs`` is packed
+    as bfloat16 pairs (for the callers whose kernels take them: ``linear``, the decoder kernels)."""
     _require()
+    pairs = float32_pairs and keeps_float32_as_pairs(weight)
+    if pairs:
+        weight = weight.to(torch.bfloat16)
     *lead, out_features, in_features = weight.shape
     padded = weight.new_zeros(*lead, _round_up(out_features, DOWN_PANEL), in_features)
     padded[..., :out_features, :] = weight
     panels = padded.shape[-2] // DOWN_PANEL
-    if _dot_bf16(weight.dtype, in_features):
+    if pairs or _dot_bf16(weight.dtype, in_features):
         layout = padded.view(*lead, panels, DOWN_PANEL, in_features // 2, 2).transpose(-3, -2)
     else:
         layout = padded.view(*lead, panels, DOWN_PANEL, in_features).transpose(-2, -1)
@@ -339,7 +378,7 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, ou
     if _lazy.library is None:
         _require()
     in_features = panels.shape[1]
-    if x.shape[-1] != in_features or x.dtype != panels.dtype or x.device.type != "cpu":
+    if x.shape[-1] != in_features or not rows_take(x.dtype, panels.dtype) or x.device.type != "cpu":
         raise ValueError(f"x must be [..., {in_features}] {panels.dtype} on the CPU, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     rows = x.reshape(-1, in_features).contiguous()
@@ -347,7 +386,7 @@ def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, ou
     threads = torch.get_num_threads()
     out, result = _linear_output(x, padded, out_features)
     y, pointers, ones = _linear_workspace(tokens, threads)
-    _function(f"linear_{_layers_suffix(x.dtype, in_features)}")(
+    _function(f"linear_{_layers_suffix(x.dtype, in_features, panels.dtype)}")(
         tokens, in_features, padded, rows.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
         out.data_ptr(), int(x.dtype == torch.bfloat16), y, pointers, ones, threads,
     )
@@ -556,6 +595,11 @@ class LayerWeights:
                  "experts": self.experts[0] if self.experts else None}
         return {name: w for name, w in named.items() if isinstance(w, KernelWeight)}
 
+    def panels(self) -> list[torch.Tensor]:
+        """The layer's weights in panel layout (neither quantized nor AMX weights)."""
+        weights = (self.qkv, self.o, self.gate_up, self.down, self.router, self.shared_gate, *(self.experts or ()))
+        return [w for w in weights if isinstance(w, torch.Tensor)]
+
     def amx(self) -> dict[str, AmxWeight]:
         """The layer's AMX weights by entry."""
         named = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
@@ -592,6 +636,7 @@ class LayerTable:
     quant_outputs: int = 0  # intermediate among them, which size their phases' scratch
     quant_intermediate: int = 0
     amx_channels: int = 0  # the most (padded) inputs of an AMX weight (0: none), which sizes its phase's scratch
+    weights: torch.dtype | None = None  # the panels' dtype (bfloat16 pairs in a float32 model); None: no panels
 
     def part(self, start: int, stop: int) -> LayerTable:
         """Layers ``start`` .. ``stop - 1`` only."""
@@ -604,6 +649,9 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
     if len(layers) != len(caches) or not all(k.is_contiguous() and v.is_contiguous() for k, v in caches):
         raise ValueError("one contiguous (K, V) cache pair per layer")
     rows = [layer.entries(k, v) for layer, (k, v) in zip(layers, caches)]
+    dtypes = {t.dtype for layer in layers for t in layer.panels()}
+    if len(dtypes) > 1:
+        raise ValueError(f"one decoder's panels are of one dtype (the kernel's variant), got {sorted(map(str, dtypes))}")
     return LayerTable(
         addresses=torch.tensor(rows, dtype=torch.int64).reshape(len(layers), _LAYER_WIDTH),
         gate_up_width=max((_round_up(2 * w.intermediate, DOWN_PANEL) for w in layers), default=0),
@@ -614,6 +662,7 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
                                  if w.experts and "experts" not in w.quantized()), default=0),
         **_quant_sizes(layers),
         amx_channels=max((w.padded_channels for layer in layers for w in layer.amx().values()), default=0),
+        weights=next(iter(dtypes), None),
     )
 
 
@@ -673,8 +722,10 @@ def _amx_workspace(rows: int, table: LayerTable, threads: int) -> list[int]:
 def _run_layers(
     x: torch.Tensor, table: LayerTable, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, ...],
     max_kv: int, geometry: list[int], inputs: list[int], head: list[int], eps: float,
+    weights: torch.dtype | None = None,
 ) -> None:
-    """The ``decoder_layers_*`` call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS, ``head``: the rest."""
+    """The ``decoder_layers_*`` call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS, ``head``: the rest;
+    ``weights``: the panels' dtype (the table's, else the head's; default x's)."""
     if not (x.is_contiguous() and x.device.type == "cpu" and heads % kv_heads == 0):
         raise ValueError("the decoder kernel needs contiguous CPU rows and query heads a multiple of kv heads")
     threads, rows = torch.get_num_threads(), x.numel() // x.shape[-1]
@@ -688,7 +739,7 @@ def _run_layers(
     bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch,
                                        scores.data_ptr(), *head, *_quant_workspace(rows, table),
                                        *_amx_workspace(rows, table, threads))
-    _function(f"decoder_layers_{_layers_suffix(x.dtype, x.shape[-1])}")(
+    _function(f"decoder_layers_{_layers_suffix(x.dtype, x.shape[-1], weights or table.weights)}")(
         dims, table.addresses.data_ptr(), table.addresses.shape[0], bufs, eps, head_dim**-0.5, threads,
     )
 
@@ -718,15 +769,18 @@ def decoder_pass(
     vocab, head_ptrs, out = 0, [0] * 5, None
     if head is not None:
         norm, panels, vocab = head
-        if norm.dtype != torch.float32 or panels.dtype != x.dtype or panels.shape[1] != hidden:
-            raise ValueError("the head needs a float32 norm weight and panels of x's dtype over the hidden size")
+        if (norm.dtype != torch.float32 or not rows_take(x.dtype, panels.dtype) or panels.shape[1] != hidden
+                or table.weights not in (None, panels.dtype)):
+            raise ValueError("the head needs a float32 norm weight and panels of the layers' dtype (x's, or "
+                             "bfloat16 pairs for float32 rows) over the hidden size")
         logits = x.new_empty(batch, panels.shape[0] * DOWN_PANEL)
         picks = torch.empty(batch, dtype=torch.int64)
         last = _scratch(f"pass-last-{x.dtype}", batch * hidden, x.dtype)
         head_ptrs = [norm.data_ptr(), panels.data_ptr(), logits.data_ptr(), picks.data_ptr(), last.data_ptr()]
         out = (logits[:, :vocab], picks)
     geometry = [0, batch, rows_per_request, first_position, positions, vocab, _round_up(vocab, DOWN_PANEL)]
-    _run_layers(x, table, heads, kv_heads, head_dim, rope, positions, geometry, [0] * 4, head_ptrs, eps)
+    _run_layers(x, table, heads, kv_heads, head_dim, rope, positions, geometry, [0] * 4, head_ptrs, eps,
+                None if head is None else head[1].dtype)
     return x if out is None else out
 
 

@@ -221,6 +221,11 @@ def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype)
         log.info("decoder kernels do not serve a %d-layer decoder (%s): it runs layer by layer", len(layers), reason)
         return []
     found = [kernel_layer(layer, dtype) for layer in layers]
+    dtypes = {t.dtype for f in found if f is not None for t in f.panels()}
+    if len(dtypes) > 1:  # (a float32 decoder whose weights are bfloat16 values in some layers only)
+        log.info("decoder kernels do not serve a %d-layer decoder whose panels mix %s: it runs layer by layer",
+                 len(layers), sorted(map(str, dtypes)))
+        return []
     if found and all(found):
         return found
     log.info("decoder kernels do not serve layer(s) %s of a %d-layer decoder (weights not in panels, biases or no "

@@ -94,11 +94,11 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx_weight is not None:
             return amx_kernels.linear(x, self.amx_weight, self.bias)
+        if self.panels is not None and cpu_kernels.rows_take(x.dtype, self.panels.dtype):
+            return cpu_kernels.linear(x, self.panels, self.panel_bias, self.out_features)
         packed = self.panels if self.panels is not None else self.packed_weight
         if x.dtype != packed.dtype:  # the unpacked weight is gone: compute in the weight's dtype
             return self.forward(x.to(packed.dtype)).to(x.dtype)
-        if self.panels is not None:
-            return cpu_kernels.linear(x, self.panels, self.panel_bias, self.out_features)
         if torch.compiler.is_compiling():
             return packed_linear(x, self.packed_weight, self.bias)
         return _onednn_linear(x, self.packed_weight, self.bias)  # (eager: without the custom op's dispatch)
@@ -167,7 +167,7 @@ def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
     """Turn ``linear`` into a PackedLinear (its weight released), or a DenseBf16Linear; False where no kernel
     takes the weight."""
     weight = linear.weight.detach()
-    panels = pack_linear(weight) if cpu_kernels.supports_linear(weight) else None
+    panels = pack_linear(weight, float32_pairs=True) if cpu_kernels.supports_linear(weight) else None
     if panels is None and not can_pack(weight):
         if quant_kernels.takes_dense(weight) and not cpu_computes_bf16():
             linear.__class__ = DenseBf16Linear
@@ -177,13 +177,14 @@ def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
     return True
 
 
-def pack_panels(linear: nn.Module) -> int:
+def pack_panels(linear: nn.Module, float32_pairs: bool = False) -> int:
     """An ``nn.Linear`` turned into a PackedLinear on panels whatever ``supports_linear`` prefers, for a decoder
-    kernel that reads only panels (a quantized decoder's bfloat16 router where its panels are widened); 1, or 0
-    where it is not an unpacked CPU linear layer or the kernels are off."""
+    kernel that reads only panels (a quantized decoder's bfloat16 router where its panels are widened; the code
+    predictor's layers, whose panels must be of its head's dtype); 1, or 0 where it is not an unpacked CPU linear
+    layer or the kernels are off. ``float32_pairs``: as ``cpu_kernels.pack_linear``'s."""
     if type(linear) is not nn.Linear or linear.weight.device.type != "cpu" or not cpu_kernels.panels_preferred():
         return 0
-    _to_packed(linear, pack_linear(linear.weight.detach()), None)
+    _to_packed(linear, pack_linear(linear.weight.detach(), float32_pairs=float32_pairs), None)
     return 1
 
 

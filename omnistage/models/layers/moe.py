@@ -76,7 +76,8 @@ class StackedExperts(nn.Module):
         if not (use_kernel or per_expert):
             return 0
         if use_kernel:
-            self.panels = cpu_kernels.pack_experts(self.gate_up_proj.detach(), self.down_proj.detach())
+            self.panels = cpu_kernels.pack_experts(self.gate_up_proj.detach(), self.down_proj.detach(),
+                                                   float32_pairs=True)
         if per_expert:
             self.packed = [
                 (pack_weight(self.gate_up_proj[e], batch_hint), pack_weight(self.down_proj[e], batch_hint))
@@ -88,7 +89,7 @@ class StackedExperts(nn.Module):
 
     def serves_kernel(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether the expert kernel may serve rows ``x`` [N, H] selecting ``top_k`` experts each."""
-        if self.panels is None or x.dtype != self.panels[0].dtype or x.device.type != "cpu":
+        if self.panels is None or not cpu_kernels.rows_take(x.dtype, self.panels[0].dtype) or x.device.type != "cpu":
             return False
         return self.packed is None or x.shape[0] * top_k <= WIDENED_BF16_MAX_ROWS_PER_EXPERT * self.num_experts
 

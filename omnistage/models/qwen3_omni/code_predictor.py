@@ -37,6 +37,7 @@ from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_
 from omnistage.models.layers.fast_linear import (
     can_pack,
     pack_amx,
+    pack_panels,
     pack_weight,
     packed_linear_at,
     release_weight,
@@ -263,17 +264,21 @@ class CodePredictor(nn.Module):
         widened = (weight.dtype == torch.bfloat16 and cpu_kernels.widened_bf16_decoders()
                    and all(quantized(layer) for layer in self.model.layers))  # (the pass kernel reads panels)
         if cpu_kernels.supports_linear(weight[0]) or widened:
-            self.packed_heads = cpu_kernels.pack_linear(weight)
             d = self.cfg.decoder
+            linears = [linear for layer in self.model.layers
+                       for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                      getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))
+                       if type(linear) is nn.Linear]
+            # The pass kernel reads the head and the layers' panels in one dtype: float32 weights kept as bfloat16
+            # pairs (cpu_kernels.keeps_float32_as_pairs) for all of them or for none.
+            pairs = all(cpu_kernels.keeps_float32_as_pairs(w) for w in (weight, *(x.weight for x in linears)))
+            self.packed_heads = cpu_kernels.pack_linear(weight, float32_pairs=pairs)
             if cpu_kernels.supports_decoder_layers(weight.dtype, d.hidden_size, d.head_dim):
-                # The pass kernel's dense layers on AMX tiles where they take them, before the layers' own packing
-                # (inputs a multiple of 32: the kernel's panel tiles read the same weights at few rows)
-                for layer in self.model.layers:
-                    attn, mlp = layer.self_attn, layer.mlp
-                    for linear in (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None),
-                                   getattr(mlp, "down_proj", None)):
-                        if linear is not None and linear.bias is None and linear.in_features % 32 == 0:
-                            pack_amx(linear)
+                # Dense layers on AMX tiles where they take them (inputs a multiple of 32: the kernel's panel tiles
+                # read the same weights at few rows), the others on panels of the head's dtype.
+                for linear in linears:
+                    if not (linear.bias is None and linear.in_features % 32 == 0 and pack_amx(linear)):
+                        pack_panels(linear, float32_pairs=pairs)
         elif can_pack(weight):
             self.packed_heads = [pack_weight(w, batch_hint) for w in weight]
         else:
@@ -301,7 +306,7 @@ class CodePredictor(nn.Module):
         if not isinstance(self.packed_heads, torch.Tensor):  # not packed (yet), or packed for oneDNN
             return []
         if self._pass_layers is None:
-            self._pass_layers = kernel_layers(self.model.layers, self.cfg.decoder, self.packed_heads.dtype)
+            self._pass_layers = kernel_layers(self.model.layers, self.cfg.decoder, self.model.norm.weight.dtype)
         return self._pass_layers
 
     def _kernel_frame(
@@ -448,7 +453,8 @@ class CodePredictor(nn.Module):
             raise ValueError(f"{len(generators)} generators for {batch} rows")
         sampled, noise = draw_residual_noise(generators, self.num_code_groups - 1, self.top_k, talker_hidden.device)
         args = [talker_hidden, code0_embed.to(talker_hidden.dtype), sampled, noise]
-        if self.pass_layers() and talker_hidden.dtype == self.packed_heads.dtype and talker_hidden.device.type == "cpu":
+        if (self.pass_layers() and talker_hidden.dtype == self.model.norm.weight.dtype
+                and talker_hidden.device.type == "cpu"):
             with torch.inference_mode():
                 residual, embed_sum = self._kernel_frame(*args)
             return torch.cat((code0[:, None], residual), dim=1), embed_sum

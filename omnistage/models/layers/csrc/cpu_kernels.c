@@ -403,6 +403,10 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
 
 DEFINE_LAYER(f32, float, float, float)
 DEFINE_LAYER(bf16, uint16_t, float, float)
+#if LANES == 16
+/* float32 rows on bfloat16 pairs: a float32 model's experts where its weights are bfloat16 values */
+DEFINE_LAYER(f32p, uint16_t, float, float)
+#endif
 DEFINE_MOE_PHASES(bf16x, uint16_t, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
 DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
@@ -910,6 +914,10 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
     }
 
 DEFINE_DECODER_LAYERS(f32, f32, float, float, f32p)
+#if LANES == 16
+/* a float32 model whose panels are bfloat16 pairs (its weights bfloat16 values): half the bytes, the same bits */
+DEFINE_DECODER_LAYERS(f32p, f32, uint16_t, float, f32p)
+#endif
 /* (AMX CPUs have AVX512-BF16: bfloat16 decoders with AMX weights take the dot-product variant, never this one) */
 DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t, bf16x)
 #if defined(__AVX512BF16__)
