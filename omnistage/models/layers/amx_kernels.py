@@ -31,6 +31,7 @@ from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 
 _SOURCE = Path(__file__).with_name("csrc") / "amx_kernels.c"
 _BLOCK = 32  # outputs per weight block, channels per input chunk
+_ROW_CHUNK = 128  # output rows per job (MCHUNK in amx_kernels.c)
 ENV = "OMNISTAGE_AMX_KERNELS"
 
 
@@ -43,10 +44,8 @@ def _build() -> ctypes.CDLL:
     if library.amx_init() != 0:
         raise RuntimeError("Linux refused this process AMX tile state")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.amx_split.restype = None
-    library.amx_split.argtypes = [i64, i64, i64, p, i64, i32, i32, p, i64, i32]
     library.amx_conv.restype = None
-    library.amx_conv.argtypes = [i64] * 6 + [i32, i64, p, p, i64, p, p, i64, i32, i32, i32]
+    library.amx_conv.argtypes = [i64] * 7 + [p, i64, i32, p, i64, p, p, i64, i32, i32, p, i64, i32]
     return library
 
 
@@ -138,13 +137,11 @@ def conv(
     threads = torch.get_num_threads()
     parts = 3 if x.dtype == torch.float32 else 1
     cp = weight.padded_channels
-    plane = (batch * length + _BLOCK) * cp  # slack: the last row block's padding rows read past the signal
-    planes = scratch("amx-planes", parts * plane, torch.bfloat16)
+    stride = (_ROW_CHUNK + (weight.taps - 1) * dilation) * cp * parts  # each thread's planes
+    planes = scratch("amx-planes", threads * stride, torch.bfloat16)
     rows = x.reshape(batch * length, channels)
-    if rows.stride(-1) != 1:
+    if rows.stride(-1) != 1 or (batch > 1 and rows.stride(0) * length != x.stride(0)):
         rows = rows.contiguous()
-    library.amx_split(batch * length, channels, cp, rows.data_ptr(), rows.stride(0), int(x.dtype == torch.bfloat16),
-                      parts, planes.data_ptr(), plane, threads)
     if residual is None:
         out = x.new_empty(batch, out_length, weight.outputs)
     else:
@@ -153,9 +150,10 @@ def conv(
         out = residual
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    library.amx_conv(batch, length, out_length, cp, weight.taps, dilation, parts, plane, planes.data_ptr(),
-                     weight.data.data_ptr(), weight.outputs, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                     weight.outputs, int(x.dtype == torch.bfloat16), int(residual is not None), threads)
+    library.amx_conv(batch, length, out_length, channels, cp, weight.taps, dilation, rows.data_ptr(), rows.stride(0),
+                     int(x.dtype == torch.bfloat16), weight.data.data_ptr(), weight.outputs,
+                     0 if bias is None else bias.data_ptr(), out.data_ptr(), weight.outputs,
+                     int(x.dtype == torch.bfloat16), int(residual is not None), planes.data_ptr(), stride, threads)
     return out
 
 

@@ -12,18 +12,12 @@
  * float32 GEMM's by float32 summation rounding only. `parts` 1 is a plain bfloat16 product (bfloat16 inputs).
  *
  * Layouts:
- *   planes  [parts][rows][CP] bfloat16, CP a multiple of 32 (zero past the signal's C channels), with at
- *           least 32 + (taps - 1) * dil rows of slack after the last row a call reads (the last row block's
- *           padding rows read them; their outputs are not stored);
+ *   planes  [parts][rows][CP] bfloat16, CP a multiple of 32 (zero past the signal's C channels): a job's input
+ *           rows split into a thread's buffer (amx_conv) or a phase call's rows (amx_phase_linear);
  *   weights [NP/32][taps * CP / 2][32][2] bfloat16: per block of 32 outputs, pairs of consecutive inputs
  *           (input k = tap * CP + channel), each pair's two values side by side per output (the layout of an
  *           AMX B tile, two of which cover the block's 32 outputs);
  *   out     [rows][ldo] float32 or bfloat16, N valid outputs per row.
- *
- * A call: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of
- *         plane[b * TI + t + tap * dil][c] * w[n][tap][c].
- * Threads take jobs of 128 output rows x a share of the output blocks; each job's rows of the planes stay in
- * L2 while the weights stream through, 32 x 32 outputs (4 accumulator tiles) at a time.
  */
 #include <stdint.h>
 #include <string.h>
@@ -82,16 +76,6 @@ static inline void split_row(const void *x, int x_bf16, int64_t C, int64_t CP, i
             rest = _mm512_sub_ps(rest, widen_bf16(part));
         }
     }
-}
-
-/* Rows of x (float32 or bfloat16, row stride ldx elements, C channels) -> `parts` planes of CP channels
- * (plane stride `plane` elements), zero past C. */
-void amx_split(int64_t rows, int64_t C, int64_t CP, const void *x, int64_t ldx, int x_bf16, int parts,
-               uint16_t *planes, int64_t plane, int threads) {
-    const size_t esize = x_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; r++)
-        split_row((const char *)x + r * ldx * esize, x_bf16, C, CP, parts, planes + r * CP, plane);
 }
 
 /* 32 (or `cols` < 32) outputs of one row from the accumulators' float32 `acc`, plus bias, into out. */
@@ -158,12 +142,35 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
     _tile_stored(3, acc + 16 * 32 + 16, 128);
 }
 
+/* A job's planes: rows [first, first + count) of batch item b's TI input rows (x: B * TI rows, ldx apart, float32
+ * or bfloat16, C channels), split into `parts` planes of CP channels (`plane` elements apart); rows past TI are
+ * zeros (the last row block's padding rows read them; their outputs are not stored). */
+static void split_rows(const void *x, int64_t ldx, int x_bf16, int64_t b, int64_t TI, int64_t first, int64_t count,
+                       int64_t C, int64_t CP, int parts, uint16_t *planes, int64_t plane) {
+    const size_t esize = x_bf16 ? 2 : 4;
+    for (int64_t r = 0; r < count; r++) {
+        if (first + r < TI) {
+            split_row((const char *)x + ((b * TI + first + r) * ldx) * esize, x_bf16, C, CP, parts, planes + r * CP,
+                      plane);
+        } else {
+            for (int p = 0; p < parts; p++) memset(planes + p * plane + r * CP, 0, (size_t)CP * 2);
+        }
+    }
+}
+
+/* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of x[b * TI + t + tap * dil][c] *
+ * w[n][tap][c] (x: float32 or bfloat16 rows, ldx elements apart, C channels; three parts for float32). Each job
+ * (up to 128 output rows of one batch item, a share of the output blocks) first splits the input rows it reads
+ * into this thread's planes (`scratch`, `stride` elements a thread: (128 + (taps - 1) dil) * CP * parts), which
+ * then stay in L2 while the weights stream through: the signal is read once, no planes go through memory. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
-    int64_t B, int64_t TI, int64_t TO, int64_t CP, int64_t taps, int64_t dil, int parts, int64_t plane,
-    const uint16_t *a, const uint16_t *w, int64_t N, const float *bias, void *out, int64_t ldo, int out_bf16,
-    int accumulate, int threads) {
-    const int64_t K = taps * CP, nblocks = (N + 31) / 32;
+    int64_t B, int64_t TI, int64_t TO, int64_t C, int64_t CP, int64_t taps, int64_t dil, const void *x, int64_t ldx,
+    int x_bf16, const uint16_t *w, int64_t N, const float *bias, void *out, int64_t ldo, int out_bf16,
+    int accumulate, uint16_t *scratch, int64_t stride, int threads) {
+    const int parts = x_bf16 ? 1 : 3;
+    const int64_t K = taps * CP, nblocks = (N + 31) / 32, halo = (taps - 1) * dil;
     const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + MCHUNK / 32 - 1) / (MCHUNK / 32);
+    const int64_t plane = (MCHUNK + halo) * CP;
     /* Output blocks split into groups when there are too few row chunks to keep every thread busy. */
     int64_t groups = (2 * threads + B * chunks - 1) / (B * chunks);
     if (groups > nblocks) groups = nblocks;
@@ -172,6 +179,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     const size_t esize = out_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        uint16_t *planes = scratch + tid * stride;
         load_tile_config();
         float acc[32 * 32] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic)
@@ -179,9 +191,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
             const int64_t b = job / (chunks * groups), chunk = job / groups % chunks, group = job % groups;
             const int64_t m0 = chunk * MCHUNK, m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
             const int64_t nb1 = (group + 1) * per_group < nblocks ? (group + 1) * per_group : nblocks;
+            split_rows(x, ldx, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
             for (int64_t nb = group * per_group; nb < nb1; nb++) {
                 for (int64_t m = m0; m < m1; m += 32) {
-                    block_32x32(a + (b * TI + m) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
+                    block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
                     const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
                     for (int64_t r = 0; r < rows; r++)
                         store_row(acc + r * 32, bias ? bias + n0 : 0,
