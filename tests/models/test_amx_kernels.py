@@ -67,6 +67,37 @@ def test_conv_equals_float64(batch, length, channels, outputs, taps, dilation):
     assert float32.shape == got.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_after_left_context_through_snake_equals_float64(dtype):
+    """The fused form: ``left`` rows as they are, then x through SnakeBeta, never stored: equals the float64
+    convolution of cat(left, snake(x)); without ``left`` (a kernel-1 convolution's) too, with a residual."""
+    gen = torch.Generator().manual_seed(9)
+    w = _bf16_valued(48, 40, 7, seed=10, scale=0.15)
+    packed = amx_kernels.pack(w)
+    bias = torch.randn(48, generator=gen)
+    alpha, scale = torch.rand(40, generator=gen) + 0.5, torch.rand(40, generator=gen) + 0.5
+    x, left = (torch.randn(3, n, 40, generator=gen).to(dtype) for n in (50, 12))
+    snaked = x.double() + (torch.sin(x.double() * alpha.double()) * scale.double()) ** 2
+    expect = _reference(torch.cat((left.double(), snaked), 1), w, bias, 2)
+    got = amx_kernels.conv(x, packed, 2, bias, left=left, snake=(alpha, scale))
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # (bfloat16: the activation rounded before the product)
+    assert got.dtype == dtype and got.shape == expect.shape
+    assert (got.double() - expect).abs().max().item() <= tol * expect.abs().max().item()
+    point = amx_kernels.pack(_bf16_valued(40, 40, seed=11, scale=0.15))
+    residual = torch.randn(3, 50, 40, generator=gen).to(dtype)
+    want = _reference(snaked, _unpack(point), None, 1) + residual.double()
+    got = amx_kernels.conv(x, point, 1, None, residual.clone(), snake=(alpha, scale))
+    assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+def _unpack(weight: amx_kernels.AmxWeight) -> torch.Tensor:
+    """An AmxWeight's values as a float32 convolution weight [N, C, taps]."""
+    n_blocks, half_k = weight.data.shape[:2]
+    k = weight.data.permute(0, 2, 1, 3).reshape(n_blocks * 32, half_k * 2).float()
+    per_tap = k.view(-1, weight.taps, weight.padded_channels)[: weight.outputs, :, : weight.channels]
+    return per_tap.permute(0, 2, 1).contiguous()
+
+
 def test_a_row_does_not_depend_on_its_batch():
     """Each request's rows give the same bits alone or among others, at any position in the row tiles."""
     w = _bf16_valued(64, 48, 7, seed=4, scale=0.15)
@@ -114,7 +145,8 @@ def test_layers_on_amx_equal_their_other_kernels(make):
 
 def test_code2wav_on_amx_equals_the_reference_kernels():
     """Code2Wav's ``fast`` packing puts its decoder convolutions on AMX (weights stored as bfloat16 values):
-    one-shot and streamed, the waveform equals the reference kernels' within float32 rounding."""
+    one-shot and streamed, the waveform equals the reference kernels' within float32 rounding (SnakeBeta and the
+    left context applied inside the kernel, the streams' histories gathered from the inputs)."""
     config = Code2WavConfig(
         codebook_size=64, num_quantizers=8, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, sliding_window=16, decoder_dim=128,

@@ -38,14 +38,14 @@ ENV = "OMNISTAGE_AMX_KERNELS"
 def _build() -> ctypes.CDLL:
     if not torch.cpu._is_amx_tile_supported():
         raise RuntimeError("this CPU has no AMX tiles")
-    library = build_library(_SOURCE)
+    library = build_library(_SOURCE, ("-lmvec", "-lm"))  # (glibc's vector sinf)
     if not hasattr(library, "amx_conv"):
         raise RuntimeError("the compiler built no AMX code for this CPU")
     if library.amx_init() != 0:
         raise RuntimeError("Linux refused this process AMX tile state")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.amx_conv.restype = None
-    library.amx_conv.argtypes = [i64] * 7 + [p, i64, i32, p, i64, p, p, i64, i32, i32, p, i64, i32]
+    library.amx_conv.argtypes = [i64] * 7 + [p, i64, p, i64, p, p, i32, p, i64, p, p, i64, i32, i32, p, i64, i32]
     return library
 
 
@@ -121,18 +121,27 @@ def pack(weight: torch.Tensor) -> AmxWeight:
 
 def conv(
     x: torch.Tensor, weight: AmxWeight, dilation: int = 1, bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None, left: torch.Tensor | None = None,
+    snake: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Convolution of x [B, T, C] (float32 or bfloat16, already carrying its left context) with ``weight`` at
-    ``dilation``, stride 1 -> [B, T - (taps - 1) * dilation, N] in x's dtype, plus ``bias`` and ``residual``
-    (contiguous, of the result's shape and dtype: the sum is written into it and returned)."""
+    """Convolution at ``dilation``, stride 1, of the signal [B, H + T, C] that is ``left`` [B, H, C] (as it is;
+    none: H = 0) followed by x [B, T, C] (through SnakeBeta ``x + (sin(x alpha) scale)^2`` where ``snake`` =
+    (alpha, scale) per channel), float32 or bfloat16 -> [B, H + T - (taps - 1) * dilation, N] in x's dtype, plus
+    ``bias`` and ``residual`` (contiguous, of the result's shape and dtype: the sum is written into it and
+    returned). The activated signal is never stored: each job activates and splits the rows it reads."""
     batch, length, channels = x.shape
     if channels != weight.channels or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"x must be [B, T, {weight.channels}] float32 or bfloat16 on the CPU, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    out_length = length - (weight.taps - 1) * dilation
+    held = 0 if left is None else left.shape[1]
+    if left is not None:
+        if left.shape != (batch, held, channels) or left.dtype != x.dtype:
+            raise ValueError(f"left must be [{batch}, H, {channels}] {x.dtype}, got {tuple(left.shape)} {left.dtype}")
+        left = left.contiguous()
+    out_length = held + length - (weight.taps - 1) * dilation
     if out_length < 1:
-        raise ValueError(f"{length} inputs give no output of a {weight.taps}-tap convolution at dilation {dilation}")
+        raise ValueError(f"{held + length} inputs give no output of a {weight.taps}-tap convolution at dilation "
+                         f"{dilation}")
     library = _lazy.require()
     threads = torch.get_num_threads()
     parts = 3 if x.dtype == torch.float32 else 1
@@ -150,10 +159,13 @@ def conv(
         out = residual
     if bias is not None:
         bias = bias.detach().float().contiguous()
-    library.amx_conv(batch, length, out_length, channels, cp, weight.taps, dilation, rows.data_ptr(), rows.stride(0),
-                     int(x.dtype == torch.bfloat16), weight.data.data_ptr(), weight.outputs,
-                     0 if bias is None else bias.data_ptr(), out.data_ptr(), weight.outputs,
-                     int(x.dtype == torch.bfloat16), int(residual is not None), planes.data_ptr(), stride, threads)
+    alpha, scale = (None, None) if snake is None else (t.detach().float().contiguous() for t in snake)
+    bf16 = int(x.dtype == torch.bfloat16)
+    library.amx_conv(batch, held + length, out_length, channels, cp, weight.taps, dilation, rows.data_ptr(),
+                     rows.stride(0), 0 if left is None else left.data_ptr(), held,
+                     0 if alpha is None else alpha.data_ptr(), 0 if scale is None else scale.data_ptr(), bf16,
+                     weight.data.data_ptr(), weight.outputs, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                     weight.outputs, bf16, int(residual is not None), planes.data_ptr(), stride, threads)
     return out
 
 

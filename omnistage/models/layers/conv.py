@@ -129,6 +129,17 @@ class CausalConv1d(nn.Module):
             raise ValueError(f"streaming needs stride 1, this convolution has stride {self.stride}")
         return self.left_pad
 
+    def amx_channels_last(
+        self, x: torch.Tensor, left: torch.Tensor | None, snake: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``apply_padded_channels_last`` of the inputs ``left`` [B, H, C_in] (its left context: zeros or a
+        stream's carried inputs; None for none) then x [B, T, C_in] through SnakeBeta ``snake`` = (alpha, scale),
+        on AMX tiles (``use_amx`` took the weight): the activated, concatenated inputs are never stored."""
+        if residual is not None and not residual.is_contiguous():
+            residual = residual.contiguous()
+        return amx_kernels.conv(x, self.amx_weight, self.conv.dilation[0], self.conv.bias, residual, left, snake)
+
     def forward_stream(
         self, hidden: torch.Tensor, history: torch.Tensor, valid: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

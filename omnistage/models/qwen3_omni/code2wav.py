@@ -334,6 +334,15 @@ def _conv_channels_last(
     prepended by the pass that computes SnakeBeta, or by the copy that converts ``x``'s layout when ``x``
     is a [B, C, T] signal viewed as [B, T, C]."""
     context = conv.history_size
+    if conv.amx_weight is not None and x.device.type == "cpu" and (context or snake is not None):
+        # AMX tiles: the kernel activates and splits the rows it reads; only the next history is kept
+        left = None
+        if context:
+            left = (x.new_zeros((x.shape[0], context, x.shape[2])) if stream is None
+                    else stream.history_channels_last(conv).contiguous())
+        if stream is not None and context:
+            stream.keep_activated_channels_last(conv, left, x, None if snake is None else snake.forward_channels_last)
+        return conv.amx_channels_last(x, left, None if snake is None else snake.amx_parameters(), residual)
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
@@ -378,6 +387,10 @@ class SnakeBeta(nn.Module):
         y = torch.sin(x * alpha)
         y.mul_(y).div_(beta + 1e-9).add_(x)
         return y
+
+    def amx_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha, scale): ``(sin(x * alpha) * scale)^2 + x``, as ``amx_kernels.conv`` applies it."""
+        return self.alpha.exp(), (self.beta.exp() + 1e-9).rsqrt()
 
     def forward_channels_last(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """The same function on [B, T, C] as one compiled pass: ``(sin(x * alpha) / sqrt(beta))^2 + x``.
@@ -428,8 +441,6 @@ _SNAKE_AFTER = LazyCompiled(_snake_after, "code2wav.snake_after", dynamic_shapes
 
 
 class ResidualUnit(nn.Module):
-    AMX_POINTWISE_CHANNELS = 192
-
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
         self.act1 = SnakeBeta(dim)
@@ -442,19 +453,18 @@ class ResidualUnit(nn.Module):
 
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
         """[B, T, C] -> [B, T, C]; ``x`` is overwritten (it becomes the result). On CPU in float32 the second
-        SnakeBeta, the kernel-1 convolution and the residual run as one pass (``cpu_kernels.snake_pointwise``)."""
+        SnakeBeta, the kernel-1 convolution and the residual run as one pass (``cpu_kernels.snake_pointwise``), or
+        on AMX tiles that activate their inputs as they read them (AMX weights; as fast or faster: 96 / 192 / 384
+        channels, 2 threads, 0.31-0.44 / 0.40-0.47 / 0.29-0.37 s vs 0.34-0.46 / 0.42-0.51 / 0.32-0.42 s a unit)."""
         h = _conv_channels_last(self.conv1, x, stream, self.act1)
         conv = self.conv2.conv
-        # (under AMX_POINTWISE_CHANNELS channels the one fused pass beats the AMX tiles, which need their own
-        # passes over these long signals: 96 channels 0.29 vs 0.37 s, 192 channels 0.28 vs 0.26 s per unit)
-        if ((self.conv2.amx_weight is None or x.shape[-1] < self.AMX_POINTWISE_CHANNELS) and conv.bias is not None
-                and x.is_contiguous() and cpu_kernels.supports_snake_pointwise(x)):
+        if (self.conv2.amx_weight is None and conv.bias is not None and x.is_contiguous()
+                and cpu_kernels.supports_snake_pointwise(x)):
             panels = derived(self.conv2, "_cl_panels", conv.weight, lambda w: cpu_kernels.pack_linear(w[:, :, 0]))
             alpha = self.act2.alpha.exp()
             scale = (self.act2.beta.exp() + 1e-9).rsqrt()
             return cpu_kernels.snake_pointwise(h, alpha, scale, panels, conv.bias, x)
-        h = self.act2.forward_channels_last(h)
-        return _conv_channels_last(self.conv2, h, stream, residual=x)
+        return _conv_channels_last(self.conv2, h, stream, self.act2, residual=x)
 
 
 class DecoderBlock(nn.Module):

@@ -4,7 +4,7 @@ take it) and ``code2wav_stream`` (which builds it) both depend on it and not on 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -97,3 +97,16 @@ class StreamStep:
         so the large ``extended`` is freed (and its memory reused) as soon as the convolution is done."""
         kept = slide_window(extended, self.valid, conv.history_size, dim=1)
         self.updated[conv] = (kept.clone() if isinstance(self.valid, int) else kept).transpose(1, 2)
+
+    def keep_activated_channels_last(self, conv: CausalConv1d, history: torch.Tensor, x: torch.Tensor,
+                                     snake: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """``keep_channels_last`` for inputs that were never stored: the history [B, H, C_in] followed by
+        ``snake(x)`` (x [B, W, C_in]); only the H kept rows of each are gathered and activated."""
+        size = conv.history_size
+        batch, _, channels = x.shape
+        idx = torch.as_tensor(self.valid, device=x.device).reshape(-1, 1).expand(batch, 1) + torch.arange(
+            size, device=x.device)  # [B, H]: the kept rows' places in history + new
+        new = x.gather(1, (idx - size).clamp(min=0)[..., None].expand(-1, -1, channels))
+        old = history.gather(1, idx.clamp(max=size - 1)[..., None].expand(-1, -1, channels))
+        kept = torch.where((idx >= size)[..., None], new if snake is None else snake(new), old)
+        self.updated[conv] = kept.transpose(1, 2)

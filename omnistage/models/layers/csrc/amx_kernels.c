@@ -54,20 +54,23 @@ static inline __m512 widen_bf16(__m512i halves) { return _mm512_castsi512_ps(_mm
 
 /* One row (float32 or bfloat16, C channels) -> `parts` planes' rows of CP channels (`plane` elements apart), zero
  * past C: hi = the value rounded, then each part the rest rounded (the rest of float32 after three is 0). */
+/* glibc's 16-lane sinf (libmvec), for SnakeBeta on the way into the planes */
+__m512 _ZGVeN16v_sinf(__m512 x);
+
 static inline void split_row(const void *x, int x_bf16, int64_t C, int64_t CP, int parts, uint16_t *p0,
-                             int64_t plane) {
+                             int64_t plane, const float *alpha, const float *scale) {
     for (int64_t c = 0; c < CP; c += 16) {
         const int64_t n = C - c >= 16 ? 16 : C - c > 0 ? C - c : 0;
         const __mmask16 m = (__mmask16)((1u << n) - 1u);
         __m512i hi;
-        __m512 v;
-        if (x_bf16) {
-            hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + c));
-            v = widen_bf16(hi);
-        } else {
-            v = _mm512_maskz_loadu_ps(m, (const float *)x + c);
-            hi = round_bf16(v);
+        __m512 v = x_bf16 ? widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + c)))
+                          : _mm512_maskz_loadu_ps(m, (const float *)x + c);
+        if (alpha) { /* SnakeBeta: v + (sin(v alpha) scale)^2 (zero past C stays zero) */
+            const __m512 y = _mm512_mul_ps(_ZGVeN16v_sinf(_mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, alpha + c))),
+                                           _mm512_maskz_loadu_ps(m, scale + c));
+            v = _mm512_fmadd_ps(y, y, v);
         }
+        hi = round_bf16(v);
         _mm256_storeu_si256((__m256i *)(p0 + c), _mm512_cvtepi32_epi16(hi));
         __m512 rest = _mm512_sub_ps(v, widen_bf16(hi)); /* exact */
         for (int p = 1; p < parts; p++) {
@@ -142,31 +145,40 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
     _tile_stored(3, acc + 16 * 32 + 16, 128);
 }
 
-/* A job's planes: rows [first, first + count) of batch item b's TI input rows (x: B * TI rows, ldx apart, float32
- * or bfloat16, C channels), split into `parts` planes of CP channels (`plane` elements apart); rows past TI are
- * zeros (the last row block's padding rows read them; their outputs are not stored). */
-static void split_rows(const void *x, int64_t ldx, int x_bf16, int64_t b, int64_t TI, int64_t first, int64_t count,
+/* A job's planes: rows [first, first + count) of batch item b's TI input rows, split into `parts` planes of CP
+ * channels (`plane` elements apart). The input's first H rows of an item are `left`'s (contiguous [B, H, C], as
+ * they are), the rest x's ([B, TI - H] rows ldx elements apart), through SnakeBeta where `alpha` is given (per
+ * channel: alpha, scale); rows past TI are zeros (the last row block's padding rows read them; their outputs
+ * are not stored). */
+static void split_rows(const void *x, int64_t ldx, const void *left, int64_t H, const float *alpha,
+                       const float *scale, int x_bf16, int64_t b, int64_t TI, int64_t first, int64_t count,
                        int64_t C, int64_t CP, int parts, uint16_t *planes, int64_t plane) {
     const size_t esize = x_bf16 ? 2 : 4;
     for (int64_t r = 0; r < count; r++) {
-        if (first + r < TI) {
-            split_row((const char *)x + ((b * TI + first + r) * ldx) * esize, x_bf16, C, CP, parts, planes + r * CP,
-                      plane);
+        const int64_t e = first + r;
+        uint16_t *dst = planes + r * CP;
+        if (e < H) {
+            split_row((const char *)left + (b * H + e) * C * esize, x_bf16, C, CP, parts, dst, plane, 0, 0);
+        } else if (e < TI) {
+            split_row((const char *)x + (b * (TI - H) + e - H) * ldx * esize, x_bf16, C, CP, parts, dst, plane,
+                      alpha, scale);
         } else {
-            for (int p = 0; p < parts; p++) memset(planes + p * plane + r * CP, 0, (size_t)CP * 2);
+            for (int p = 0; p < parts; p++) memset(dst + p * plane, 0, (size_t)CP * 2);
         }
     }
 }
 
-/* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of x[b * TI + t + tap * dil][c] *
- * w[n][tap][c] (x: float32 or bfloat16 rows, ldx elements apart, C channels; three parts for float32). Each job
+/* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of in[b][t + tap * dil][c] *
+ * w[n][tap][c], in[b] = item b's H rows of `left` then its TI - H rows of x, through SnakeBeta if `alpha` (see
+ * split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job
  * (up to 128 output rows of one batch item, a share of the output blocks) first splits the input rows it reads
  * into this thread's planes (`scratch`, `stride` elements a thread: (128 + (taps - 1) dil) * CP * parts), which
  * then stay in L2 while the weights stream through: the signal is read once, no planes go through memory. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     int64_t B, int64_t TI, int64_t TO, int64_t C, int64_t CP, int64_t taps, int64_t dil, const void *x, int64_t ldx,
-    int x_bf16, const uint16_t *w, int64_t N, const float *bias, void *out, int64_t ldo, int out_bf16,
-    int accumulate, uint16_t *scratch, int64_t stride, int threads) {
+    const void *left, int64_t H, const float *alpha, const float *scale, int x_bf16, const uint16_t *w, int64_t N,
+    const float *bias, void *out, int64_t ldo, int out_bf16, int accumulate, uint16_t *scratch, int64_t stride,
+    int threads) {
     const int parts = x_bf16 ? 1 : 3;
     const int64_t K = taps * CP, nblocks = (N + 31) / 32, halo = (taps - 1) * dil;
     const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + MCHUNK / 32 - 1) / (MCHUNK / 32);
@@ -191,7 +203,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
             const int64_t b = job / (chunks * groups), chunk = job / groups % chunks, group = job % groups;
             const int64_t m0 = chunk * MCHUNK, m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
             const int64_t nb1 = (group + 1) * per_group < nblocks ? (group + 1) * per_group : nblocks;
-            split_rows(x, ldx, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
+            split_rows(x, ldx, left, H, alpha, scale, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
             for (int64_t nb = group * per_group; nb < nb1; nb++) {
                 for (int64_t m = m0; m < m1; m += 32) {
                     block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
@@ -253,7 +265,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
     const int parts = x_bf16 ? 1 : 3;
     for (int64_t r = 0; r < MP; r++) {
         if (r < M) {
-            split_row(rows[r], x_bf16, C, CP, parts, scratch + r * CP, plane);
+            split_row(rows[r], x_bf16, C, CP, parts, scratch + r * CP, plane, 0, 0);
         } else {
             for (int p = 0; p < parts; p++) memset(scratch + p * plane + r * CP, 0, (size_t)CP * 2);
         }
