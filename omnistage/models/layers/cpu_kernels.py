@@ -33,12 +33,17 @@ path.
 
 Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
 
+A float32 model's weights that are bfloat16 values (checkpoints stored in bfloat16) are kept as bfloat16 in
+pairs of inputs (``keeps_float32_as_pairs``; the ``f32p`` tiles, AVX-512 builds): half the bytes, and exactly
+the float32 panels' bits, each product being the same.
+
 ``decoder_pass`` and ``decoder_step`` run every layer of a Qwen3(-MoE) decoder in one call: the code
 predictor's passes (15 per frame, on a few rows each) and the paged Thinker's and Talker's decode steps under
 ``fast``. As separate ops, a layer is 15-30 calls on a few rows, each with its own dispatch and thread fork and
 join (measured on the small preset's Talker, 16 rows, bfloat16, 2 threads: 19.2 ms a step layer by layer, 8.6
 ms in one call, where its 124 MB of weights take about 5 ms to read). Quantized layers (``KernelWeight`` entries)
-run in the same call through ``quant_kernels``' phases.
+run in the same call through ``quant_kernels``' phases, AMX weights (``AmxWeight`` entries: the code predictor's
+dense layers on AMX CPUs) through ``amx_kernels``' phase from 16 rows and on the pair tiles below.
 """
 
 from __future__ import annotations
