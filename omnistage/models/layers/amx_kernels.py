@@ -95,10 +95,14 @@ class AmxWeight:
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
-    """Whether every value of ``weight`` is a bfloat16 value (what three-part float32 products need)."""
+    """Whether every value of ``weight`` is a bfloat16 value (what three-part float32 products need): its low 16
+    bits are zero, checked in chunks (no temporary of the weight's size at load)."""
     if weight.dtype == torch.bfloat16:
         return True
-    return weight.dtype == torch.float32 and bool((weight.to(torch.bfloat16).float() == weight).all())
+    if weight.dtype != torch.float32:
+        return False
+    bits = weight.detach().reshape(-1).view(torch.int32)
+    return all(not bool((chunk & 0xFFFF).any()) for chunk in bits.split(1 << 22))
 
 
 def takes(weight: torch.Tensor) -> bool:
