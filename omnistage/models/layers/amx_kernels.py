@@ -1,8 +1,8 @@
 """omnistage's AMX kernels (``csrc/amx_kernels.c``): convolutions over [B, T, C] signals and linear layers as
 implicit GEMMs on Intel AMX tiles (Sapphire Rapids and later), for the compute-bound layers with many rows:
 Code2Wav's convolutions; and a phase the decoder kernels (``cpu_kernels``) call inside their parallel region
-for the code predictor's dense layers (``phase_address``), whose bfloat16 weights in AMX's layout (pairs of
-inputs) the kernels' panel tiles also read at few rows.
+for the code predictor's dense layers in bfloat16 (``phase_address``), whose weights in AMX's layout (pairs of
+inputs) the kernels' panel tiles read for float32 rows.
 
 A TDPBF16PS instruction takes 16 x 16 x 32 bfloat16 products per 16 cycles, eight times the float32 FMA units'
 rate. float32 rows stay float32-accurate: each value is split into three bfloat16 parts whose sum is the value

@@ -218,45 +218,32 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     }
 }
 
-/* acc [16][32] float32 for 16 rows (one linear layer's few rows, `plane` elements between parts): as block_32x32
- * with half the rows; parts alternate between two pairs of accumulators (so no accumulator waits on the one
- * product before it), summed at the end. */
+/* acc [16][32] float32 for up to 16 rows (one linear layer's few rows, `plane` elements between parts): as
+ * block_32x32 with half the rows, the same sums in the same order. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
     const uint16_t *a, int64_t CP, int parts, int64_t plane, const uint16_t *wb, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
     for (int64_t k = 0; k < CP; k += 32) {
         const uint16_t *wk = wb + k * 32;
         _tile_loadd(6, wk, 128);
         _tile_loadd(7, wk + 32, 128);
         for (int p = 0; p < parts; p++) {
             _tile_loadd(4, a + p * plane + k, CP * 2);
-            if ((p & 1) == 0) {
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-            } else {
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_dpbf16ps(3, 4, 7);
-            }
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
         }
     }
-    float other[16 * 32] __attribute__((aligned(64)));
     _tile_stored(0, acc, 128);
     _tile_stored(1, acc + 16, 128);
-    _tile_stored(2, other, 128);
-    _tile_stored(3, other + 16, 128);
-    if (parts > 1)
-        for (int i = 0; i < 16 * 32; i += 16)
-            _mm512_store_ps(acc + i, _mm512_add_ps(_mm512_load_ps(acc + i), _mm512_load_ps(other + i)));
 }
 
 /* A linear layer inside the caller's parallel region (cpu_kernels.c's decoder kernels, as quant_kernels.c's
  * phases): every thread of the region calls it. Each thread splits the M rows (pointers, float32 or bfloat16)
  * into its own planes (`scratch`, round32(M) * CP * 3 bfloat16 values: no barrier before the product), then the
- * 32 x 32 output blocks (16 x 32 for up to 16 rows) are shared out (an orphaned omp for, ending in its barrier). w: the weight's words
- * (data address, N, CP, C); out's rows ldo apart; add: out += the product, rounded to out's type first. */
+ * 32 x 32 output blocks (16 x 32 for up to 16 rows: the same sums) are shared out (an orphaned omp for, ending in
+ * its barrier). w: the weight's words (data address, N, CP, C); out's rows ldo apart; add: out += the product,
+ * rounded to out's type first. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
     const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out, int64_t ldo, int out_bf16,
     int add, uint16_t *scratch) {

@@ -689,18 +689,17 @@ typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t
                              int64_t *where);
 /* A layer's linear layer `slot` over rows_in: quantized (L_QUANT) or panels of N (padded) columns; out's rows
  * are N wide either way. */
-/* AMX weights serve from this many rows on; fewer rows take the same weights ([K/2][32][2] bfloat16, K a multiple
- * of 32) on panel tiles (PAIRED: f32p, or the dot-product variant), as the AMX tiles' 16 rows are mostly padding
- * there. Code predictor frames at the released widths (2 layers, 2 threads, Xeon Emerald Rapids; ms per frame,
- * float32 panels -> AMX weights): 1 row 50 -> 29 (float32: half the bytes), 4 rows 127 -> 50, 16 rows 150-190 ->
- * 110-150; bfloat16 panels -> AMX weights: 1 and 4 rows equal (the same dot-product tiles), 16 rows 160 -> 60-100. */
-#define AMX_MIN_ROWS 16
+/* AMX weights ([K/2][32][2] bfloat16, K a multiple of 32): bfloat16 rows on AMX tiles, float32 rows on the pair
+ * panel tiles (PAIRED: f32p, the float32 panels' bits), whatever the row count, so a row's result never depends on
+ * its batch mates. Code predictor frames at the released widths (2 layers, 2 threads, Xeon Emerald Rapids, ms),
+ * bfloat16 dot-product panels -> AMX tiles: 1 row 26-29 -> 27-28, 4 rows 92 -> 47, 16 rows 175 -> 77; float32
+ * panels -> pair tiles (half the bytes): 1 / 4 / 16 rows 50 / 127 / 150-190 -> 29-43 / 50-75 / 100-115. */
 #define LAYER_LINEAR(SUFFIX, PAIRED, T, WT, slot, K, N, out, add)                                          \
     do {                                                                                                   \
         if (a[L_QUANT] >> (slot) & 1)                                                                      \
             ((quant_linear_fn)bufs[B_QLINEAR])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, \
                                                out, N, bf16, add, (float *)bufs[B_QX], (float *)bufs[B_QY]); \
-        else if ((a[L_AMX] >> (slot) & 1) && R >= AMX_MIN_ROWS)                                            \
+        else if ((a[L_AMX] >> (slot) & 1) && bf16)                                                         \
             ((amx_linear_fn)bufs[B_AMX])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, out, N, \
                                          bf16, add, (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE]); \
         else if (a[L_AMX] >> (slot) & 1)                                                                   \
