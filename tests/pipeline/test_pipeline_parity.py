@@ -167,6 +167,30 @@ def test_batch_invariance_alone_vs_mixed_with_abort(engine, concurrent):
     assert_all_free(engine)
 
 
+def test_batch_invariance_of_a_checkpoint_stored_in_bfloat16_served_in_float32(tmp_path):
+    """Weights that are bfloat16 values take other kernels in a float32 model (bfloat16 pair panels everywhere;
+    on AMX CPUs Code2Wav's convolutions on AMX tiles): each request's tokens, codes and audio are still the same
+    alone as among others."""
+    import dataclasses
+
+    from omnistage.checkpoints.builder import build_checkpoint
+    from omnistage.checkpoints.presets import get_preset
+
+    ckpt = build_checkpoint(tmp_path, dataclasses.replace(get_preset("tiny"), storage_dtype="bfloat16"), seed=3)
+    eng = make_engine(ckpt)
+    if cpu_kernels.available() and cpu_kernels._has_pairs():
+        thinker = eng.orchestrator.stages["thinker"].runner.model.thinker
+        panels = [m.panels for m in thinker.modules() if isinstance(m, PackedLinear) and m.panels is not None]
+        assert panels and all(p.dtype == torch.bfloat16 for p in panels)
+    together = run(eng, {0: [0, 1, 2]})
+    for i in range(len(PROMPTS)):
+        alone = run(eng, {0: [i]})[i]
+        assert alone["tokens"] == together[i]["tokens"]
+        assert torch.equal(alone["codes"], together[i]["codes"])
+        assert (alone["audio"] - together[i]["audio"]).abs().max().item() <= 1e-5
+    assert_all_free(eng)
+
+
 def test_text_only_request_never_reaches_the_talker(engine):
     seen = []
 
