@@ -48,6 +48,8 @@ from benchmarks.roofline import (
     decoder_forward_work,
     logits_work,
     measure_peaks,
+    read_dtype,
+    stored_dtype,
 )
 from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
@@ -226,9 +228,10 @@ def code2wav_frame_flops(c2w) -> float:
     return _FRAME_FLOPS[c2w]
 
 
-def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
+def attach_component_timers(engine, dtype: torch.dtype, model_dir: str) -> StageTimers:
     """Each stage's model calls, the Talker's code predictor and the AR sampler (these never nest). Work
-    models (for the bound) where the model's shape is known: Qwen3-Omni's decoders and Code2Wav."""
+    models (for the bound) where the model's shape is known: Qwen3-Omni's decoders and Code2Wav; a decoder's
+    weights counted at the width the checkpoint stores them in where narrower than ``dtype``."""
     import omnistage.runner.ar_runner as ar_runner
     from omnistage.models.layers.decoder import DecoderConfig
 
@@ -245,13 +248,14 @@ def attach_component_timers(engine, dtype: torch.dtype) -> StageTimers:
             continue
         part = getattr(model, name, None)  # Qwen3-Omni: ThinkerStageModel.thinker, TalkerStageModel.talker
         cfg = getattr(part, "cfg", None)
-        shape = DecoderShape.from_config(cfg, dtype) if isinstance(cfg, DecoderConfig) else None
+        stored = stored_dtype(model_dir, f"{name}.")
+        shape = DecoderShape.from_config(cfg, dtype, stored) if isinstance(cfg, DecoderConfig) else None
         timers.attach(model, "forward", name, decoder_forward_work(shape) if shape else None)
         timers.attach(model, "compute_logits", name,
-                      logits_work(cfg.hidden_size, part.vocab_size, dtype) if shape else None)
+                      logits_work(cfg.hidden_size, part.vocab_size, read_dtype(dtype, stored)) if shape else None)
         predictor = getattr(part, "code_predictor", None)
         if predictor is not None:
-            cp_shape = DecoderShape.from_config(predictor.cfg.decoder, dtype)
+            cp_shape = DecoderShape.from_config(predictor.cfg.decoder, dtype, stored)
             # The serving path (whole compiled frame) where it exists, else the eager one.
             serving = "complete_frames" if hasattr(part, "complete_frames") else "predict_codes"
             timers.attach(part, serving, CODE_PREDICTOR,
@@ -579,7 +583,8 @@ def main() -> None:
           f"{hf_thinker}/{hf_talker} tokens, {args.hf_requests} requests one by one, float32; audio chunks: "
           f"{dict(pipeline.stage(stages[-1]).bridge_args)}")
     dtypes = list(dict.fromkeys(c.dtype for c in args.configs))
-    peaks_before = {d: measure_peaks(getattr(torch, d)) for d in dtypes}
+    bf16_weights = stored_dtype(model) == torch.bfloat16  # (float32's peak: AMX's exact products count)
+    peaks_before = {d: measure_peaks(getattr(torch, d), bf16_weights=bf16_weights) for d in dtypes}
     # transformers serves one request per call, so its throughput does not depend on N: measure it once,
     # on the first --hf-requests prompts, and compare every configuration and concurrency against it.
     hf_timers = attach_hf_timers(hf, family)
@@ -610,7 +615,8 @@ def main() -> None:
             engine = build(config)
         print(memory_line(config, engine), flush=True)
         # Model timers need the models in this process; stage workers get the trace and transport lines.
-        timers = attach_component_timers(engine, getattr(torch, config.dtype)) if engine.workers is None else None
+        timers = (attach_component_timers(engine, getattr(torch, config.dtype), model) if engine.workers is None
+                  else None)
         depth = depth_factors(engine) if timers is not None and family == "qwen3_omni" else None
         for n in args.concurrency:
             best = None
@@ -640,10 +646,14 @@ def main() -> None:
     lines = []
     for dtype_name in dtypes:
         # Measured before and after the runs, the better kept: the neighbours' load only ever lowers a peak.
-        peaks = peaks_before[dtype_name].best(measure_peaks(getattr(torch, dtype_name)))
+        peaks = peaks_before[dtype_name].best(measure_peaks(getattr(torch, dtype_name), bf16_weights=bf16_weights))
         lines.append(f"peaks ({dtype_name}, {args.threads} threads, better of before/after the runs): GEMM "
                      f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
-                     f"bound = max(GFLOP / GEMM peak, GB / read peak)")
+                     f"bound = max(GFLOP / GEMM peak, GB / read peak)"
+                     + ("; the checkpoint stores bfloat16: weights counted at 2 bytes, float32's GEMM peak the "
+                        "better of torch's float32 matmul and a third of its bfloat16 one (AMX's exact three-part "
+                        "products)"
+                        if bf16_weights and dtype_name == "float32" else ""))
         for config, n, ours, comps, steps, depth in measured:
             if config.dtype != dtype_name or comps is None:
                 continue

@@ -5,7 +5,12 @@ serving dtype, best of several) and memory read GB/s (a sum over a buffer far la
 of several). A component's bound is max(flops / GEMM peak, bytes / read peak): the time it would take if it
 only did its matmul work at full speed, or only streamed the weights and KV it must read at full bandwidth.
 Work per call is estimated from the call's shapes and the model config (what a call must do, not what a
-kernel happens to do), so the bound does not depend on how omnistage computes it.
+kernel happens to do), so the bound does not depend on how omnistage computes it. Weights count at the
+narrower of the serving dtype and the checkpoint's stored one (``stored_dtype``): float32 serving of a
+checkpoint stored in bfloat16 must read no more than its bfloat16 values (omnistage holds them so), while
+KV entries and activations are in the serving dtype. float32's GEMM peak on a CPU with AMX and weights that
+are bfloat16 values is the better of torch's float32 matmul and a third of its bfloat16 one (AMX's exact
+three-part products, ``amx_kernels``): the fastest exact float32 arithmetic the machine has for those weights.
 """
 
 from __future__ import annotations
@@ -44,14 +49,55 @@ def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure_peaks(dtype: torch.dtype, repeats: int = 10, gemm_size: int = 2048, read_mib: int = 256) -> Peaks:
-    """GEMM GFLOP/s in ``dtype`` and read GB/s, at the current ``torch.get_num_threads()``."""
+def measure_peaks(dtype: torch.dtype, repeats: int = 10, gemm_size: int = 2048, read_mib: int = 256,
+                  bf16_weights: bool = False) -> Peaks:
+    """GEMM GFLOP/s in ``dtype`` and read GB/s, at the current ``torch.get_num_threads()``. ``bf16_weights``
+    (float32 only): the weights are bfloat16 values, so AMX's three-part products count where the CPU has them:
+    a third of the bfloat16 GEMM rate."""
     a = torch.randn(gemm_size, gemm_size).to(dtype)
     b = torch.randn(gemm_size, gemm_size).to(dtype)
     gemm = 2 * gemm_size**3 / _best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+    if dtype == torch.float32 and bf16_weights:
+        from omnistage.models.layers import amx_kernels
+
+        if amx_kernels.available():  # three bfloat16 products per float32 one
+            gemm = max(gemm, measure_peaks(torch.bfloat16, repeats, gemm_size, read_mib=1).gemm_gflops / 3)
     buf = torch.ones(read_mib * 1024 * 1024 // 4)  # float32: the read rate does not depend on the dtype
     read = buf.numel() * 4 / _best_seconds(buf.sum, repeats) / 1e9
     return Peaks(gemm_gflops=gemm, read_gbps=read)
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def read_dtype(serving: torch.dtype, stored: torch.dtype | None) -> torch.dtype:
+    """The width weights are read at: the narrower of the serving dtype and the stored one (None: unknown)."""
+    return stored if stored is not None and stored.is_floating_point and _bytes(stored) < _bytes(serving) else serving
+
+
+def stored_dtype(model_dir: str, prefix: str = "") -> torch.dtype | None:
+    """The dtype most of the checkpoint's floating-point tensors under ``prefix`` are stored in (by element
+    count, from the safetensors headers); None when it holds none there."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    from omnistage.models.loader import checkpoint_files
+
+    by_file: dict = {}
+    for name, path in checkpoint_files(model_dir).items():
+        if name.startswith(prefix):
+            by_file.setdefault(path, []).append(name)
+    counts: Counter = Counter()
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                piece = f.get_slice(name)
+                counts[piece.get_dtype()] += math.prod(piece.get_shape())
+    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    known = [(n, floats[d]) for d, n in counts.items() if d in floats]
+    return max(known, key=lambda item: item[0])[1] if known else None
 
 
 @dataclass(frozen=True)
@@ -67,11 +113,13 @@ class DecoderShape:
     expert_params: int  # one expert of one sparse layer
     num_experts: int
     top_k: int
-    dtype_bytes: int
+    weight_bytes: int  # per parameter, as read (see the module's note)
+    kv_bytes: int  # per cached key or value element
 
     @classmethod
-    def from_config(cls, cfg: Any, dtype: torch.dtype) -> DecoderShape:
-        """``cfg``: omnistage's DecoderConfig (``models/layers/decoder.py``)."""
+    def from_config(cls, cfg: Any, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> DecoderShape:
+        """``cfg``: omnistage's DecoderConfig (``models/layers/decoder.py``); ``dtype``: the serving dtype;
+        ``weight_dtype``: the checkpoint's stored one (``read_dtype`` picks the narrower)."""
         h, d = cfg.hidden_size, cfg.head_dim
         attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
         sparse = len(cfg.sparse_layers)
@@ -85,7 +133,7 @@ class DecoderShape:
             dense_params=cfg.num_layers * attn + (cfg.num_layers - sparse) * dense_mlp + sparse * sparse_fixed,
             expert_params=3 * h * cfg.moe_intermediate_size if sparse else 0,
             num_experts=cfg.num_experts if sparse else 0, top_k=cfg.num_experts_per_tok if sparse else 0,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
+            weight_bytes=_bytes(read_dtype(dtype, weight_dtype)), kv_bytes=_bytes(dtype),
         )
 
     def forward_work(self, rows: int, attended: float, kv_positions: float) -> tuple[float, float]:
@@ -97,7 +145,7 @@ class DecoderShape:
         touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** rows) if self.num_experts else 0.0
         weights = self.dense_params + self.sparse_layers * touched * self.expert_params
         kv = self.layers * 2 * kv_positions * self.kv_heads * self.head_dim
-        return flops, (weights + kv) * self.dtype_bytes
+        return flops, weights * self.weight_bytes + kv * self.kv_bytes
 
 
 def decoder_forward_work(shape: DecoderShape) -> WorkFn:
@@ -114,8 +162,9 @@ def decoder_forward_work(shape: DecoderShape) -> WorkFn:
 
 
 def logits_work(hidden: int, vocab: int, dtype: torch.dtype) -> WorkFn:
-    """``compute_logits(hidden [M, H])``: one [H, vocab] head over M rows."""
-    size = torch.finfo(dtype).bits // 8
+    """``compute_logits(hidden [M, H])``: one [H, vocab] head over M rows; ``dtype``: the head's as read
+    (``read_dtype``)."""
+    size = _bytes(dtype)
 
     def work(args: tuple, kwargs: dict, _out: Any) -> tuple[float, float]:
         rows = args[0].shape[0]
@@ -138,7 +187,7 @@ def code_predictor_work(shape: DecoderShape, vocab: int, groups: int) -> WorkFn:
             attended = rows * sum(first + i + 1 for i in range(new))
             f, b = shape.forward_work(rows * new, attended, rows * (first + new))
             flops += f + 2 * rows * head
-            bytes_ += b + head * shape.dtype_bytes
+            bytes_ += b + head * shape.weight_bytes
         return flops, bytes_
 
     return work

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.pipeline_bench import OVERHEAD, component_table, output_difference, stage_table
-from benchmarks.roofline import DecoderShape, Peaks, decoder_forward_work
+from benchmarks.roofline import DecoderShape, Peaks, decoder_forward_work, read_dtype, stored_dtype
 from benchmarks.stage_timers import Component, StageTimers
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
 
@@ -71,6 +71,24 @@ def test_forward_work_counts_attended_positions_per_row():
     attended = (6 + 7 + 8) + 10
     assert flops == 2 * 4 * shape.dense_params + 2 * 4 * attended * 4 * 8
     assert bytes_ == (shape.dense_params + 2 * 2 * 18 * 2 * 8) * 4
+
+
+def test_weights_count_at_the_width_the_checkpoint_stores(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"thinker.a": torch.zeros(4, 8, dtype=torch.bfloat16), "thinker.b": torch.zeros(2),
+               "code2wav.c": torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
+    assert stored_dtype(str(tmp_path), "thinker.") == torch.bfloat16  # by element count
+    assert stored_dtype(str(tmp_path), "code2wav.") == torch.float32 and stored_dtype(str(tmp_path), "x.") is None
+    assert read_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
+    assert read_dtype(torch.bfloat16, torch.float32) == torch.bfloat16 and read_dtype(torch.float32, None) == torch.float32
+    cfg = DecoderConfig(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
+                        rms_norm_eps=1e-6, rope_theta=1e4)
+    # float32 serving of a bfloat16 checkpoint: weights read at 2 bytes, the float32 KV cache at 4.
+    shape = DecoderShape.from_config(cfg, torch.float32, torch.bfloat16)
+    meta = SimpleNamespace(num_tokens=1, seq_lens=torch.tensor([5]), query_start_loc=torch.tensor([0, 1]))
+    _, bytes_ = decoder_forward_work(shape)((None, meta), {}, None)
+    assert bytes_ == shape.dense_params * 2 + 2 * 2 * 5 * 2 * 8 * 4
 
 
 def test_tables_account_for_the_whole_wall_time():
