@@ -144,7 +144,8 @@ def test_layers_on_amx_equal_their_other_kernels(make):
 
 
 def test_code2wav_on_amx_equals_the_reference_kernels():
-    """Code2Wav's ``fast`` packing puts its decoder convolutions on AMX (weights stored as bfloat16 values):
+    """Code2Wav's ``fast`` packing puts its decoder convolutions, and the pre-transformer's and upsampling
+    blocks' linear layers, on AMX (weights stored as bfloat16 values):
     one-shot and streamed, the waveform equals the reference kernels' within float32 rounding (SnakeBeta and the
     left context applied inside the kernel, the streams' histories gathered from the inputs)."""
     config = Code2WavConfig(
@@ -162,7 +163,11 @@ def test_code2wav_on_amx_equals_the_reference_kernels():
         reference = model(codes)[:, 0]
         model.reference_kernels = False
         convs = [m for m in model.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))]
-        assert model.pack_weights(16) == len(convs) - 1  # all but the last convolution (one output)
+        linears = [m for part in (model.pre_transformer, model.upsample) for m in part.modules()
+                   if type(m) is torch.nn.Linear]
+        # all but the last convolution (one output), and every linear layer before the decoder
+        assert model.pack_weights(16) == len(convs) - 1 + len(linears) and len(linears) == 2 * 7 + 2 * 2
+        assert all(m.amx_weight is not None and m.weight.numel() == 0 for m in linears)  # one copy held
         fast = model(codes)[:, 0]
     diff = (fast - reference).abs().max().item()
     assert reference.std() > 0.02 and diff <= 1e-5, diff
