@@ -173,3 +173,41 @@ def test_code2wav_on_amx_equals_the_reference_kernels():
     assert reference.std() > 0.02 and diff <= 1e-5, diff
     streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[1, 6, 23], [4, 25, 1]], rounds=12, seed=1)
     assert max((s - r).abs().max().item() for s, r in zip(streams, reference)) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_media_towers_on_amx_equal_their_unpacked_layers(tiny_ckpt, dtype):
+    """The ``fast`` option with ``many_rows`` (the media towers: every call sees a clip's frames or an image's
+    patches) puts every linear layer on AMX (weights stored as bfloat16 values), one copy held; the towers'
+    outputs equal their unpacked layers' within the dtype's rounding."""
+    import copy
+
+    from omnistage.models.layers.fast_linear import fast_kernels
+    from omnistage.models.loader import load_into
+    from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
+    from omnistage.models.qwen3_omni.config import load_config
+    from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder
+
+    cfg = load_config(tiny_ckpt).thinker_config
+    audio, vision = AudioEncoder(cfg.audio_config).eval(), VisionEncoder(cfg.vision_config).eval()
+    load_into(audio, tiny_ckpt, "thinker.audio_tower.")
+    load_into(vision, tiny_ckpt, "thinker.visual.")
+    gen = torch.Generator().manual_seed(0)
+    vc = cfg.vision_config
+    features = [torch.randn(audio.num_mel_bins, n, generator=gen).to(dtype) for n in (230, 70)]
+    grids = [(1, 4, 6), (2, 2, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), vc.in_channels * vc.temporal_patch_size * vc.patch_size**2,
+                         generator=gen).to(dtype)
+    for tower, run in ((audio, lambda m: torch.cat(m(features, [100, 100]))),
+                       (vision, lambda m: torch.cat([t.flatten() for t in m(pixels, grids)]))):
+        with torch.no_grad():
+            for p in tower.parameters():  # as a checkpoint stored in bfloat16 loads
+                p.copy_(p.to(torch.bfloat16).float())
+        tower = tower.to(dtype)
+        packed = fast_kernels(copy.deepcopy(tower), True, many_rows=True)
+        linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(getattr(m, "amx_weight", None) is not None and m.weight.numel() == 0 for m in linears)
+        with torch.inference_mode():
+            want, got = run(tower).float(), run(packed).float()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert want.std() > 0 and (got - want).abs().max().item() <= tol * want.abs().max().item()

@@ -212,9 +212,23 @@ def _to_packed(linear: nn.Linear, panels: torch.Tensor | None, packed_weight: to
 M = TypeVar("M", bound=nn.Module)
 
 
-def fast_kernels(module: M, fast: bool) -> M:
+def pack_amx_layers(module: nn.Module) -> int:
+    """Every ``nn.Linear`` under ``module`` (its weight not shared) on AMX tiles where AMX takes it
+    (``pack_amx``), for parts whose every call sees many rows (media towers, a vocoder's frames, a DiT's mel
+    frames), where the tiles run several times the panel kernels' rate; returns how many."""
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    count = sum(pack_amx(m) for m in list(module.modules()) if type(m) is nn.Linear and uses[id(m.weight)] == 1)
+    if count:
+        release_free_heap()
+    return count
+
+
+def fast_kernels(module: M, fast: bool, many_rows: bool = False) -> M:
     """A model family's ``fast`` build option (``BuildContext.fast``) for one loaded module: its linear
-    weights packed when ``fast``, untouched otherwise. Returns the module."""
+    weights packed when ``fast``, untouched otherwise; ``many_rows``: on AMX tiles first (``pack_amx_layers``).
+    Returns the module."""
     if fast:
+        if many_rows:
+            pack_amx_layers(module)
         pack_linear_weights(module)
     return module

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.fast_linear import pack_amx
+from omnistage.models.layers.fast_linear import pack_amx_layers
 from omnistage.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
 
 _TIME_FREQ_DIM = 256
@@ -392,7 +392,7 @@ class DiT(nn.Module):
         (``amx_kernels``: float32 rows as three exact parts). Every evaluation runs all of a batch's mel frames
         twice (conditioned and not): hundreds to thousands of rows, where the tiles beat the panel kernels.
         Returns how many; the others keep the panel kernels."""
-        return sum(pack_amx(m) for m in self.transformer_blocks.modules() if type(m) is nn.Linear)
+        return pack_amx_layers(self.transformer_blocks)
 
     @property
     def receptive_blocks(self) -> tuple[int, int]:

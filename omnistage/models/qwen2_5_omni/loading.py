@@ -121,5 +121,5 @@ def load_media_encoders(
         with building(dtype, device):
             tower = cls(cfg)
         load_into(tower, model_dir, prefix, dtype)
-        towers.append(fast_kernels(tower.eval(), fast))
+        towers.append(fast_kernels(tower.eval(), fast, many_rows=True))
     return MediaEncoders(*towers)

@@ -40,7 +40,7 @@ from torch import nn
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
-from omnistage.models.layers.fast_linear import pack_amx
+from omnistage.models.layers.fast_linear import pack_amx_layers
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.stream_step import StreamStep
@@ -611,8 +611,7 @@ class Code2Wav(nn.Module):
         to thousands of rows), where the tiles run several times the panel kernels' rate (released widths,
         16 x 25 frames, 2 threads: ~140 GFLOP/s in bfloat16 on panels). Returns how many."""
         convs = (m for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d)))
-        linears = (m for part in (self.pre_transformer, self.upsample) for m in part.modules() if type(m) is nn.Linear)
-        return sum(conv.use_amx() for conv in convs) + sum(pack_amx(m) for m in linears)
+        return sum(conv.use_amx() for conv in convs) + pack_amx_layers(self.pre_transformer) + pack_amx_layers(self.upsample)
 
     def uses_fast_kernels(self, device: torch.device) -> bool:
         """The channels-last kernels are CPU kernels (oneDNN, inductor's C++); other devices keep the reference

@@ -83,7 +83,7 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
         with building(dtype, device, init=tower_scheme is None and not stored):
             tower = cls(cfg)
         load_into(tower, model_dir, prefix, dtype, skip=(derived,), quantize=tower_scheme)
-        towers[attr] = fast_kernels(tower.eval(), fast)
+        towers[attr] = fast_kernels(tower.eval(), fast, many_rows=True)
     return MediaEncoders(towers["audio"], towers["vision"])
 
 
