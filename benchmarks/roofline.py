@@ -49,11 +49,13 @@ def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure_peaks(dtype: torch.dtype, repeats: int = 10, gemm_size: int = 2048, read_mib: int = 256,
+def measure_peaks(dtype: torch.dtype, repeats: int = 30, gemm_size: int = 2048, read_mib: int = 256,
                   bf16_weights: bool = False) -> Peaks:
-    """GEMM GFLOP/s in ``dtype`` and read GB/s, at the current ``torch.get_num_threads()``. ``bf16_weights``
-    (float32 only): the weights are bfloat16 values, so AMX's three-part products count where the CPU has them:
-    a third of the bfloat16 GEMM rate."""
+    """GEMM GFLOP/s in ``dtype`` and read GB/s, at the current ``torch.get_num_threads()``, the best of
+    ``repeats`` (a shared VM's rate moves: torch's bfloat16 2048^2 matmul measured 529-2258 GFLOP/s in one
+    process, Xeon with AMX, 2 threads; 10 repeats often saw only the low mode). ``bf16_weights`` (float32 only):
+    the weights are bfloat16 values, so AMX's three-part products count where the CPU has them: a third of the
+    bfloat16 GEMM rate."""
     a = torch.randn(gemm_size, gemm_size).to(dtype)
     b = torch.randn(gemm_size, gemm_size).to(dtype)
     gemm = 2 * gemm_size**3 / _best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
