@@ -211,3 +211,24 @@ def test_media_towers_on_amx_equal_their_unpacked_layers(tiny_ckpt, dtype):
             want, got = run(tower).float(), run(packed).float()
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert want.std() > 0 and (got - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch,length,channels,dilation", [(2, 300, 96, 3), (3, 77, 40, 9), (16, 129, 64, 1)])
+def test_residual_unit_in_one_pass_gives_the_two_convolutions_bits(dtype, batch, length, channels, dilation):
+    """``residual_unit``: the first convolution's output never stored, the bits of ``conv`` twice (rows off the
+    32-row blocks and the 128-row jobs, channels off the 32 blocks, a left context of the first one's reach)."""
+    gen = torch.Generator().manual_seed(channels + length)
+    w1 = amx_kernels.pack(_bf16_valued(channels, channels, 7, seed=1, scale=0.2))
+    w2 = amx_kernels.pack(_bf16_valued(channels, channels, 1, seed=2, scale=0.2))
+    b1, b2 = _bf16_valued(channels, seed=3), _bf16_valued(channels, seed=4)
+    s1 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    s2 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    x = torch.randn(batch, length, channels, generator=gen).to(dtype)
+    left = torch.randn(batch, 6 * dilation, channels, generator=gen).to(dtype)
+    h = amx_kernels.conv(x, w1, dilation, b1, left=left, snake=s1)
+    want = amx_kernels.conv(h, w2, 1, b2, residual=x.clone(), snake=s2)
+    got = amx_kernels.residual_unit(x, left, dilation, (w1, b1, s1), (w2, b2, s2))
+    assert torch.equal(got, want) and not torch.equal(got, x)
+    with pytest.raises(ValueError, match="left context"):
+        amx_kernels.residual_unit(x, left[:, 1:], dilation, (w1, b1, s1), (w2, b2, s2))

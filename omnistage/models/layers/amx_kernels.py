@@ -31,7 +31,7 @@ from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 
 _SOURCE = Path(__file__).with_name("csrc") / "amx_kernels.c"
 _BLOCK = 32  # outputs per weight block, channels per input chunk
-_ROW_CHUNK = 128  # output rows per job (MCHUNK in amx_kernels.c)
+ROW_CHUNK = 128  # output rows per job (MCHUNK in amx_kernels.c)
 ENV = "OMNISTAGE_AMX_KERNELS"
 
 
@@ -46,6 +46,8 @@ def _build() -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.amx_conv.restype = None
     library.amx_conv.argtypes = [i64] * 7 + [p, i64, p, i64, p, p, i32, p, i64, p, p, i64, i32, i32, p, i64, i32]
+    library.amx_unit.restype = None
+    library.amx_unit.argtypes = [i64] * 7 + [p, p, i64, p, p, i32, p, p, p, p, p, p, p, p, i64, i32]
     return library
 
 
@@ -150,7 +152,7 @@ def conv(
     threads = torch.get_num_threads()
     parts = 3 if x.dtype == torch.float32 else 1
     cp = weight.padded_channels
-    stride = (_ROW_CHUNK + (weight.taps - 1) * dilation) * cp * parts  # each thread's planes
+    stride = (ROW_CHUNK + (weight.taps - 1) * dilation) * cp * parts  # each thread's planes
     planes = scratch("amx-planes", threads * stride, torch.bfloat16)
     rows = x.reshape(batch * length, channels)
     if rows.stride(-1) != 1 or (batch > 1 and rows.stride(0) * length != x.stride(0)):
@@ -170,6 +172,50 @@ def conv(
                      0 if alpha is None else alpha.data_ptr(), 0 if scale is None else scale.data_ptr(), bf16,
                      weight.data.data_ptr(), weight.outputs, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                      weight.outputs, bf16, int(residual is not None), planes.data_ptr(), stride, threads)
+    return out
+
+
+Conv = tuple[AmxWeight, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]  # weight, bias, (alpha, scale)
+
+
+def residual_unit(x: torch.Tensor, left: torch.Tensor | None, dilation: int, first: Conv, second: Conv) -> torch.Tensor:
+    """A vocoder residual unit in one pass over x [B, T, C] (float32 or bfloat16) and its left context [B, H, C]
+    (H = the first convolution's reach, (taps - 1) * dilation; None where that is 0): x + conv2(snake2(conv1(
+    snake1([left; x])))), ``first`` / ``second`` = (weight, bias, (alpha, scale)) of the two C -> C convolutions,
+    the second of one tap. The bits of ``conv`` twice (h = ``conv(x, w1, dilation, b1, left=left, snake=s1)``,
+    then ``conv(h, w2, 1, b2, residual=x, snake=s2)``) without h going through memory; returns a new tensor."""
+    (w1, b1, s1), (w2, b2, s2) = first, second
+    batch, length, channels = x.shape
+    if not (w1.channels == w1.outputs == w2.channels == w2.outputs == channels and w2.taps == 1):
+        raise ValueError(f"a residual unit maps {channels} channels to {channels}, its second convolution with one "
+                         f"tap; got {w1.channels} -> {w1.outputs} ({w1.taps} taps) and {w2.channels} -> "
+                         f"{w2.outputs} ({w2.taps} taps)")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"x must be float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
+    held = 0 if left is None else left.shape[1]
+    if held != (w1.taps - 1) * dilation:
+        raise ValueError(f"{w1.taps} taps at dilation {dilation} need {(w1.taps - 1) * dilation} rows of left "
+                         f"context, got {held}")
+    if left is not None:
+        if left.shape != (batch, held, channels) or left.dtype != x.dtype:
+            raise ValueError(f"left must be [{batch}, {held}, {channels}] {x.dtype}, got {tuple(left.shape)} "
+                             f"{left.dtype}")
+        left = left.contiguous()
+    x = x.contiguous()
+    library = _lazy.require()
+    threads = torch.get_num_threads()
+    parts = 3 if x.dtype == torch.float32 else 1
+    cp = w1.padded_channels
+    stride = (2 * ROW_CHUNK + held) * cp * parts + ROW_CHUNK * channels * 2  # both planes, h (float32 at most)
+    planes = scratch("amx-unit", threads * stride, torch.bfloat16)
+    b1, b2 = (None if b is None else b.detach().float().contiguous() for b in (b1, b2))
+    (a1, c1), (a2, c2) = ([t.detach().float().contiguous() for t in snake] for snake in (s1, s2))
+    out = torch.empty_like(x)
+    library.amx_unit(batch, held + length, length, channels, cp, w1.taps, dilation, x.data_ptr(),
+                     0 if left is None else left.data_ptr(), held, a1.data_ptr(), c1.data_ptr(),
+                     int(x.dtype == torch.bfloat16), w1.data.data_ptr(), 0 if b1 is None else b1.data_ptr(),
+                     a2.data_ptr(), c2.data_ptr(), w2.data.data_ptr(), 0 if b2 is None else b2.data_ptr(),
+                     out.data_ptr(), planes.data_ptr(), stride, threads)
     return out
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers import cpu_kernels
+from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
@@ -322,6 +322,19 @@ def _conv_transpose(conv: CausalConvTranspose1d, x: torch.Tensor, stream: Stream
     return conv(x) if stream is None else stream.conv_transpose(conv, x)
 
 
+def _amx_left(conv: CausalConv1d, x: torch.Tensor, stream: StreamStep | None, snake: SnakeBeta | None) -> torch.Tensor | None:
+    """The left context an AMX convolution of ``snake(x)`` reads as it is ([B, H, C], None for none): zeros, or a
+    stream's carried inputs, whose next history (activated) is kept here."""
+    context = conv.history_size
+    if not context:
+        return None
+    if stream is None:
+        return x.new_zeros((x.shape[0], context, x.shape[2]))
+    left = stream.history_channels_last(conv).contiguous()
+    stream.keep_activated_channels_last(conv, left, x, None if snake is None else snake.forward_channels_last)
+    return left
+
+
 def _conv_channels_last(
     conv: CausalConv1d,
     x: torch.Tensor,
@@ -337,13 +350,8 @@ def _conv_channels_last(
     context = conv.history_size
     if conv.amx_weight is not None and x.device.type == "cpu" and (context or snake is not None):
         # AMX tiles: the kernel activates and splits the rows it reads; only the next history is kept
-        left = None
-        if context:
-            left = (x.new_zeros((x.shape[0], context, x.shape[2])) if stream is None
-                    else stream.history_channels_last(conv).contiguous())
-        if stream is not None and context:
-            stream.keep_activated_channels_last(conv, left, x, None if snake is None else snake.forward_channels_last)
-        return conv.amx_channels_last(x, left, None if snake is None else snake.amx_parameters(), residual)
+        return conv.amx_channels_last(x, _amx_left(conv, x, stream, snake),
+                                      None if snake is None else snake.amx_parameters(), residual)
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
@@ -453,10 +461,19 @@ class ResidualUnit(nn.Module):
         return x + _conv(self.conv2, self.act2(_conv(self.conv1, self.act1(x), stream)), stream)
 
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
-        """[B, T, C] -> [B, T, C]; ``x`` is overwritten (it becomes the result). On CPU in float32 the second
-        SnakeBeta, the kernel-1 convolution and the residual run as one pass (``cpu_kernels.snake_pointwise``), or
-        on AMX tiles that activate their inputs as they read them (AMX weights; as fast or faster: 96 / 192 / 384
-        channels, 2 threads, 0.31-0.44 / 0.40-0.47 / 0.29-0.37 s vs 0.34-0.46 / 0.42-0.51 / 0.32-0.42 s a unit)."""
+        """[B, T, C] -> [B, T, C]; ``x`` may be overwritten (it becomes the result). With both convolutions on
+        AMX tiles the whole unit is one kernel pass (``amx_kernels.residual_unit``: the same bits, the first
+        convolution's output never stored, where its rows give every thread a job; else each convolution on its
+        own. Measured on the kernels (2 threads, 16 x 12000 rows, 96 channels): bfloat16 ~45 -> ~38 ms, float32
+        ~112 -> ~85 ms; even from 192 channels up; a whole Code2Wav call's change stayed within this VM's noise. On CPU in float32 without AMX the second SnakeBeta, the kernel-1 convolution and the
+        residual run as one pass (``cpu_kernels.snake_pointwise``)."""
+        first, second = self.conv1.amx_weight, self.conv2.amx_weight
+        if (first is not None and second is not None and x.device.type == "cpu"
+                and x.shape[0] * -(-x.shape[1] // amx_kernels.ROW_CHUNK) >= torch.get_num_threads()):
+            return amx_kernels.residual_unit(
+                x, _amx_left(self.conv1, x, stream, self.act1), self.conv1.conv.dilation[0],
+                (first, self.conv1.conv.bias, self.act1.amx_parameters()),
+                (second, self.conv2.conv.bias, self.act2.amx_parameters()))
         h = _conv_channels_last(self.conv1, x, stream, self.act1)
         conv = self.conv2.conv
         if (self.conv2.amx_weight is None and conv.bias is not None and x.is_contiguous()

@@ -218,6 +218,71 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     }
 }
 
+/* A vocoder residual unit's two convolutions in one pass: h = conv1(snake1([left; x])) + bias1 (C -> C, `taps`
+ * taps at `dil`, as amx_conv computes and stores it, rounded to x's type), then out = x + conv2(snake2(h)) + bias2
+ * (one tap, C -> C, as amx_conv accumulates it into a residual x), so out has amx_conv's bits twice over (out is
+ * not x: later jobs still read the rows of x before their own). Each job (up to 128 rows of one batch item)
+ * computes all of conv1's outputs for its rows into the thread's buffer and feeds them straight to conv2: h never
+ * goes through memory (written and read back it is most of a 96-channel kernel-1 convolution's time). Scratch
+ * per thread (`stride` uint16): conv1's planes ((128 + (taps - 1) dil) * CP * parts), conv2's (128 * CP *
+ * parts), h (128 * C * 2). */
+__attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
+    int64_t B, int64_t TI, int64_t TO, int64_t C, int64_t CP, int64_t taps, int64_t dil, const void *x,
+    const void *left, int64_t H, const float *alpha1, const float *scale1, int x_bf16, const uint16_t *w1,
+    const float *bias1, const float *alpha2, const float *scale2, const uint16_t *w2, const float *bias2, void *out,
+    uint16_t *scratch, int64_t stride, int threads) {
+    const int parts = x_bf16 ? 1 : 3;
+    const int64_t K = taps * CP, nblocks = (C + 31) / 32, halo = (taps - 1) * dil;
+    const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + MCHUNK / 32 - 1) / (MCHUNK / 32);
+    const int64_t plane = (MCHUNK + halo) * CP, plane2 = MCHUNK * CP;
+    const size_t esize = x_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(threads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        uint16_t *planes = scratch + tid * stride, *planes2 = planes + plane * parts;
+        char *h = (char *)(planes2 + plane2 * parts);
+        load_tile_config();
+        float acc[32 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic)
+        for (int64_t job = 0; job < B * chunks; job++) {
+            const int64_t b = job / chunks, m0 = job % chunks * MCHUNK;
+            const int64_t m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
+            split_rows(x, C, left, H, alpha1, scale1, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
+            for (int64_t nb = 0; nb < nblocks; nb++) {
+                for (int64_t m = m0; m < m1; m += 32) {
+                    block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w1 + nb * K * 32, acc);
+                    const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = C - n0 < 32 ? C - n0 : 32;
+                    for (int64_t r = 0; r < rows; r++)
+                        store_row(acc + r * 32, bias1 ? bias1 + n0 : 0, h + ((m - m0 + r) * C + n0) * esize, x_bf16, 0,
+                                  cols);
+                }
+            }
+            for (int64_t r = 0; r < m1 - m0; r++) {
+                if (m0 + r < TO) {
+                    split_row(h + r * C * esize, x_bf16, C, CP, parts, planes2 + r * CP, plane2, alpha2, scale2);
+                } else {
+                    for (int p = 0; p < parts; p++) memset(planes2 + p * plane2 + r * CP, 0, (size_t)CP * 2);
+                }
+            }
+            for (int64_t nb = 0; nb < nblocks; nb++) {
+                for (int64_t m = m0; m < m1; m += 32) {
+                    block_32x32(planes2 + (m - m0) * CP, CP, CP, 1, parts, plane2, w2 + nb * CP * 32, acc);
+                    const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = C - n0 < 32 ? C - n0 : 32;
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t at = ((b * TO + m + r) * C + n0) * esize;
+                        memcpy((char *)out + at, (const char *)x + at, (size_t)cols * esize);
+                        store_row(acc + r * 32, bias2 ? bias2 + n0 : 0, (char *)out + at, x_bf16, 1, cols);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
 /* acc [16][32] float32 for up to 16 rows (one linear layer's few rows, `plane` elements between parts): as
  * block_32x32 with half the rows, the same sums in the same order. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
