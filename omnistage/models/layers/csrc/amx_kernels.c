@@ -104,6 +104,14 @@ static inline void store_row(const float *acc, const float *bias, void *out, int
     }
 }
 
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static inline void load_tile_config(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -168,6 +176,25 @@ static void split_rows(const void *x, int64_t ldx, const void *left, int64_t H, 
     }
 }
 
+/* A job's output blocks nb0 .. nb1 - 1 for rows m0 .. m1 - 1 (32-row blocks; rows from TO on are not stored)
+ * from its planes, into out0 (row m0's outputs; rows ldo elements apart, N valid outputs), plus bias, added to what
+ * is there when `accumulate`. */
+static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
+    const uint16_t *planes, int64_t CP, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *w,
+    int64_t nb0, int64_t nb1, int64_t m0, int64_t m1, int64_t TO, int64_t N, const float *bias, char *out0,
+    int64_t ldo, int out_bf16, int accumulate, float *acc) {
+    const size_t esize = out_bf16 ? 2 : 4;
+    for (int64_t nb = nb0; nb < nb1; nb++) {
+        for (int64_t m = m0; m < m1; m += 32) {
+            block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
+            const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
+            for (int64_t r = 0; r < rows; r++)
+                store_row(acc + r * 32, bias ? bias + n0 : 0, out0 + ((m - m0 + r) * ldo + n0) * esize, out_bf16,
+                          accumulate, cols);
+        }
+    }
+}
+
 /* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of in[b][t + tap * dil][c] *
  * w[n][tap][c], in[b] = item b's H rows of `left` then its TI - H rows of x, through SnakeBeta if `alpha` (see
  * split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job
@@ -191,10 +218,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     const size_t esize = out_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const int tid = thread_id();
         uint16_t *planes = scratch + tid * stride;
         load_tile_config();
         float acc[32 * 32] __attribute__((aligned(64)));
@@ -204,15 +228,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
             const int64_t m0 = chunk * MCHUNK, m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
             const int64_t nb1 = (group + 1) * per_group < nblocks ? (group + 1) * per_group : nblocks;
             split_rows(x, ldx, left, H, alpha, scale, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
-            for (int64_t nb = group * per_group; nb < nb1; nb++) {
-                for (int64_t m = m0; m < m1; m += 32) {
-                    block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
-                    const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
-                    for (int64_t r = 0; r < rows; r++)
-                        store_row(acc + r * 32, bias ? bias + n0 : 0,
-                                  (char *)out + ((b * TO + m + r) * ldo + n0) * esize, out_bf16, accumulate, cols);
-                }
-            }
+            job_blocks(planes, CP, K, dil, parts, plane, w, group * per_group, nb1, m0, m1, TO, N, bias,
+                       (char *)out + (b * TO + m0) * ldo * esize, ldo, out_bf16, accumulate, acc);
         }
         _tile_release();
     }
@@ -238,10 +255,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
     const size_t esize = x_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const int tid = thread_id();
         uint16_t *planes = scratch + tid * stride, *planes2 = planes + plane * parts;
         char *h = (char *)(planes2 + plane2 * parts);
         load_tile_config();
@@ -251,15 +265,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
             const int64_t b = job / chunks, m0 = job % chunks * MCHUNK;
             const int64_t m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
             split_rows(x, C, left, H, alpha1, scale1, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
-            for (int64_t nb = 0; nb < nblocks; nb++) {
-                for (int64_t m = m0; m < m1; m += 32) {
-                    block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w1 + nb * K * 32, acc);
-                    const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = C - n0 < 32 ? C - n0 : 32;
-                    for (int64_t r = 0; r < rows; r++)
-                        store_row(acc + r * 32, bias1 ? bias1 + n0 : 0, h + ((m - m0 + r) * C + n0) * esize, x_bf16, 0,
-                                  cols);
-                }
-            }
+            job_blocks(planes, CP, K, dil, parts, plane, w1, 0, nblocks, m0, m1, TO, C, bias1, h, C, x_bf16, 0, acc);
             for (int64_t r = 0; r < m1 - m0; r++) {
                 if (m0 + r < TO) {
                     split_row(h + r * C * esize, x_bf16, C, CP, parts, planes2 + r * CP, plane2, alpha2, scale2);
@@ -267,17 +273,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
                     for (int p = 0; p < parts; p++) memset(planes2 + p * plane2 + r * CP, 0, (size_t)CP * 2);
                 }
             }
-            for (int64_t nb = 0; nb < nblocks; nb++) {
-                for (int64_t m = m0; m < m1; m += 32) {
-                    block_32x32(planes2 + (m - m0) * CP, CP, CP, 1, parts, plane2, w2 + nb * CP * 32, acc);
-                    const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = C - n0 < 32 ? C - n0 : 32;
-                    for (int64_t r = 0; r < rows; r++) {
-                        const int64_t at = ((b * TO + m + r) * C + n0) * esize;
-                        memcpy((char *)out + at, (const char *)x + at, (size_t)cols * esize);
-                        store_row(acc + r * 32, bias2 ? bias2 + n0 : 0, (char *)out + at, x_bf16, 1, cols);
-                    }
-                }
-            }
+            const int64_t at = (b * TO + m0) * C * esize, kept = (m1 < TO ? m1 : TO) - m0;
+            memcpy((char *)out + at, (const char *)x + at, (size_t)(kept * C) * esize); /* the residual */
+            job_blocks(planes2, CP, CP, 1, parts, plane2, w2, 0, nblocks, m0, m1, TO, C, bias2, (char *)out + at, C,
+                       x_bf16, 1, acc);
         }
         _tile_release();
     }
