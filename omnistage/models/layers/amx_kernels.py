@@ -125,6 +125,21 @@ def pack(weight: torch.Tensor) -> AmxWeight:
     return AmxWeight(data, outputs, channels, taps)
 
 
+def _left_context(left: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """(``left`` contiguous, its rows H): a left context [B, H, C] of x [B, T, C], or None (H = 0)."""
+    if left is None:
+        return None, 0
+    batch, _, channels = x.shape
+    if left.dim() != 3 or left.shape[::2] != (batch, channels) or left.dtype != x.dtype:
+        raise ValueError(f"left must be [{batch}, H, {channels}] {x.dtype}, got {tuple(left.shape)} {left.dtype}")
+    return left.contiguous(), left.shape[1]
+
+
+def _floats(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-channel vector as the kernels read it: contiguous float32."""
+    return None if t is None else t.detach().float().contiguous()
+
+
 def conv(
     x: torch.Tensor, weight: AmxWeight, dilation: int = 1, bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None, left: torch.Tensor | None = None,
@@ -139,11 +154,7 @@ def conv(
     if channels != weight.channels or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"x must be [B, T, {weight.channels}] float32 or bfloat16 on the CPU, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
-    held = 0 if left is None else left.shape[1]
-    if left is not None:
-        if left.shape != (batch, held, channels) or left.dtype != x.dtype:
-            raise ValueError(f"left must be [{batch}, H, {channels}] {x.dtype}, got {tuple(left.shape)} {left.dtype}")
-        left = left.contiguous()
+    left, held = _left_context(left, x)
     out_length = held + length - (weight.taps - 1) * dilation
     if out_length < 1:
         raise ValueError(f"{held + length} inputs give no output of a {weight.taps}-tap convolution at dilation "
@@ -163,9 +174,8 @@ def conv(
         if residual.shape != (batch, out_length, weight.outputs) or residual.dtype != x.dtype or not residual.is_contiguous():
             raise ValueError("the residual must be a contiguous tensor of the result's shape and dtype")
         out = residual
-    if bias is not None:
-        bias = bias.detach().float().contiguous()
-    alpha, scale = (None, None) if snake is None else (t.detach().float().contiguous() for t in snake)
+    bias = _floats(bias)
+    alpha, scale = (None, None) if snake is None else map(_floats, snake)
     bf16 = int(x.dtype == torch.bfloat16)
     library.amx_conv(batch, held + length, out_length, channels, cp, weight.taps, dilation, rows.data_ptr(),
                      rows.stride(0), 0 if left is None else left.data_ptr(), held,
@@ -192,15 +202,10 @@ def residual_unit(x: torch.Tensor, left: torch.Tensor | None, dilation: int, fir
                          f"{w2.outputs} ({w2.taps} taps)")
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"x must be float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
-    held = 0 if left is None else left.shape[1]
+    left, held = _left_context(left, x)
     if held != (w1.taps - 1) * dilation:
         raise ValueError(f"{w1.taps} taps at dilation {dilation} need {(w1.taps - 1) * dilation} rows of left "
                          f"context, got {held}")
-    if left is not None:
-        if left.shape != (batch, held, channels) or left.dtype != x.dtype:
-            raise ValueError(f"left must be [{batch}, {held}, {channels}] {x.dtype}, got {tuple(left.shape)} "
-                             f"{left.dtype}")
-        left = left.contiguous()
     x = x.contiguous()
     library = _lazy.require()
     threads = torch.get_num_threads()
@@ -208,8 +213,8 @@ def residual_unit(x: torch.Tensor, left: torch.Tensor | None, dilation: int, fir
     cp = w1.padded_channels
     stride = (2 * ROW_CHUNK + held) * cp * parts + ROW_CHUNK * channels * 2  # both planes, h (float32 at most)
     planes = scratch("amx-unit", threads * stride, torch.bfloat16)
-    b1, b2 = (None if b is None else b.detach().float().contiguous() for b in (b1, b2))
-    (a1, c1), (a2, c2) = ([t.detach().float().contiguous() for t in snake] for snake in (s1, s2))
+    b1, b2 = _floats(b1), _floats(b2)
+    (a1, c1), (a2, c2) = map(_floats, s1), map(_floats, s2)
     out = torch.empty_like(x)
     library.amx_unit(batch, held + length, length, channels, cp, w1.taps, dilation, x.data_ptr(),
                      0 if left is None else left.data_ptr(), held, a1.data_ptr(), c1.data_ptr(),

@@ -322,7 +322,9 @@ def _conv_transpose(conv: CausalConvTranspose1d, x: torch.Tensor, stream: Stream
     return conv(x) if stream is None else stream.conv_transpose(conv, x)
 
 
-def _amx_left(conv: CausalConv1d, x: torch.Tensor, stream: StreamStep | None, snake: SnakeBeta | None) -> torch.Tensor | None:
+def _amx_left(
+    conv: CausalConv1d, x: torch.Tensor, stream: StreamStep | None, snake: SnakeBeta | None
+) -> torch.Tensor | None:
     """The left context an AMX convolution of ``snake(x)`` reads as it is ([B, H, C], None for none): zeros, or a
     stream's carried inputs, whose next history (activated) is kept here."""
     context = conv.history_size
@@ -351,7 +353,7 @@ def _conv_channels_last(
     if conv.amx_weight is not None and x.device.type == "cpu" and (context or snake is not None):
         # AMX tiles: the kernel activates and splits the rows it reads; only the next history is kept
         return conv.amx_channels_last(x, _amx_left(conv, x, stream, snake),
-                                      None if snake is None else snake.amx_parameters(), residual)
+                                      None if snake is None else snake.kernel_parameters(), residual)
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
@@ -397,8 +399,9 @@ class SnakeBeta(nn.Module):
         y.mul_(y).div_(beta + 1e-9).add_(x)
         return y
 
-    def amx_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(alpha, scale): ``(sin(x * alpha) * scale)^2 + x``, as ``amx_kernels.conv`` applies it."""
+    def kernel_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha, scale): ``(sin(x * alpha) * scale)^2 + x``, as the CPU kernels apply it (``amx_kernels.conv``,
+        ``cpu_kernels.snake_pointwise``)."""
         return self.alpha.exp(), (self.beta.exp() + 1e-9).rsqrt()
 
     def forward_channels_last(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -462,26 +465,25 @@ class ResidualUnit(nn.Module):
 
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
         """[B, T, C] -> [B, T, C]; ``x`` may be overwritten (it becomes the result). With both convolutions on
-        AMX tiles the whole unit is one kernel pass (``amx_kernels.residual_unit``: the same bits, the first
-        convolution's output never stored, where its rows give every thread a job; else each convolution on its
-        own. Measured on the kernels (2 threads, 16 x 12000 rows, 96 channels): bfloat16 ~45 -> ~38 ms, float32
-        ~112 -> ~85 ms; even from 192 channels up; a whole Code2Wav call's change stayed within this VM's noise. On CPU in float32 without AMX the second SnakeBeta, the kernel-1 convolution and the
-        residual run as one pass (``cpu_kernels.snake_pointwise``)."""
+        AMX tiles, where the rows give every thread a job, the whole unit is one kernel pass
+        (``amx_kernels.residual_unit``: the same bits, the first convolution's output never stored; 2 threads,
+        16 x 12000 rows, 96 channels: bfloat16 ~45 -> ~38 ms, float32 ~112 -> ~85 ms; no change measured from
+        192 channels up, nor for a whole Code2Wav call within this VM's noise); else each convolution on its own.
+        On CPU in float32 without AMX the second SnakeBeta, the kernel-1 convolution and the residual run as one
+        pass (``cpu_kernels.snake_pointwise``)."""
         first, second = self.conv1.amx_weight, self.conv2.amx_weight
         if (first is not None and second is not None and x.device.type == "cpu"
                 and x.shape[0] * -(-x.shape[1] // amx_kernels.ROW_CHUNK) >= torch.get_num_threads()):
             return amx_kernels.residual_unit(
                 x, _amx_left(self.conv1, x, stream, self.act1), self.conv1.conv.dilation[0],
-                (first, self.conv1.conv.bias, self.act1.amx_parameters()),
-                (second, self.conv2.conv.bias, self.act2.amx_parameters()))
+                (first, self.conv1.conv.bias, self.act1.kernel_parameters()),
+                (second, self.conv2.conv.bias, self.act2.kernel_parameters()))
         h = _conv_channels_last(self.conv1, x, stream, self.act1)
         conv = self.conv2.conv
         if (self.conv2.amx_weight is None and conv.bias is not None and x.is_contiguous()
                 and cpu_kernels.supports_snake_pointwise(x)):
             panels = derived(self.conv2, "_cl_panels", conv.weight, lambda w: cpu_kernels.pack_linear(w[:, :, 0]))
-            alpha = self.act2.alpha.exp()
-            scale = (self.act2.beta.exp() + 1e-9).rsqrt()
-            return cpu_kernels.snake_pointwise(h, alpha, scale, panels, conv.bias, x)
+            return cpu_kernels.snake_pointwise(h, *self.act2.kernel_parameters(), panels, conv.bias, x)
         return _conv_channels_last(self.conv2, h, stream, self.act2, residual=x)
 
 
@@ -628,7 +630,8 @@ class Code2Wav(nn.Module):
         to thousands of rows), where the tiles run several times the panel kernels' rate (released widths,
         16 x 25 frames, 2 threads: ~140 GFLOP/s in bfloat16 on panels). Returns how many."""
         convs = (m for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d)))
-        return sum(conv.use_amx() for conv in convs) + pack_amx_layers(self.pre_transformer) + pack_amx_layers(self.upsample)
+        return (sum(conv.use_amx() for conv in convs)
+                + pack_amx_layers(self.pre_transformer) + pack_amx_layers(self.upsample))
 
     def uses_fast_kernels(self, device: torch.device) -> bool:
         """The channels-last kernels are CPU kernels (oneDNN, inductor's C++); other devices keep the reference
