@@ -8,7 +8,9 @@ omnistage's answer tokens and codec codes equal transformers' for the requests b
 float32). Then, per concurrency, where the time went: per stage (its steps) and per component (Thinker,
 Talker, code predictor, Code2Wav, sampler, engine overhead = the rest of the wall time), each with its
 achieved GFLOP/s and GB/s, the machine's bound for its work (measured GEMM and read peaks, roofline.py)
-and transformers' time for the same part.
+and transformers' time for the same part. Memory: each in-process configuration is first loaded alone in a
+fresh process (as ``omnistage serve`` starts), for its resident size after the load, its peak during it, and
+what each component holds; and this process's resident size after the timed runs.
 
     python -m benchmarks.pipeline_bench --preset small --concurrency 1 16 --threads 2 --hf-requests 16 \
         --configs float32 float32-exact bfloat16 float32-mp
@@ -30,8 +32,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import math
 import os
 import statistics
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -465,22 +469,80 @@ THROUGHPUT_HEADER = (f"{'config, N':>18} | {'ours tok/s':>10} {'ours aud s/s':>1
                      f"{'aud s/cpu s':>11} | {'x thru':>6} {'x cpu':>6} {'TTFA/E2E':>8} {'same as hf':>10}")
 
 
-def memory_line(config: Config, engine) -> str:
-    """Per stage what the engine planned (weights, KV) and what its loaded stages hold (weights per component,
-    measured), and the process's resident memory after the load."""
+class PeakResident:
+    """This process's peak anonymous resident memory while the block runs, sampled every 2 ms from a thread
+    (the kernel's own peak, ``VmHWM``, counts the checkpoint's file pages too, which it can drop)."""
+
+    def __enter__(self) -> PeakResident:
+        self.peak, self._stop = resident_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
+
+
+def largest_tensor_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """The checkpoint's largest floating-point tensor at ``dtype`` (the load's allowed transient)."""
+    from safetensors import safe_open
+
+    from omnistage.models.loader import checkpoint_files
+
+    largest = 0
+    for path in set(checkpoint_files(model_dir).values()):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                if piece.get_dtype() in ("F32", "BF16", "F16"):
+                    largest = max(largest, math.prod(piece.get_shape()))
+    return largest * dtype.itemsize
+
+
+def load_memory(model: str, config_text: str, family: str, overrides: dict | None) -> str:
+    """Load ``config``'s engine in this process and say what the load took (``fresh_load_memory`` runs it in a
+    new process): per stage what the engine planned (weights, KV), what its stages hold (weights per
+    component, measured), the resident memory after the load and its peak during it."""
+    from omnistage.models.registry import load_pipeline_config
+    from omnistage.pipeline.engine import OmniEngine
+    from omnistage.pipeline.engine_args import EngineArgs
+
+    config = Config.parse(config_text)
+    with PeakResident() as peak:
+        engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast),
+                            load_pipeline_config(family, overrides))
+    rss, largest = resident_bytes(), largest_tensor_bytes(model, getattr(torch, config.dtype))
     plan = engine.memory_plan
     stages = ", ".join(f"{p.stage} {p.weight_bytes / 1e9:.2f} + {p.kv_bytes / 1e9:.2f}" for p in plan)
     weights = sum(p.weight_bytes for p in plan)
     kv = sum(p.kv_bytes for p in plan)
-    rss = resident_bytes()
-    ratio = f"{(rss - kv) / weights:.3f}x the weights with the KV pools counted" if weights and rss else "n/a"
+    ratio = (f"{(rss - kv) / weights:.3f}x the weights with the KV pools counted; peak during the load "
+             f"{peak.peak / 1e9:.2f} GB = {(peak.peak - kv - largest) / weights:.3f}x with the KV pools and the "
+             f"largest tensor ({largest / 1e9:.2f} GB) counted" if weights and rss else "n/a")
     held = engine.resource_stats()
     parts = "; ".join(
         f"{name}: " + ", ".join(f"{c} {b / 1e9:.3f}" for c, b in sorted(s["weight_bytes"].items(), key=lambda x: -x[1]))
         + f", KV {s['kv_cache_bytes'] / 1e9:.3f}"
         for name, s in held.items() if isinstance(s, dict) and "weight_bytes" in s)
-    return (f"memory, {config}: planned GB weights + KV per stage: {stages}; resident {rss / 1e9:.2f} GB "
-            f"({ratio}; in-process stages only)\n  held GB per component: {parts}")
+    engine.shutdown()
+    return (f"memory, {config}, loaded in a fresh process: planned GB weights + KV per stage: {stages}; resident "
+            f"after the load {rss / 1e9:.2f} GB ({ratio})\n  held GB per component: {parts}")
+
+
+def fresh_load_memory(model: str, config: Config, family: str, overrides: dict | None) -> str:
+    """``load_memory`` in a new process, as ``omnistage serve`` starts: this one has held transformers' model
+    and other engines, whose freed memory the allocator cannot all give back."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(load_memory, model, str(config), family, overrides).result()
 
 
 def main() -> None:
@@ -528,19 +590,27 @@ def main() -> None:
     stages = load_pipeline_config(family).order
     backend = args.distributed_executor_backend
 
-    def pipeline_for(backend: str | None):
+    def overrides_for(backend: str | None) -> dict | None:
         per_stage: dict = {}
         if args.max_num_seqs:
             per_stage["scheduler"] = {"max_num_seqs": args.max_num_seqs}
         if backend not in (None, "inproc"):  # stage workers share the thread budget (at least one each)
             per_stage["threads"] = max(1, args.threads // len(stages))
-        return load_pipeline_config(family, {"stages": {name: per_stage for name in stages}} if per_stage else None)
+        return {"stages": {name: per_stage for name in stages}} if per_stage else None
+
+    def pipeline_for(backend: str | None):
+        return load_pipeline_config(family, overrides_for(backend))
 
     pipeline = pipeline_for(backend)
+    # Each in-process configuration's load, measured first, in a fresh process, with nothing else loaded.
+    loads = {str(c): fresh_load_memory(model, c, family, overrides_for(None))
+             for c in args.configs if (c.backend or backend) in (None, "inproc")}
     trace = StageTrace()
 
     def build(config: Config) -> OmniEngine:
         own = config.backend or backend
+        gc.collect()
+        release_free_heap()
         engine = OmniEngine(EngineArgs(model, dtype=config.dtype, fast=config.fast,
                                        distributed_executor_backend=own), pipeline_for(own))
         engine.orchestrator.listeners.append(trace)
@@ -595,8 +665,6 @@ def main() -> None:
     print(f"transformers: {theirs.wall:.2f} s, resident after its load {hf_rss / 1e9:.2f} GB", flush=True)
     if engine is None:
         del hf, reference
-        gc.collect()
-        release_free_heap()
         engine = build(args.configs[0])
     print(f"code predictor: {compile_note(engine)}; decode steps: {decode_step_note(engine)}; "
           f"allocator: {allocator_note()}", flush=True)
@@ -610,10 +678,9 @@ def main() -> None:
             engine.shutdown()  # one engine's weights and KV pools (and workers) at a time
             del engine
             timers = None  # (they wrap the old engine's modules: they would keep its weights alive)
-            gc.collect()
-            release_free_heap()
             engine = build(config)
-        print(memory_line(config, engine), flush=True)
+        if str(config) in loads:
+            print(loads[str(config)], flush=True)
         # Model timers need the models in this process; stage workers get the trace and transport lines.
         timers = (attach_component_timers(engine, getattr(torch, config.dtype), model) if engine.workers is None
                   else None)
@@ -641,6 +708,8 @@ def main() -> None:
             measured.append((config, n, ours, comps, steps, depth))
         if timers is not None:
             timers.detach()
+        print(f"resident after the runs, {config}: {resident_bytes() / 1e9:.2f} GB (the activations' blocks "
+              f"stay for reuse: runtime_env.configure_allocator)", flush=True)
     engine.shutdown()
 
     lines = []

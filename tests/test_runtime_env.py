@@ -56,9 +56,30 @@ def test_allocator_setting_leaves_code2wav_output_unchanged(tiny_ckpt):
     assert applied == str(runtime_env._glibc() is not None)
 
 
+class _FakeLibc:
+    """The glibc calls runtime_env makes, recorded (and nothing changed in this process's allocator)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gnu_get_libc_version = lambda: b"2.36"
+        self.mallopt = lambda param, value: self.calls.append(f"mallopt {param}") or 1
+        self.malloc_trim = lambda pad: self.calls.append("malloc_trim") or 1
+
+
 def test_building_a_stage_applies_the_allocator_setting_once(tiny_ckpt, monkeypatch):
-    calls = []
+    libc = _FakeLibc()
     monkeypatch.setattr(runtime_env, "_result", None)
-    monkeypatch.setattr(runtime_env, "_glibc", lambda: calls.append(1))  # None: as off glibc
+    monkeypatch.setattr(runtime_env, "_glibc", lambda: libc)
     OmniEngine(EngineArgs(str(tiny_ckpt)))
-    assert calls == [1]  # three stages, one process: applied once
+    # three stages, one process: the three settings once; the loads' freed weights handed back as they go
+    assert [c for c in libc.calls if c.startswith("mallopt")] == ["mallopt -3", "mallopt -1", "mallopt -4"]
+    assert "malloc_trim" in libc.calls
+
+
+def test_release_free_heap_trims_without_configure_allocator(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(runtime_env, "_result", None)
+    monkeypatch.setattr(runtime_env, "_glibc", lambda: libc)
+    assert runtime_env.release_free_heap() and libc.calls == ["malloc_trim"]
+    monkeypatch.setattr(runtime_env, "_glibc", lambda: None)  # off glibc: nothing to call
+    assert not runtime_env.release_free_heap()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,7 @@ def load_into(
     dtype: torch.dtype | None = torch.float32,
     skip: tuple[str, ...] = (),
     quantize: QuantScheme | None = None,
+    loaded: Callable[[nn.Module], None] | None = None,
 ) -> None:
     """Load checkpoint tensors under `prefix` into `module`, whose state-dict names equal the checkpoint
     names minus `prefix`.
@@ -198,6 +200,10 @@ def load_into(
     quantized layers that replace their float ones (``quant_layers.quantize_targets``); each layer is packed for
     its kernel once all its rows are in. Peak memory: the quantized model, the other weights, and the tensor
     being read (build the module with ``building(..., init=False)`` so the float weights are never touched).
+
+    ``loaded``: called with each submodule as soon as every tensor it owns (its own, not its children's) has
+    been copied in, e.g. to pack a layer and release its unpacked weights before the next one is read
+    (``fast_linear.pack_on_load``). Not called by a quantizing load or for a module built on the meta device.
     """
     _check_dtype(dtype)
     files: dict[Path, list[str]] = {}
@@ -246,6 +252,12 @@ def load_into(
             raise ValueError("a quantizing load needs the module's tensors allocated, not on the meta device")
         _load_quantizing(module, files, prefix, expected, quantize, dtype, packed, fp8, aux)
         return
+    waiting: Counter[str] = Counter()  # per owning module: its tensors not read yet (``loaded``)
+    if loaded is not None and not on_meta:
+        owners = _owners(module, [key for names in files.values() for name in names
+                                  if (key := name[len(prefix):]) not in aux])
+        waiting.update(owners.values())
+        modules = dict(module.named_modules())
     with contextlib.ExitStack() as handles:
         read = _reader(files, handles)
         for _, names in sorted(files.items()):
@@ -257,8 +269,14 @@ def load_into(
                     continue
                 tensor = _float_weight(read, name, fp8.get(key))
                 if not on_meta:  # straight into the module's tensor (copy_ casts): no converted copy
-                    with torch.no_grad():
-                        expected[key].copy_(tensor)
+                    with torch.no_grad():  # (popped: a fused part's view would keep a packed tensor alive)
+                        expected.pop(key).copy_(tensor)
+                    del tensor
+                    if waiting:
+                        owner = owners[key]
+                        waiting[owner] -= 1
+                        if not waiting[owner]:
+                            loaded(modules[owner])
                     continue
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
@@ -274,6 +292,19 @@ def load_into(
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+
+
+def _owners(module: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Each state-dict key's owning submodule (its longest module-name prefix: a fused parameter's parts, such
+    as ``experts.3.up_proj.weight``, belong to the module holding the fused tensor)."""
+    names = {name for name, _ in module.named_modules()}
+    owners = {}
+    for key in keys:
+        owner = key.rpartition(".")[0]
+        while owner and owner not in names:
+            owner = owner.rpartition(".")[0]
+        owners[key] = owner
+    return owners
 
 
 def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: str,

@@ -147,3 +147,58 @@ def test_loading_casts_tensor_by_tensor_into_the_modules_own_storage(sharded_ckp
     stored = load_weights(sharded_ckpt, "thinker.model.embed_tokens.", None)["weight"]
     assert module.weight.data_ptr() == before
     assert torch.equal(module.weight, stored.to(torch.bfloat16))
+
+
+def test_loaded_hook_sees_each_module_once_with_all_its_tensors(sharded_ckpt):
+    """``loaded`` fires once per module owning checkpoint tensors (a fused parameter's parts count for the module
+    holding it), after the last of them is in, across shard boundaries."""
+    from omnistage.models.qwen3_omni.thinker import Thinker
+
+    thinker = Thinker(load_config(sharded_ckpt))
+    stored = load_weights(sharded_ckpt, "thinker.", None)
+    seen: list[str] = []
+    names = {id(m): n for n, m in thinker.named_modules()}
+
+    def loaded(module: nn.Module) -> None:
+        name = names[id(module)]
+        seen.append(name)
+        children = dict(module.named_children())
+        own = {k: v for k, v in module.state_dict().items() if k.split(".")[0] not in children}
+        assert own and all(torch.equal(v, stored[f"{name}.{k}" if name else k].to(v.dtype)) for k, v in own.items())
+
+    load_into(thinker, sharded_ckpt, "thinker.", torch.float32, skip=("audio_tower.", "visual."), loaded=loaded)
+    assert len(seen) == len(set(seen))
+    assert any(n.endswith("mlp.experts") for n in seen) and "lm_head" in seen and "model.embed_tokens" in seen
+    owners = {k.rpartition(".")[0] for k in stored if not k.startswith(("audio_tower.", "visual."))}
+    assert all(any(o == s or o.startswith(s + ".") for s in seen) for o in owners)  # every tensor's owner reported
+
+
+def test_experts_packed_while_loading_equal_packing_after_it(sharded_ckpt):
+    """``fast_linear.pack_on_load``: each layer's experts are packed as soon as they are read (their unpacked
+    copy released before the next layer's), with the panels packing after the load gives."""
+    from omnistage.models.layers import cpu_kernels
+    from omnistage.models.layers.fast_linear import pack_on_load
+    from omnistage.models.qwen3_omni.thinker import Thinker
+
+    if not cpu_kernels.available():
+        pytest.skip("the expert kernel does not build here")
+    config = load_config(sharded_ckpt)
+    after, during = Thinker(config), Thinker(config)
+    load_into(after, sharded_ckpt, "thinker.", torch.float32, skip=("audio_tower.", "visual."))
+    experts_after = [layer.mlp.experts for layer in after.model.layers]
+    for e in experts_after:
+        e.pack_weights(16)
+    packed_at: list[int] = []
+    hook = pack_on_load(True)
+
+    def loaded(module: nn.Module) -> None:
+        hook(module)
+        if getattr(module, "packs_alone", False):
+            packed_at.append(sum(e.panels is not None for e in (layer.mlp.experts for layer in during.model.layers)))
+
+    load_into(during, sharded_ckpt, "thinker.", torch.float32, skip=("audio_tower.", "visual."), loaded=loaded)
+    assert packed_at == list(range(1, len(during.model.layers) + 1))  # one layer at a time, as each is read
+    for a, d in zip(experts_after, (layer.mlp.experts for layer in during.model.layers)):
+        assert d.gate_up_proj.numel() == 0 and all(torch.equal(x, y) for x, y in zip(a.panels, d.panels))
+        assert d.pack_weights(16) == 0  # packing again (fast_kernels after the load) leaves them as they are
+    assert pack_on_load(False) is None

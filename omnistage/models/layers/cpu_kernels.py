@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import os
 import threading
@@ -59,6 +60,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from omnistage.models.layers import amx_kernels, quant_kernels
 from omnistage.models.layers.amx_kernels import AmxWeight
@@ -163,9 +165,23 @@ def in_large_pages(t: torch.Tensor) -> torch.Tensor:
     pages, 16 rows: the float32 linear layers of one code-predictor pass (~36 MB) 3-18% faster, twelve bfloat16
     Thinker expert layers 0-15%. ``t`` itself when smaller than a page or where such memory is unavailable.
     The copy is freed with the tensor."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < _LARGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if t.device.type != "cpu":
         return t
+    region = _large_pages(t.numel() * t.element_size())
+    return t if region is None else region.view(t.dtype).view(t.shape).copy_(t)
+
+
+def large_pages_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in memory advised for 2 MB pages (``in_large_pages``; where it is smaller
+    than a page or such memory is unavailable, ordinary memory): packing writes its layout straight into it."""
+    region = _large_pages(math.prod(shape) * dtype.itemsize)
+    return torch.empty(shape, dtype=dtype) if region is None else region.view(dtype).view(shape)
+
+
+def _large_pages(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of anonymous memory (uint8) advised for 2 MB pages, or None (too small, or unavailable)."""
+    if nbytes < _LARGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
     try:
         region = mmap.mmap(-1, nbytes + _LARGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it
@@ -173,8 +189,13 @@ def in_large_pages(t: torch.Tensor) -> torch.Tensor:
         region.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
     except (OSError, ValueError) as exc:  # no such mapping or advice here: 4 KB pages serve
         log.debug("no large pages for a %d-byte weight: %s", nbytes, exc)
-        return t
-    return whole[offset : offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        return None
+    return whole[offset : offset + nbytes]
+
+
+# Packing writes its layout into the packed tensor this many source bytes at a time (a padded piece is a temporary
+# of about this size; the rest is read straight from the weight): a load never holds a second copy of a weight.
+_PACK_CHUNK_BYTES = 64 << 20
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -252,26 +273,35 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor,
     pairs of consecutive indices, interleaved per column (``[K/2][32][2]``; same shapes); with
     ``float32_pairs``, float32 weights that ``keeps_float32_as_pairs`` are packed so, as bfloat16."""
     _require()  # the layout depends on the variants built for this CPU
-    if float32_pairs and keeps_float32_as_pairs(gate_up) and keeps_float32_as_pairs(down):
-        gate_up, down = gate_up.to(torch.bfloat16), down.to(torch.bfloat16)
-        pairs = True
-    else:
-        pairs = _dot_bf16(gate_up.dtype, gate_up.shape[-1])
+    pairs = float32_pairs and keeps_float32_as_pairs(gate_up) and keeps_float32_as_pairs(down)
+    dtype = torch.bfloat16 if pairs else gate_up.dtype  # (float32 pairs: cast as they are copied in)
+    pairs = pairs or _dot_bf16(gate_up.dtype, gate_up.shape[-1])
     experts, hidden, inter = down.shape
     inter_p, hidden_p = _round_up(inter, UP_PANEL), _round_up(hidden, DOWN_PANEL)
-    halves = gate_up.new_zeros(experts, 2, inter_p, hidden)
-    halves[:, :, :inter] = gate_up.reshape(experts, 2, inter, hidden)
-    padded = down.new_zeros(experts, hidden_p, inter_p)
-    padded[:, :hidden, :inter] = down
-    if pairs:
-        halves = halves.view(experts, 2, inter_p // UP_PANEL, UP_PANEL, hidden // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        padded = padded.view(experts, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p // 2, 2).permute(0, 1, 3, 2, 4)
-    else:
-        halves = halves.view(experts, 2, inter_p // UP_PANEL, UP_PANEL, hidden).permute(0, 2, 4, 1, 3)
-        padded = padded.view(experts, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p).transpose(2, 3)
-    panels_up = halves.reshape(experts, inter_p // UP_PANEL, hidden, 2 * UP_PANEL)
-    panels_down = padded.reshape(experts, hidden_p // DOWN_PANEL, inter_p, DOWN_PANEL)
-    return in_large_pages(panels_up.contiguous()), in_large_pages(panels_down.contiguous())
+    panels_up = large_pages_empty((experts, inter_p // UP_PANEL, hidden, 2 * UP_PANEL), dtype)
+    panels_down = large_pages_empty((experts, hidden_p // DOWN_PANEL, inter_p, DOWN_PANEL), dtype)
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    step = max(1, _PACK_CHUNK_BYTES // (gate_up[0].numel() * gate_up.element_size()))
+    for e0 in range(0, experts, step):
+        e1 = min(experts, e0 + step)
+        n = e1 - e0
+        halves = gate_up[e0:e1].view(n, 2, inter, hidden)
+        if inter_p != inter:
+            halves = F.pad(halves, (0, 0, 0, inter_p - inter))
+        padded = down[e0:e1]
+        if (hidden_p, inter_p) != (hidden, inter):
+            padded = F.pad(padded, (0, inter_p - inter, 0, hidden_p - hidden))
+        up, dn = panels_up[e0:e1], panels_down[e0:e1]
+        if pairs:
+            up.view(n, inter_p // UP_PANEL, hidden // 2, 2, UP_PANEL, 2).copy_(
+                halves.view(n, 2, inter_p // UP_PANEL, UP_PANEL, hidden // 2, 2).permute(0, 2, 4, 1, 3, 5))
+            dn.view(n, hidden_p // DOWN_PANEL, inter_p // 2, DOWN_PANEL, 2).copy_(
+                padded.view(n, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p // 2, 2).permute(0, 1, 3, 2, 4))
+        else:
+            up.view(n, inter_p // UP_PANEL, hidden, 2, UP_PANEL).copy_(
+                halves.view(n, 2, inter_p // UP_PANEL, UP_PANEL, hidden).permute(0, 2, 4, 1, 3))
+            dn.copy_(padded.view(n, hidden_p // DOWN_PANEL, DOWN_PANEL, inter_p).transpose(2, 3))
+    return panels_up, panels_down
 
 
 def moe_experts(
@@ -328,17 +358,24 @@ def pack_linear(weight: torch.Tensor, float32_pairs: bool = False) -> torch.Tens
     as bfloat16 pairs (for the callers whose kernels take them: ``linear``, the decoder kernels)."""
     _require()
     pairs = float32_pairs and keeps_float32_as_pairs(weight)
-    if pairs:
-        weight = weight.to(torch.bfloat16)
+    dtype = torch.bfloat16 if pairs else weight.dtype  # (float32 pairs: cast as they are copied in)
+    pairs = pairs or _dot_bf16(weight.dtype, weight.shape[-1])
     *lead, out_features, in_features = weight.shape
-    padded = weight.new_zeros(*lead, _round_up(out_features, DOWN_PANEL), in_features)
-    padded[..., :out_features, :] = weight
-    panels = padded.shape[-2] // DOWN_PANEL
-    if pairs or _dot_bf16(weight.dtype, in_features):
-        layout = padded.view(*lead, panels, DOWN_PANEL, in_features // 2, 2).transpose(-3, -2)
-    else:
-        layout = padded.view(*lead, panels, DOWN_PANEL, in_features).transpose(-2, -1)
-    return in_large_pages(layout.reshape(*lead, panels, in_features, DOWN_PANEL).contiguous())
+    panels = _round_up(out_features, DOWN_PANEL) // DOWN_PANEL
+    packed = large_pages_empty((*lead, panels, in_features, DOWN_PANEL), dtype)
+    weight = weight.contiguous()
+    step = max(1, _PACK_CHUNK_BYTES // (DOWN_PANEL * in_features * weight.element_size() * math.prod(lead)))
+    for p0 in range(0, panels, step):
+        p1 = min(panels, p0 + step)
+        rows = weight[..., p0 * DOWN_PANEL : p1 * DOWN_PANEL, :]
+        if rows.shape[-2] < (p1 - p0) * DOWN_PANEL:  # the last panel's missing outputs: zero weights
+            rows = F.pad(rows, (0, 0, 0, (p1 - p0) * DOWN_PANEL - rows.shape[-2]))
+        if pairs:
+            packed[..., p0:p1, :, :].view(*lead, p1 - p0, in_features // 2, DOWN_PANEL, 2).copy_(
+                rows.view(*lead, p1 - p0, DOWN_PANEL, in_features // 2, 2).transpose(-3, -2))
+        else:
+            packed[..., p0:p1, :, :].copy_(rows.view(*lead, p1 - p0, DOWN_PANEL, in_features).transpose(-2, -1))
+    return packed
 
 
 def pack_bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:

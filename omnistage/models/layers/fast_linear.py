@@ -21,6 +21,7 @@ raises: its released weights would read as empty tensors.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -221,6 +222,33 @@ def pack_amx_layers(module: nn.Module) -> int:
     if count:
         release_free_heap()
     return count
+
+
+def pack_on_load(fast: bool) -> Callable[[nn.Module], None] | None:
+    """``load_into``'s ``loaded`` hook for a ``fast`` build (None otherwise): a module whose packing needs
+    only its own weights (``packs_alone``: a layer's stacked experts) is packed the moment its tensors are in,
+    and its unpacked copy handed back before the next layer is read; ``fast_kernels`` packs the rest after the
+    load and skips what is packed. Without it a load held every layer's unpacked experts until the end (a
+    float32 model's twice the bytes of its bfloat16 pairs). Measured at the released widths with 2 layers per
+    stack, a fresh process's anonymous peak while loading, with the packing's own temporaries gone too
+    (``cpu_kernels.pack_experts`` / ``pack_linear`` write into the packed tensor in pieces): float32 13.1 ->
+    7.9 GB for 7.6 GB resident after the load, bfloat16 8.0 -> 6.25 GB for 6.2 GB."""
+    if not fast:
+        return None
+    released = 0
+
+    def loaded(module: nn.Module) -> None:
+        nonlocal released
+        if not getattr(module, "packs_alone", False):
+            return
+        before = _weight_bytes(module, True)
+        module.pack_weights(PACK_BATCH_HINT)
+        released += before - _weight_bytes(module, True)
+        if released >= _TRIM_EVERY_BYTES:
+            release_free_heap()
+            released = 0
+
+    return loaded
 
 
 def fast_kernels(module: M, fast: bool, many_rows: bool = False) -> M:

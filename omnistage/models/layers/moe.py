@@ -49,6 +49,8 @@ WIDENED_BF16_MAX_ROWS_PER_EXPERT = 16
 class StackedExperts(nn.Module):
     """All experts' SwiGLU weights in two 3-D tensors; ``forward`` runs expert-sorted rows through them."""
 
+    packs_alone = True  # its packing reads only its own weights (``fast_linear.pack_on_load`` packs it at load)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -68,7 +70,9 @@ class StackedExperts(nn.Module):
 
     def pack_weights(self, batch_hint: int) -> int:
         """The ``fast`` option's layouts (see the module docstring); returns how many weight copies were made.
-        The unpacked weights are released."""
+        The unpacked weights are released; 0 when already packed."""
+        if self.panels is not None or self.packed is not None:
+            return 0
         weight = self.gate_up_proj
         use_kernel = cpu_kernels.supports(weight) and cpu_kernels.available()
         per_expert = can_pack(weight) and not (

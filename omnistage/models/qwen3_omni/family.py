@@ -26,7 +26,7 @@ from omnistage.models.family import (
     StageRequest,
     no_args,
 )
-from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.layers.fast_linear import fast_kernels, pack_on_load
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import building, checkpoint_files, load_embedding_rows, load_into
@@ -169,7 +169,7 @@ class Qwen3OmniFamily(HFChatFamily):
             with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
                 thinker = Thinker(self.config)
             load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
-                      quantize=scheme)
+                      quantize=scheme, loaded=pack_on_load(ctx.fast))
             encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast, scheme,
                                        self.stored_quantization is not None)
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
@@ -177,7 +177,7 @@ class Qwen3OmniFamily(HFChatFamily):
             scheme = self.quant_scheme(part, ctx.quantization)
             with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
                 talker = Talker(self.config)
-            load_into(talker, self.model_dir, "talker.", ctx.dtype, quantize=scheme)
+            load_into(talker, self.model_dir, "talker.", ctx.dtype, quantize=scheme, loaded=pack_on_load(ctx.fast))
             # The projected tts specials need three of the Thinker's embedding rows (only those are read).
             specials_ids = [self.ids.tts_pad, self.ids.tts_bos, self.ids.tts_eos]
             embed = load_embedding_rows(self.model_dir, "thinker.model.embed_tokens.weight", specials_ids,
