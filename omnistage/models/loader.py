@@ -31,8 +31,9 @@ _ASSIGN_BYTES = 256 << 20
 def building(dtype: torch.dtype, device: str | torch.device, init: bool = True) -> Iterator[None]:
     """Create a model's tensors directly in its serving dtype and on its device: a 30B checkpoint must not
     first materialise as float32 on the host. ``init=False``: parameters are left uninitialised (``torch.nn.init``
-    does nothing), so memory the loader never writes is never touched: what a quantizing load needs, whose float
-    weights are replaced before any data is read (every parameter is loaded strictly anyway)."""
+    does nothing), so memory the loader never writes is never touched and no time goes into random values the
+    load overwrites: what every strict load of a whole model wants (every parameter is loaded, or the load
+    raises), and what a quantizing load needs, whose float weights are replaced before any data is read."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

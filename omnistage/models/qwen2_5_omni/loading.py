@@ -75,7 +75,7 @@ def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
 def load_thinker(
     model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Thinker:
-    with building(dtype, device):
+    with building(dtype, device, init=False):
         thinker = Thinker(config)
     tied = thinker.lm_head.weight is thinker.model.embed_tokens.weight  # a tied checkpoint stores no lm_head
     load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS + (("lm_head.",) if tied else ()))
@@ -85,7 +85,7 @@ def load_thinker(
 def load_talker(
     model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> Talker:
-    with building(dtype, device):
+    with building(dtype, device, init=False):
         talker = Talker(config)
     load_into(talker, model_dir, "talker.", dtype)
     return talker.eval()
@@ -99,7 +99,7 @@ def load_thinker_embedding(model_dir: str | Path, ids: Sequence[int], dtype: tor
 
 
 def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig, device: str = "cpu") -> Token2Wav:
-    with building(torch.float32, device):
+    with building(torch.float32, device, init=False):
         token2wav = Token2Wav(config)
     load_into(token2wav, model_dir, "token2wav.", torch.float32)
     token2wav.set_speakers(load_speakers(model_dir))
@@ -118,7 +118,7 @@ def load_media_encoders(
         if not any(n.startswith(prefix) for n in names):
             towers.append(None)
             continue
-        with building(dtype, device):
+        with building(dtype, device, init=False):
             tower = cls(cfg)
         load_into(tower, model_dir, prefix, dtype)
         towers.append(fast_kernels(tower.eval(), fast, many_rows=True))

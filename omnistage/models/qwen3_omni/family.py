@@ -80,7 +80,7 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
             towers[attr] = None
             continue
         tower_scheme = scheme.within(prefix[len("thinker."):]) if scheme is not None else None
-        with building(dtype, device, init=tower_scheme is None and not stored):
+        with building(dtype, device, init=False):
             tower = cls(cfg)
         load_into(tower, model_dir, prefix, dtype, skip=(derived,), quantize=tower_scheme)
         towers[attr] = fast_kernels(tower.eval(), fast, many_rows=True)
@@ -166,7 +166,7 @@ class Qwen3OmniFamily(HFChatFamily):
         part = ctx.stage.model_part
         if part == "thinker":
             scheme = self.quant_scheme(part, ctx.quantization)
-            with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
+            with building(ctx.dtype, ctx.device, init=False):
                 thinker = Thinker(self.config)
             load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
                       quantize=scheme, loaded=pack_on_load(ctx.fast))
@@ -175,7 +175,7 @@ class Qwen3OmniFamily(HFChatFamily):
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
             scheme = self.quant_scheme(part, ctx.quantization)
-            with building(ctx.dtype, ctx.device, init=scheme is None and self.stored_quantization is None):
+            with building(ctx.dtype, ctx.device, init=False):
                 talker = Talker(self.config)
             load_into(talker, self.model_dir, "talker.", ctx.dtype, quantize=scheme, loaded=pack_on_load(ctx.fast))
             # The projected tts specials need three of the Thinker's embedding rows (only those are read).
@@ -188,7 +188,7 @@ class Qwen3OmniFamily(HFChatFamily):
             return TalkerStageModel(talker, self.ids, specials)
         if part == "code2wav":
             dtype = self.weight_dtype(part, ctx.dtype, ctx.device)
-            with building(dtype, ctx.device):
+            with building(dtype, ctx.device, init=False):
                 code2wav = Code2Wav(self.config.code2wav_config)
             load_into(code2wav, self.model_dir, "code2wav.", dtype)
             return Code2WavStageModel(fast_kernels(code2wav.eval(), ctx.fast))
