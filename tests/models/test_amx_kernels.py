@@ -232,3 +232,48 @@ def test_residual_unit_in_one_pass_gives_the_two_convolutions_bits(dtype, batch,
     assert torch.equal(got, want) and not torch.equal(got, x)
     with pytest.raises(ValueError, match="left context"):
         amx_kernels.residual_unit(x, left[:, 1:], dilation, (w1, b1, s1), (w2, b2, s2))
+
+
+def test_bfloat16_output_head_runs_on_amx_at_every_batch_size():
+    """``fast_linear.pack_output_head``: a bfloat16 vocabulary head on AMX tiles whatever the rows (a request's
+    logits never depend on its batch mates), within bfloat16 rounding of the float64 product; float32 heads and
+    heads tied to the embedding stay for the panels."""
+    from torch import nn
+
+    from omnistage.models.layers.fast_linear import PackedLinear, pack_output_head
+
+    weight = _bf16_valued(1000, 256, seed=3, scale=0.05)
+    embedding = nn.Embedding(1000, 256)
+    head = nn.Linear(256, 1000, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    assert pack_output_head(head, embedding) == 1 and isinstance(head, PackedLinear) and head.weight.numel() == 0
+    x = _bf16_valued(16, 256, seed=4).to(torch.bfloat16)
+    batch = head(x)
+    assert batch.dtype == torch.bfloat16 and batch.shape == (16, 1000)
+    assert all(torch.equal(head(x[i : i + 1]), batch[i : i + 1]) for i in (0, 7, 15))
+    many = _bf16_valued(40, 256, seed=5).to(torch.bfloat16)  # past amx_kernels.FEW_ROWS: the convolution's jobs
+    assert torch.equal(head(many)[:16], head(many[:16])) and torch.equal(head(many)[39:], head(many[39:]))
+    exact = x.double() @ weight.double().t()
+    assert (batch.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
+    float_head = nn.Linear(256, 1000, bias=False)
+    tied = nn.Linear(256, 1000, bias=False).to(torch.bfloat16)
+    tied.weight = embedding.to(torch.bfloat16).weight
+    assert pack_output_head(float_head, embedding) == 0 and pack_output_head(tied, embedding) == 0
+    assert type(float_head) is nn.Linear and type(tied) is nn.Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_over_few_rows_gives_the_bits_of_many(dtype):
+    """``amx_kernels.linear`` up to ``FEW_ROWS`` rows (one split per thread) gives each row the bits the
+    convolution's jobs give it among many rows; float32 within float32 rounding of the float64 product."""
+    weight = _bf16_valued(300, 96, seed=6)
+    packed = amx_kernels.pack(weight)
+    x = _bf16_valued(40, 96, seed=7, scale=3.0).to(dtype) if dtype == torch.bfloat16 else \
+        torch.randn(40, 96, generator=torch.Generator().manual_seed(7))
+    many = amx_kernels.linear(x, packed)
+    for lo, hi in ((0, 1), (5, 21), (24, 40)):
+        assert torch.equal(amx_kernels.linear(x[lo:hi], packed), many[lo:hi])
+    if dtype == torch.float32:
+        exact = x.double() @ weight.double().t()
+        assert (many.double() - exact).abs().max() <= 1e-5 * exact.abs().max()

@@ -46,6 +46,8 @@ def _build() -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.amx_conv.restype = None
     library.amx_conv.argtypes = [i64] * 7 + [p, i64, p, i64, p, p, i32, p, i64, p, p, i64, i32, i32, p, i64, i32]
+    library.amx_linear_rows.restype = None
+    library.amx_linear_rows.argtypes = [p, i64, p, i32, p, i32, p, i64, i32]
     library.amx_unit.restype = None
     library.amx_unit.argtypes = [i64] * 7 + [p, p, i64, p, p, i32, p, p, p, p, p, p, p, p, i64, i32]
     return library
@@ -224,9 +226,25 @@ def residual_unit(x: torch.Tensor, left: torch.Tensor | None, dilation: int, fir
     return out
 
 
+FEW_ROWS = 16  # linear: at most this many rows without a bias take amx_linear_rows (the same sums, the same bits)
+
+
 def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., C] -> [..., N]: ``conv`` with one tap over all rows."""
+    """x [..., C] -> [..., N]: ``conv`` with one tap over all rows; up to ``FEW_ROWS`` rows without a bias in one
+    split per thread (``amx_linear_rows``: 16 rows of the released Thinker's output head 2x faster)."""
     if weight.taps != 1:
         raise ValueError("a linear layer's weight has one tap")
-    rows = x.reshape(1, -1, x.shape[-1])
-    return conv(rows, weight, 1, bias).view(*x.shape[:-1], weight.outputs)
+    rows = x.reshape(-1, x.shape[-1])
+    if bias is not None or rows.shape[0] > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16) \
+            or x.device.type != "cpu" or rows.shape[1] != weight.channels:
+        return conv(rows[None], weight, 1, bias).view(*x.shape[:-1], weight.outputs)
+    rows = rows.contiguous()
+    count, threads = rows.shape[0], torch.get_num_threads()
+    pointers = rows.data_ptr() + torch.arange(count, dtype=torch.int64) * rows.stride(0) * rows.element_size()
+    stride = phase_scratch(count, weight.padded_channels)
+    planes = scratch("amx-planes", threads * stride, torch.bfloat16)
+    out = x.new_empty(count, weight.outputs)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _lazy.require().amx_linear_rows(weight.words.data_ptr(), count, pointers.data_ptr(), bf16, out.data_ptr(), bf16,
+                                    planes.data_ptr(), stride, threads)
+    return out.view(*x.shape[:-1], weight.outputs)

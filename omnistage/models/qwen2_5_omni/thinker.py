@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
+from omnistage.models.layers.fast_linear import pack_output_head
 from omnistage.models.qwen2_5_omni.decoder import (
     Qwen2PagedDecoder,
     decoder_config,
@@ -73,3 +74,8 @@ class Thinker(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def pack_weights(self, batch_hint: int) -> int:
+        """The ``fast`` option's part here: a bfloat16 output head on AMX tiles (``pack_output_head``); the
+        other layers are packed after this call."""
+        return pack_output_head(self.lm_head, self.model.embed_tokens)

@@ -21,6 +21,7 @@ from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
+from omnistage.models.layers.fast_linear import pack_output_head
 from omnistage.models.qwen3_omni.mrope import mrope_axis_of_frequency, mrope_cos_sin, mrope_sections
 
 
@@ -109,4 +110,9 @@ class Thinker(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def pack_weights(self, batch_hint: int) -> int:
+        """The ``fast`` option's part here: a bfloat16 output head on AMX tiles (``pack_output_head``); the
+        other layers are packed after this call."""
+        return pack_output_head(self.lm_head, self.model.embed_tokens)
 
