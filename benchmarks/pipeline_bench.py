@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import math
 import os
 import statistics
 import threading
@@ -50,6 +49,7 @@ from benchmarks.roofline import (
     code_predictor_work,
     count_flops,
     decoder_forward_work,
+    largest_tensor_bytes,
     logits_work,
     measure_peaks,
     read_dtype,
@@ -487,22 +487,6 @@ class PeakResident:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, resident_bytes())
-
-
-def largest_tensor_bytes(model_dir: str, dtype: torch.dtype) -> int:
-    """The checkpoint's largest floating-point tensor at ``dtype`` (the load's allowed transient)."""
-    from safetensors import safe_open
-
-    from omnistage.models.loader import checkpoint_files
-
-    largest = 0
-    for path in set(checkpoint_files(model_dir).values()):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                piece = f.get_slice(name)
-                if piece.get_dtype() in ("F32", "BF16", "F16"):
-                    largest = max(largest, math.prod(piece.get_shape()))
-    return largest * dtype.itemsize
 
 
 def load_memory(model: str, config_text: str, family: str, overrides: dict | None) -> str:

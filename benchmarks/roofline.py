@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,11 +79,12 @@ def read_dtype(serving: torch.dtype, stored: torch.dtype | None) -> torch.dtype:
     return stored if stored is not None and stored.is_floating_point and _bytes(stored) < _bytes(serving) else serving
 
 
-def stored_dtype(model_dir: str, prefix: str = "") -> torch.dtype | None:
-    """The dtype most of the checkpoint's floating-point tensors under ``prefix`` are stored in (by element
-    count, from the safetensors headers); None when it holds none there."""
-    from collections import Counter
+_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
+
+def _float_tensors(model_dir: str, prefix: str = "") -> Iterator[tuple[torch.dtype, int]]:
+    """(stored dtype, elements) of each floating-point tensor of the checkpoint under ``prefix``, from the
+    safetensors headers (no data read)."""
     from safetensors import safe_open
 
     from omnistage.models.loader import checkpoint_files
@@ -91,15 +93,26 @@ def stored_dtype(model_dir: str, prefix: str = "") -> torch.dtype | None:
     for name, path in checkpoint_files(model_dir).items():
         if name.startswith(prefix):
             by_file.setdefault(path, []).append(name)
-    counts: Counter = Counter()
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as f:
             for name in names:
                 piece = f.get_slice(name)
-                counts[piece.get_dtype()] += math.prod(piece.get_shape())
-    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-    known = [(n, floats[d]) for d, n in counts.items() if d in floats]
-    return max(known, key=lambda item: item[0])[1] if known else None
+                if piece.get_dtype() in _FLOATS:
+                    yield _FLOATS[piece.get_dtype()], math.prod(piece.get_shape())
+
+
+def stored_dtype(model_dir: str, prefix: str = "") -> torch.dtype | None:
+    """The dtype most of the checkpoint's floating-point tensors under ``prefix`` are stored in (by element
+    count); None when it holds none there."""
+    counts: Counter = Counter()
+    for dtype, elements in _float_tensors(model_dir, prefix):
+        counts[dtype] += elements
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def largest_tensor_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """The checkpoint's largest floating-point tensor at ``dtype`` (a load's allowed transient)."""
+    return max((elements for _, elements in _float_tensors(model_dir)), default=0) * dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from benchmarks.pipeline_bench import OVERHEAD, component_table, output_difference, stage_table
-from benchmarks.roofline import DecoderShape, Peaks, decoder_forward_work, read_dtype, stored_dtype
+from benchmarks.roofline import (
+    DecoderShape,
+    Peaks,
+    decoder_forward_work,
+    largest_tensor_bytes,
+    read_dtype,
+    stored_dtype,
+)
 from benchmarks.stage_timers import Component, StageTimers
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
 
@@ -80,6 +87,7 @@ def test_weights_count_at_the_width_the_checkpoint_stores(tmp_path):
                "code2wav.c": torch.zeros(3, 3)}, str(tmp_path / "model.safetensors"))
     assert stored_dtype(str(tmp_path), "thinker.") == torch.bfloat16  # by element count
     assert stored_dtype(str(tmp_path), "code2wav.") == torch.float32 and stored_dtype(str(tmp_path), "x.") is None
+    assert largest_tensor_bytes(str(tmp_path), torch.float32) == 32 * 4  # thinker.a's 32 elements, as served
     assert read_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
     assert read_dtype(torch.bfloat16, torch.float32) == torch.bfloat16 and read_dtype(torch.float32, None) == torch.float32
     cfg = DecoderConfig(hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,

@@ -127,6 +127,12 @@ def pack(weight: torch.Tensor) -> AmxWeight:
     return AmxWeight(data, outputs, channels, taps)
 
 
+def _check_rows(x: torch.Tensor, weight: AmxWeight) -> None:
+    if x.shape[-1] != weight.channels or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"x must be [..., {weight.channels}] float32 or bfloat16 on the CPU, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+
+
 def _left_context(left: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     """(``left`` contiguous, its rows H): a left context [B, H, C] of x [B, T, C], or None (H = 0)."""
     if left is None:
@@ -153,9 +159,7 @@ def conv(
     ``bias`` and ``residual`` (contiguous, of the result's shape and dtype: the sum is written into it and
     returned). The activated signal is never stored: each job activates and splits the rows it reads."""
     batch, length, channels = x.shape
-    if channels != weight.channels or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise ValueError(f"x must be [B, T, {weight.channels}] float32 or bfloat16 on the CPU, got "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    _check_rows(x, weight)
     left, held = _left_context(left, x)
     out_length = held + length - (weight.taps - 1) * dilation
     if out_length < 1:
@@ -235,9 +239,9 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None)
     if weight.taps != 1:
         raise ValueError("a linear layer's weight has one tap")
     rows = x.reshape(-1, x.shape[-1])
-    if bias is not None or rows.shape[0] > FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16) \
-            or x.device.type != "cpu" or rows.shape[1] != weight.channels:
+    if bias is not None or rows.shape[0] > FEW_ROWS:
         return conv(rows[None], weight, 1, bias).view(*x.shape[:-1], weight.outputs)
+    _check_rows(rows, weight)
     rows = rows.contiguous()
     count, threads = rows.shape[0], torch.get_num_threads()
     pointers = rows.data_ptr() + torch.arange(count, dtype=torch.int64) * rows.stride(0) * rows.element_size()

@@ -214,9 +214,9 @@ def pack_output_head(head: nn.Module, embedding: nn.Module) -> int:
     """A model's bfloat16 output head (an ``nn.Linear`` over the vocabulary, not tied to ``embedding``) on AMX tiles
     (``pack_amx``) at every batch size, for ``pack_weights`` of the models that own one; 1, or 0 where it stays
     for the panels. On panels 16 rows of it are compute-bound (AVX512-BF16 dot products); on AMX they stream
-    at the weight's read rate. The released Thinker's head (152064 x 2048), 2 threads, Xeon Emerald Rapids:
-    16 rows 62 -> 23 ms, 64 rows 33 ms, 1 row 20-22 -> 24 ms. float32 rows stay on the pair panels (on AMX's
-    three parts they took 47-70 ms)."""
+    at the weight's read rate. The released Thinker's head (152064 x 2048), 2 threads, Xeon Emerald Rapids,
+    alternating runs: 16 rows 62-100 -> 23-44 ms, 1 row 25-30 (panels) vs 26-33 ms. float32 rows stay on the
+    pair panels (on AMX's three parts they took 47-70 ms)."""
     if type(head) is not nn.Linear or head.weight.dtype != torch.bfloat16 or head.weight is embedding.weight:
         return 0
     return pack_amx(head)

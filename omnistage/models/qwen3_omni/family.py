@@ -65,9 +65,9 @@ TOWER_LAYERS = ("audio_tower.layers.", "visual.blocks.")  # (relative to "thinke
 
 
 def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str, fast: bool,
-                    scheme: QuantScheme | None = None, stored: bool = False) -> MediaEncoders:
+                    scheme: QuantScheme | None = None) -> MediaEncoders:
     """The Thinker's audio and vision towers, when the checkpoint holds them; ``scheme``: the Thinker part's
-    quantization (names relative to ``thinker.``), ``stored``: the checkpoint is pre-quantized."""
+    quantization (names relative to ``thinker.``)."""
     names = checkpoint_files(model_dir)
     towers: dict[str, Any] = {}
     # Derived tables (sinusoids, rotary frequencies) are computed here; a checkpoint that stores them anyway
@@ -170,8 +170,7 @@ class Qwen3OmniFamily(HFChatFamily):
                 thinker = Thinker(self.config)
             load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
                       quantize=scheme, loaded=pack_on_load(ctx.fast))
-            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast, scheme,
-                                       self.stored_quantization is not None)
+            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast, scheme)
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
             scheme = self.quant_scheme(part, ctx.quantization)
