@@ -277,3 +277,34 @@ def test_linear_over_few_rows_gives_the_bits_of_many(dtype):
     if dtype == torch.float32:
         exact = x.double() @ weight.double().t()
         assert (many.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_rows_per_job_follow_the_planes_and_the_threads():
+    """``row_chunk``: long jobs where their planes fit L2 and every thread keeps several jobs, else 128 rows."""
+    assert amx_kernels.row_chunk(16, 48000, 96, 1, 54, 2) == 512
+    assert amx_kernels.row_chunk(16, 4000, 384, 3, 54, 2) == 512  # (512 + 54) x 384 x 3 x 2 bytes < 1.5 MB
+    assert amx_kernels.row_chunk(16, 800, 768, 3, 54, 2) == 256  # 2.6 MB of planes at 512 rows, 1.4 at 256
+    assert amx_kernels.row_chunk(1, 800, 96, 1, 6, 2) == 128  # 7 jobs for 2 threads
+    assert amx_kernels.row_chunk(2, 4000, 96, 1, 6, 2) == 512
+    assert amx_kernels.row_chunk(2, 1500, 96, 1, 6, 2) == 256
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_per_job_do_not_change_the_bits(dtype, monkeypatch):
+    """A job's length (halo rows split again at each job's start, the last job short) changes no row's sums."""
+    channels, dilation = 64, 9
+    gen = torch.Generator().manual_seed(11)
+    w1 = amx_kernels.pack(_bf16_valued(channels, channels, 7, seed=1, scale=0.2))
+    w2 = amx_kernels.pack(_bf16_valued(channels, channels, 1, seed=2, scale=0.2))
+    b1, b2 = _bf16_valued(channels, seed=3), _bf16_valued(channels, seed=4)
+    s1 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    s2 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    x = torch.randn(4, 2 * 512 + 77, channels, generator=gen).to(dtype)
+    left = torch.randn(4, 6 * dilation, channels, generator=gen).to(dtype)
+    assert amx_kernels.row_chunk(4, x.shape[1], 64, 3, 6 * dilation, torch.get_num_threads()) == 512
+    runs = []
+    for most in (512, 128):
+        monkeypatch.setattr(amx_kernels, "MAX_ROW_CHUNK", most)
+        runs.append((amx_kernels.conv(x, w1, dilation, b1, left=left, snake=s1),
+                     amx_kernels.residual_unit(x, left, dilation, (w1, b1, s1), (w2, b2, s2))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

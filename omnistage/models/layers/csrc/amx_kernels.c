@@ -33,7 +33,6 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define MCHUNK 128
 
 /* Linux hands out AMX tile state only to processes that ask for it: 0 when granted. */
 int amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
@@ -197,19 +196,19 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
 
 /* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of in[b][t + tap * dil][c] *
  * w[n][tap][c], in[b] = item b's H rows of `left` then its TI - H rows of x, through SnakeBeta if `alpha` (see
- * split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job
- * (up to 128 output rows of one batch item, a share of the output blocks) first splits the input rows it reads
- * into this thread's planes (`scratch`, `stride` elements a thread: (128 + (taps - 1) dil) * CP * parts), which
- * then stay in L2 while the weights stream through: the signal is read once, no planes go through memory. */
+ * split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job (up to `mchunk` output
+ * rows of one batch item, a multiple of 32; a share of the output blocks) first splits the input rows it reads into
+ * this thread's planes (`scratch`, `stride` elements a thread: (mchunk + (taps - 1) dil) * CP * parts), which then
+ * stay in L2 while the weights stream through: the signal is read once, no planes go through memory. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     int64_t B, int64_t TI, int64_t TO, int64_t C, int64_t CP, int64_t taps, int64_t dil, const void *x, int64_t ldx,
     const void *left, int64_t H, const float *alpha, const float *scale, int x_bf16, const uint16_t *w, int64_t N,
-    const float *bias, void *out, int64_t ldo, int out_bf16, int accumulate, uint16_t *scratch, int64_t stride,
-    int threads) {
+    const float *bias, void *out, int64_t ldo, int out_bf16, int accumulate, int64_t mchunk, uint16_t *scratch,
+    int64_t stride, int threads) {
     const int parts = x_bf16 ? 1 : 3;
     const int64_t K = taps * CP, nblocks = (N + 31) / 32, halo = (taps - 1) * dil;
-    const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + MCHUNK / 32 - 1) / (MCHUNK / 32);
-    const int64_t plane = (MCHUNK + halo) * CP;
+    const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + mchunk / 32 - 1) / (mchunk / 32);
+    const int64_t plane = (mchunk + halo) * CP;
     /* Output blocks split into groups when there are too few row chunks to keep every thread busy. */
     int64_t groups = (2 * threads + B * chunks - 1) / (B * chunks);
     if (groups > nblocks) groups = nblocks;
@@ -225,7 +224,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
 #pragma omp for schedule(dynamic)
         for (int64_t job = 0; job < B * chunks * groups; job++) {
             const int64_t b = job / (chunks * groups), chunk = job / groups % chunks, group = job % groups;
-            const int64_t m0 = chunk * MCHUNK, m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
+            const int64_t m0 = chunk * mchunk, m1 = m0 + mchunk < row_blocks * 32 ? m0 + mchunk : row_blocks * 32;
             const int64_t nb1 = (group + 1) * per_group < nblocks ? (group + 1) * per_group : nblocks;
             split_rows(x, ldx, left, H, alpha, scale, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
             job_blocks(planes, CP, K, dil, parts, plane, w, group * per_group, nb1, m0, m1, TO, N, bias,
@@ -238,20 +237,20 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
 /* A vocoder residual unit's two convolutions in one pass: h = conv1(snake1([left; x])) + bias1 (C -> C, `taps`
  * taps at `dil`, as amx_conv computes and stores it, rounded to x's type), then out = x + conv2(snake2(h)) + bias2
  * (one tap, C -> C, as amx_conv accumulates it into a residual x), so out has amx_conv's bits twice over (out is
- * not x: later jobs still read the rows of x before their own). Each job (up to 128 rows of one batch item)
+ * not x: later jobs still read the rows of x before their own). Each job (up to `mchunk` rows of one batch item)
  * computes all of conv1's outputs for its rows into the thread's buffer and feeds them straight to conv2: h never
  * goes through memory (written and read back it is most of a 96-channel kernel-1 convolution's time). Scratch
- * per thread (`stride` uint16): conv1's planes ((128 + (taps - 1) dil) * CP * parts), conv2's (128 * CP *
- * parts), h (128 * C * 2). */
+ * per thread (`stride` uint16): conv1's planes ((mchunk + (taps - 1) dil) * CP * parts), conv2's (mchunk * CP *
+ * parts), h (mchunk * C * 2). */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
     int64_t B, int64_t TI, int64_t TO, int64_t C, int64_t CP, int64_t taps, int64_t dil, const void *x,
     const void *left, int64_t H, const float *alpha1, const float *scale1, int x_bf16, const uint16_t *w1,
     const float *bias1, const float *alpha2, const float *scale2, const uint16_t *w2, const float *bias2, void *out,
-    uint16_t *scratch, int64_t stride, int threads) {
+    int64_t mchunk, uint16_t *scratch, int64_t stride, int threads) {
     const int parts = x_bf16 ? 1 : 3;
     const int64_t K = taps * CP, nblocks = (C + 31) / 32, halo = (taps - 1) * dil;
-    const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + MCHUNK / 32 - 1) / (MCHUNK / 32);
-    const int64_t plane = (MCHUNK + halo) * CP, plane2 = MCHUNK * CP;
+    const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + mchunk / 32 - 1) / (mchunk / 32);
+    const int64_t plane = (mchunk + halo) * CP, plane2 = mchunk * CP;
     const size_t esize = x_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(threads)
     {
@@ -262,8 +261,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
         float acc[32 * 32] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic)
         for (int64_t job = 0; job < B * chunks; job++) {
-            const int64_t b = job / chunks, m0 = job % chunks * MCHUNK;
-            const int64_t m1 = m0 + MCHUNK < row_blocks * 32 ? m0 + MCHUNK : row_blocks * 32;
+            const int64_t b = job / chunks, m0 = job % chunks * mchunk;
+            const int64_t m1 = m0 + mchunk < row_blocks * 32 ? m0 + mchunk : row_blocks * 32;
             split_rows(x, C, left, H, alpha1, scale1, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
             job_blocks(planes, CP, K, dil, parts, plane, w1, 0, nblocks, m0, m1, TO, C, bias1, h, C, x_bf16, 0, acc);
             for (int64_t r = 0; r < m1 - m0; r++) {
