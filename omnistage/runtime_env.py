@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ _lock = threading.Lock()
 _result: AllocatorSettings | None = None
 
 
+@functools.cache  # find_library searches the linker paths (~2 ms); release_free_heap asks once per 256 MB at load
 def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

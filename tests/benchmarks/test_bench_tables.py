@@ -110,6 +110,8 @@ def test_tables_account_for_the_whole_wall_time():
     assert thinker[-2:] == ["4.00", "4.0"]  # transformers' 2 s per request, scaled to N
     overhead = next(line for line in lines if line.strip().startswith(OVERHEAD)).split()
     assert overhead[2:4] == ["2.50", "62.5%"] and overhead[-2:] == ["2.00", "0.8"]  # 4 - 1.5; (3 - 2) x 2
+    total = next(line.split() for line in lines if line.split()[0] == "total")
+    assert total[3:5] == ["0.500", "12.5%"]  # the measured components' bounds summed, against the wall
     steps = stage_table(4.0, {"thinker": Component(seconds=1.0, calls=4), "talker": Component(seconds=2.0, calls=4)})
     assert steps[-1].split()[2:4] == ["1.00", "25.0%"]
 
