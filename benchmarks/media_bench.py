@@ -5,7 +5,9 @@ Same checkpoint (default: the small preset with its audio and vision towers), sa
 sizes matter), same thread count, one process. omnistage gets N requests at once; transformers runs them one
 at a time (its generate serves one request's audio per call and returns it at the end, so its time to first
 audio is its end-to-end time). Reports time to first audio, text tokens/s, audio seconds per wall second,
-real-time factor, and the audio encoder's share of the Thinker's prefill time in both.
+real-time factor, the audio encoder's share of the Thinker's prefill time and the vocoder's share of the wall
+in both, and the ratio's ceiling were all of omnistage but its vocoder free (the vocoders are compute-bound: a
+batch does their arithmetic no faster than one request at a time).
 
     python -m benchmarks.media_bench --preset small --concurrency 1 8 --threads 1
     python -m benchmarks.media_bench --family qwen2_5_omni --preset small --concurrency 1 8 --threads 2
@@ -56,14 +58,25 @@ def messages(clip: np.ndarray) -> list[dict]:
 
 
 class PrefillClock:
-    """Times the Thinker stage's steps that prefill prompt rows, and the encoder runs inside them."""
+    """Times the Thinker stage's steps that prefill prompt rows, and the encoder runs inside them; and the
+    vocoder stage's steps."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, vocoder: str) -> None:
         stage = engine.orchestrator.stages["thinker"]
         model = stage.model
-        self.prefill = self.encoder = 0.0
+        self.prefill = self.encoder = self.vocoder = 0.0
         self._prefilling = False
         step, prepare, acquire = stage.step, model.prepare_inputs, model.encoders.acquire
+        voc_stage = engine.orchestrator.stages[vocoder]
+        voc_step = voc_stage.step
+
+        def timed_vocoder_step():
+            t0 = time.perf_counter()
+            out = voc_step()
+            self.vocoder += time.perf_counter() - t0
+            return out
+
+        voc_stage.step = timed_vocoder_step
 
         def timed_step():
             self._prefilling = False
@@ -85,7 +98,7 @@ class PrefillClock:
         stage.step, model.prepare_inputs, model.encoders.acquire = timed_step, prepare_inputs, timed_acquire
 
     def reset(self) -> None:
-        self.prefill = self.encoder = 0.0
+        self.prefill = self.encoder = self.vocoder = 0.0
 
 
 def run_omnistage(engine, clock: PrefillClock, clips, params):
@@ -109,7 +122,8 @@ def run_omnistage(engine, clock: PrefillClock, clips, params):
                 done.add(d.req_id)
     wall = time.perf_counter() - t0
     return {"wall": wall, "tokens": tokens, "audio_s": samples / engine.info.sample_rate,
-            "ttfa": statistics.median(first_audio.values()), "enc_share": clock.encoder / clock.prefill}
+            "ttfa": statistics.median(first_audio.values()), "enc_share": clock.encoder / clock.prefill,
+            "vocoder": clock.vocoder}
 
 
 # Per family: transformers' class, the generation stage, generate's speaker and audio arguments (Qwen2.5-Omni's
@@ -120,11 +134,12 @@ FAMILIES = {
 }
 
 
-def run_hf(hf, engine, clips, thinker_tokens, talker_tokens, audio_args=FAMILIES["qwen3_omni"][2]):
+def run_hf(hf, engine, clips, thinker_tokens, talker_tokens, audio_args=FAMILIES["qwen3_omni"][2],
+           vocoder="code2wav"):
     """transformers, one request at a time, on the very prompt ids and audio features omnistage used."""
     from omnistage.models.qwen3_omni.processor import thinker_media
 
-    timing = {"encoder": 0.0, "prefill": 0.0}
+    timing = {"encoder": 0.0, "prefill": 0.0, "vocoder": 0.0}
     marks: dict[str, float] = {}
     calls = {"thinker": 0}
 
@@ -142,8 +157,16 @@ def run_hf(hf, engine, clips, thinker_tokens, talker_tokens, audio_args=FAMILIES
         if calls["thinker"] == 1:  # the prefill forward (runs the audio tower inside)
             timing["prefill"] += time.perf_counter() - marks["thinker"]
 
+    def voc_pre(*_):
+        marks["vocoder"] = time.perf_counter()
+
+    def voc_post(*_):
+        timing["vocoder"] += time.perf_counter() - marks["vocoder"]
+
     hooks = [hf.thinker.model.audio_tower.register_forward_pre_hook(enc_pre),
              hf.thinker.model.audio_tower.register_forward_hook(enc_post),
+             getattr(hf, vocoder).register_forward_pre_hook(voc_pre),
+             getattr(hf, vocoder).register_forward_hook(voc_post),
              hf.thinker.register_forward_pre_hook(thinker_pre),
              hf.thinker.register_forward_hook(thinker_post)]
     walls, tokens, samples = [], 0, 0
@@ -171,7 +194,8 @@ def run_hf(hf, engine, clips, thinker_tokens, talker_tokens, audio_args=FAMILIES
             h.remove()
     wall = sum(walls)
     return {"wall": wall, "tokens": tokens, "audio_s": samples / engine.info.sample_rate,
-            "ttfa": statistics.median(walls), "enc_share": timing["encoder"] / timing["prefill"]}
+            "ttfa": statistics.median(walls), "enc_share": timing["encoder"] / timing["prefill"],
+            "vocoder": timing["vocoder"]}
 
 
 def cpu_name() -> str:
@@ -218,7 +242,7 @@ def main() -> None:
         stages[generation]["bridge_args"] = bridge_args
         pipeline = load_pipeline_config(args.family, {"stages": stages})
         engine = OmniEngine(EngineArgs(model), pipeline)
-        return engine, PrefillClock(engine), dict(pipeline.stage(generation).bridge_args)
+        return engine, PrefillClock(engine, generation), dict(pipeline.stage(generation).bridge_args)
 
     engine, clock, chunking = build(args.bridge_args[0])
     with quiet_config_checks():
@@ -230,14 +254,15 @@ def main() -> None:
     }
     warm = {k: p.replace(max_tokens=4, min_tokens=4) for k, p in params.items()}
     run_omnistage(engine, clock, [spoken_question(0)[:RATE]], warm)
-    run_hf(hf, engine, [spoken_question(0)[:RATE]], 4, 4, audio_args)
+    run_hf(hf, engine, [spoken_question(0)[:RATE]], 4, 4, audio_args, generation)
 
     clips = [spoken_question(i) for i in range(top)]
     print(f"CPU: {cpu_name()}, torch threads={args.threads}, {Path(model).name}, float32; questions "
           f"{', '.join(f'{c.size / RATE:.1f}' for c in clips)} s; answers {args.thinker_tokens} text tokens, "
           f"{args.talker_tokens} codec frames")
     with torch.no_grad():
-        ref = run_hf(hf, engine, clips[: args.hf_requests], args.thinker_tokens, args.talker_tokens, audio_args)
+        ref = run_hf(hf, engine, clips[: args.hf_requests], args.thinker_tokens, args.talker_tokens, audio_args,
+                     generation)
     for i, bridge_args in enumerate(args.bridge_args):
         if i:
             engine.shutdown()
@@ -249,19 +274,28 @@ def main() -> None:
 
 
 def print_rows(engine, clock, clips, params, ref, concurrency) -> None:
-    print(f"{'':>3} | {'omnistage':^58} | {'transformers (1 at a time)':^46} | {'ratio':^13}")
-    print(f"{'N':>3} | {'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} {'wall s':>7} | "
-          f"{'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} | "
-          f"{'x thru':>6} {'TTFA':>6}")
+    print(f"{'':>3} | {'omnistage':^68} | {'transformers (1 at a time)':^56} | {'ratio':^22}")
+    print(f"{'N':>3} | {'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} {'voc %':>6} "
+          f"{'wall s':>7} | {'TTFA s':>7} {'tok/s':>7} {'audio s/s':>9} {'RTF':>6} {'enc % prefill':>13} "
+          f"{'voc %':>6} | {'x thru':>6} {'TTFA':>6} {'ceiling':>8}")
     for n in concurrency:
         ours = run_omnistage(engine, clock, clips[:n], params)
         print(f"{n:>3} | {ours['ttfa']:>7.2f} {ours['tokens'] / ours['wall']:>7.1f} "
               f"{ours['audio_s'] / ours['wall']:>9.2f} {ours['wall'] / ours['audio_s']:>6.2f} "
-              f"{100 * ours['enc_share']:>12.1f}% {ours['wall']:>7.1f} | "
+              f"{100 * ours['enc_share']:>12.1f}% {100 * ours['vocoder'] / ours['wall']:>5.1f}% {ours['wall']:>7.1f} | "
               f"{ref['ttfa']:>7.2f} {ref['tokens'] / ref['wall']:>7.1f} {ref['audio_s'] / ref['wall']:>9.2f} "
-              f"{ref['wall'] / ref['audio_s']:>6.2f} {100 * ref['enc_share']:>12.1f}% | "
+              f"{ref['wall'] / ref['audio_s']:>6.2f} {100 * ref['enc_share']:>12.1f}% "
+              f"{100 * ref['vocoder'] / ref['wall']:>5.1f}% | "
               f"{(ours['audio_s'] / ours['wall']) / (ref['audio_s'] / ref['wall']):>6.2f} "
-              f"{ours['ttfa'] / ref['ttfa']:>6.2f}", flush=True)
+              f"{ours['ttfa'] / ref['ttfa']:>6.2f} {throughput_ceiling(ours, ref):>7.2f}x", flush=True)
+
+
+def throughput_ceiling(ours: dict, ref: dict) -> float:
+    """The throughput ratio were all of omnistage but its vocoder stage free: our audio seconds per vocoder
+    second against transformers' audio seconds per wall second."""
+    if not ours["vocoder"]:
+        return float("inf")
+    return (ours["audio_s"] / ours["vocoder"]) / (ref["audio_s"] / ref["wall"])
 
 
 if __name__ == "__main__":

@@ -124,3 +124,11 @@ def test_output_difference_names_the_first_difference():
     changed[2, 3] = -1
     assert output_difference(([1, 2], codes), ([1, 2], changed)) == "frame 3"
     assert output_difference(([1, 2], codes), ([1, 2], codes[:, :2])) == "codes shape (3, 4) vs (3, 2)"
+
+
+def test_media_bench_ceiling_is_the_vocoder_alone_against_transformers():
+    from benchmarks.media_bench import throughput_ceiling
+
+    ref = {"audio_s": 4.0, "wall": 20.0}  # transformers: 0.2 audio seconds per second
+    assert throughput_ceiling({"audio_s": 8.0, "vocoder": 10.0}, ref) == pytest.approx(4.0)  # 0.8 / 0.2
+    assert throughput_ceiling({"audio_s": 8.0, "vocoder": 0.0}, ref) == float("inf")
