@@ -308,3 +308,27 @@ def test_rows_per_job_do_not_change_the_bits(dtype, monkeypatch):
         runs.append((amx_kernels.conv(x, w1, dilation, b1, left=left, snake=s1),
                      amx_kernels.residual_unit(x, left, dilation, (w1, b1, s1), (w2, b2, s2))))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_activate_like_float64_at_any_argument(dtype):
+    """SnakeBeta as the kernels compute it (their own sine, libmvec's past |x alpha| 8192 or at NaN): through a
+    one-tap identity convolution every output is the activation (float32: its three parts summed back exactly;
+    bfloat16: rounded, at most one bfloat16 step from float64's). Arguments from 0.01 to ~1e6 rad, vectors
+    mixing both paths."""
+    channels = 64
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.rand(1, 6, channels, generator=gen) + 0.01).to(dtype)
+    alpha = torch.logspace(0, 6, channels)  # 1 .. 1e6 per channel: a 16-lane vector of each kind and mixed ones
+    alpha[::5] = 3.0
+    scale = torch.full((channels,), 4.0)  # sin^2 scaled past x: the sine decides the value
+    eye = amx_kernels.pack(torch.eye(channels, dtype=torch.bfloat16))
+    got = amx_kernels.conv(x, eye, 1, None, snake=(alpha, scale)).double()
+    xd = x.double()
+    argument = (x.float() * alpha).double()  # rounded to float32 as the kernel (and torch) computes it
+    want = xd + (torch.sin(argument) * 4.0) ** 2
+    step = want.abs().clamp(min=2**-20) * 2**-7 if dtype == torch.bfloat16 else want.abs().clamp(min=1) * 5e-7
+    assert ((got - want).abs() <= step).all()
+    nan = x.clone()
+    nan[0, 0, 3] = float("nan")
+    assert amx_kernels.conv(nan, eye, 1, None, snake=(alpha, scale))[0, 0, 3].isnan()

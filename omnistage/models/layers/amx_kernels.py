@@ -40,7 +40,7 @@ ENV = "OMNISTAGE_AMX_KERNELS"
 def _build() -> ctypes.CDLL:
     if not torch.cpu._is_amx_tile_supported():
         raise RuntimeError("this CPU has no AMX tiles")
-    library = build_library(_SOURCE, ("-lmvec", "-lm"))  # (glibc's vector sinf)
+    library = build_library(_SOURCE, ("-lmvec", "-lm"))  # (glibc's vector sinf, for large arguments)
     if not hasattr(library, "amx_conv"):
         raise RuntimeError("the compiler built no AMX code for this CPU")
     if library.amx_init() != 0:
