@@ -255,10 +255,10 @@ def load_into(
         return
     waiting: Counter[str] = Counter()  # per owning module: its tensors not read yet (``loaded``)
     if loaded is not None and not on_meta:
-        owners = _owners(module, [key for names in files.values() for name in names
-                                  if (key := name[len(prefix):]) not in aux])
-        waiting.update(owners.values())
         modules = dict(module.named_modules())
+        owners = _owners(modules, [key for names in files.values() for name in names
+                                   if (key := name[len(prefix):]) not in aux])
+        waiting.update(owners.values())
     with contextlib.ExitStack() as handles:
         read = _reader(files, handles)
         for _, names in sorted(files.items()):
@@ -295,10 +295,9 @@ def load_into(
                 p.data = p.data.to(dtype)
 
 
-def _owners(module: nn.Module, keys: list[str]) -> dict[str, str]:
-    """Each state-dict key's owning submodule (its longest module-name prefix: a fused parameter's parts, such
-    as ``experts.3.up_proj.weight``, belong to the module holding the fused tensor)."""
-    names = {name for name, _ in module.named_modules()}
+def _owners(names: dict[str, nn.Module], keys: list[str]) -> dict[str, str]:
+    """Each state-dict key's owning submodule among ``names`` (its longest module-name prefix: a fused
+    parameter's parts, such as ``experts.3.up_proj.weight``, belong to the module holding the fused tensor)."""
     owners = {}
     for key in keys:
         owner = key.rpartition(".")[0]

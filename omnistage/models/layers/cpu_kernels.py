@@ -265,6 +265,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _packed_layout(weight: torch.Tensor, float32_pairs: bool) -> tuple[torch.dtype, bool]:
+    """(the packed tensor's dtype, whether its inputs go in pairs) for ``weight`` [..., K]: float32 kept as
+    bfloat16 pairs (cast as it is copied in), or the weight's dtype, in pairs for the bfloat16 dot products."""
+    if float32_pairs:
+        return torch.bfloat16, True
+    return weight.dtype, _dot_bf16(weight.dtype, weight.shape[-1])
+
+
 def pack_experts(gate_up: torch.Tensor, down: torch.Tensor,
                  float32_pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked weights gate_up [E, 2I, H], down [E, H, I] -> the kernel's panels: gate/up [E, I'/16, H, 32]
@@ -273,9 +281,8 @@ def pack_experts(gate_up: torch.Tensor, down: torch.Tensor,
     pairs of consecutive indices, interleaved per column (``[K/2][32][2]``; same shapes); with
     ``float32_pairs``, float32 weights that ``keeps_float32_as_pairs`` are packed so, as bfloat16."""
     _require()  # the layout depends on the variants built for this CPU
-    pairs = float32_pairs and keeps_float32_as_pairs(gate_up) and keeps_float32_as_pairs(down)
-    dtype = torch.bfloat16 if pairs else gate_up.dtype  # (float32 pairs: cast as they are copied in)
-    pairs = pairs or _dot_bf16(gate_up.dtype, gate_up.shape[-1])
+    dtype, pairs = _packed_layout(gate_up, float32_pairs and keeps_float32_as_pairs(gate_up)
+                                  and keeps_float32_as_pairs(down))
     experts, hidden, inter = down.shape
     inter_p, hidden_p = _round_up(inter, UP_PANEL), _round_up(hidden, DOWN_PANEL)
     panels_up = large_pages_empty((experts, inter_p // UP_PANEL, hidden, 2 * UP_PANEL), dtype)
@@ -357,9 +364,7 @@ def pack_linear(weight: torch.Tensor, float32_pairs: bool = False) -> torch.Tens
     (one copy for all of them). ``float32_pairs``: a float32 weight that ``keeps_float32_as_pairs`` is packed
     as bfloat16 pairs (for the callers whose kernels take them: ``linear``, the decoder kernels)."""
     _require()
-    pairs = float32_pairs and keeps_float32_as_pairs(weight)
-    dtype = torch.bfloat16 if pairs else weight.dtype  # (float32 pairs: cast as they are copied in)
-    pairs = pairs or _dot_bf16(weight.dtype, weight.shape[-1])
+    dtype, pairs = _packed_layout(weight, float32_pairs and keeps_float32_as_pairs(weight))
     *lead, out_features, in_features = weight.shape
     panels = _round_up(out_features, DOWN_PANEL) // DOWN_PANEL
     packed = large_pages_empty((*lead, panels, in_features, DOWN_PANEL), dtype)

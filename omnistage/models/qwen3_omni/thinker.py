@@ -115,4 +115,3 @@ class Thinker(nn.Module):
         """The ``fast`` option's part here: a bfloat16 output head on AMX tiles (``pack_output_head``); the
         other layers are packed after this call."""
         return pack_output_head(self.lm_head, self.model.embed_tokens)
-
