@@ -234,33 +234,41 @@ def test_residual_unit_in_one_pass_gives_the_two_convolutions_bits(dtype, batch,
         amx_kernels.residual_unit(x, left[:, 1:], dilation, (w1, b1, s1), (w2, b2, s2))
 
 
-def test_bfloat16_output_head_runs_on_amx_at_every_batch_size():
-    """``fast_linear.pack_output_head``: a bfloat16 vocabulary head on AMX tiles whatever the rows (a request's
-    logits never depend on its batch mates), within bfloat16 rounding of the float64 product; float32 heads and
-    heads tied to the embedding stay for the panels."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_head_runs_on_amx_at_every_batch_size(dtype):
+    """``fast_linear.pack_output_head``: a vocabulary head of bfloat16 values on AMX tiles whatever the rows (a
+    request's logits never depend on its batch mates: float32 rows summed part by part at every count, 1 to 3
+    tiles a group of 16), within the dtype's rounding of the float64 product; heads that are not bfloat16 values,
+    have a bias or are tied to the embedding stay for the panels."""
     from torch import nn
 
     from omnistage.models.layers.fast_linear import PackedLinear, pack_output_head
 
     weight = _bf16_valued(1000, 256, seed=3, scale=0.05)
     embedding = nn.Embedding(1000, 256)
-    head = nn.Linear(256, 1000, bias=False).to(torch.bfloat16)
+    head = nn.Linear(256, 1000, bias=False).to(dtype)
     with torch.no_grad():
         head.weight.copy_(weight)
     assert pack_output_head(head, embedding) == 1 and isinstance(head, PackedLinear) and head.weight.numel() == 0
-    x = _bf16_valued(16, 256, seed=4).to(torch.bfloat16)
+    x = _bf16_valued(16, 256, seed=4).to(dtype) if dtype == torch.bfloat16 else \
+        torch.randn(16, 256, generator=torch.Generator().manual_seed(4))
     batch = head(x)
-    assert batch.dtype == torch.bfloat16 and batch.shape == (16, 1000)
+    assert batch.dtype == dtype and batch.shape == (16, 1000)
     assert all(torch.equal(head(x[i : i + 1]), batch[i : i + 1]) for i in (0, 7, 15))
-    many = _bf16_valued(40, 256, seed=5).to(torch.bfloat16)  # past amx_kernels.FEW_ROWS: the convolution's jobs
-    assert torch.equal(head(many)[:16], head(many[:16])) and torch.equal(head(many)[39:], head(many[39:]))
+    assert torch.equal(head(x[3:8]), batch[3:8]) and torch.equal(head(x[2:13]), batch[2:13])
+    many = torch.cat((x, x, x[:8]))  # past amx_kernels.FEW_ROWS: the convolution's jobs (bfloat16), groups (float32)
+    assert torch.equal(head(many)[:16], batch) and torch.equal(head(many)[32:], batch[:8])
     exact = x.double() @ weight.double().t()
-    assert (batch.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
-    float_head = nn.Linear(256, 1000, bias=False)
-    tied = nn.Linear(256, 1000, bias=False).to(torch.bfloat16)
-    tied.weight = embedding.to(torch.bfloat16).weight
-    assert pack_output_head(float_head, embedding) == 0 and pack_output_head(tied, embedding) == 0
-    assert type(float_head) is nn.Linear and type(tied) is nn.Linear
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert (batch.double() - exact).abs().max() <= tol * exact.abs().max()
+    not_bf16 = nn.Linear(256, 1000, bias=False)
+    biased = nn.Linear(256, 1000).to(dtype)
+    tied = nn.Linear(256, 1000, bias=False).to(dtype)
+    tied.weight = embedding.to(dtype).weight
+    with torch.no_grad():
+        biased.weight.copy_(weight)
+    assert [pack_output_head(h, embedding) for h in (not_bf16, biased, tied)] == [0, 0, 0]
+    assert {type(h) for h in (not_bf16, biased, tied)} == {nn.Linear}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

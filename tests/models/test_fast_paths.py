@@ -369,7 +369,8 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, qu
     rounding; the keys and values land in the caches at the rows' positions. With int8 layers (the code
     predictor's under ``--quantization``) the pass runs them through the quantized kernels' phases; with
     bfloat16-valued weights on an AMX CPU (a checkpoint stored in bfloat16) its dense layers run on AMX tiles
-    (``amx_kernels``' phase), float32 rows as three exact parts."""
+    (``amx_kernels``' phase), float32 rows as three exact parts, each part summed on its own (a row's bits the same
+    alone and in passes of 40 and 20 rows: groups of 16, 16 and 8 rows, 1 to 3 tiles a group)."""
     if not cpu_kernels.supports_decoder_layers(dtype, 64, head_dim):
         pytest.skip("the panel kernels are off")
     if dtype == torch.bfloat16 and quant is None and cpu_kernels.widened_bf16_decoders():
@@ -393,7 +394,7 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, qu
     if amx:
         assert all(isinstance(getattr(w, name), AmxWeight) for w in layers for name in ("qkv", "o", "gate_up", "down"))
     g = torch.Generator().manual_seed(12)
-    batch = 9 if amx else 3  # AMX: passes of 18 and 9 rows (bfloat16 rows on the tiles, float32 on pair panels)
+    batch = 20 if amx else 3  # AMX: passes of 40 and 20 rows
     first, second = (torch.randn(batch, n, 64, generator=g).to(dtype) for n in (2, 1))
     cache = cp.new_cache(batch, first)
     caches = [first.new_zeros(batch, 5, 2, head_dim) for _ in range(4)]
@@ -416,13 +417,14 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, qu
                                              (norm, cp.packed_heads[1], 64))
     want_logits = cp.logits(want[:, -1], 2).float()
     assert logits.shape == (batch, 64) and logits.dtype == dtype
-    if amx:  # a request's results do not depend on its batch mates: request 4 alone gives the same bits
-        alone = [c.new_zeros(1, *c.shape[1:]) for c in caches]
+    # A request's results do not depend on its batch mates: alone or with the next one they give the same bits.
+    for lo, hi in ((4, 5), (19, 20), (7, 9)) if amx else ():
+        alone = [c.new_zeros(hi - lo, *c.shape[1:]) for c in caches]
         table_alone = cpu_kernels.decoder_table(layers, list(zip(alone[::2], alone[1::2])))
-        cpu_kernels.decoder_pass(first[4:5].clone(), table_alone, 0, (4, 2, head_dim, 5), rope, 1e-6)
-        logits_alone, _ = cpu_kernels.decoder_pass(second[4:5].clone(), table_alone, 2, (4, 2, head_dim, 5), rope,
+        cpu_kernels.decoder_pass(first[lo:hi].clone(), table_alone, 0, (4, 2, head_dim, 5), rope, 1e-6)
+        logits_alone, _ = cpu_kernels.decoder_pass(second[lo:hi].clone(), table_alone, 2, (4, 2, head_dim, 5), rope,
                                                    1e-6, (norm, cp.packed_heads[1], 64))
-        assert torch.equal(logits_alone[0], logits[4])
+        assert torch.equal(logits_alone, logits[lo:hi])
     assert (logits.float() - want_logits).abs().max().item() <= 4 * tol * want_logits.abs().max().item()
     assert torch.equal(picks, logits.float().argmax(-1))
     for i in range(2):

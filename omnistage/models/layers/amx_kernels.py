@@ -49,7 +49,7 @@ def _build() -> ctypes.CDLL:
     library.amx_conv.restype = None
     library.amx_conv.argtypes = [i64] * 7 + [p, i64, p, i64, p, p, i32, p, i64, p, p, i64, i32, i32, i64, p, i64, i32]
     library.amx_linear_rows.restype = None
-    library.amx_linear_rows.argtypes = [p, i64, p, i32, p, i32, p, i64, i32]
+    library.amx_linear_rows.argtypes = [p, i64, p, i32, p, i32, p, i64, i32, i32]
     library.amx_unit.restype = None
     library.amx_unit.argtypes = [i64] * 7 + [p, p, i64, p, p, i32, p, p, p, p, p, p, p, i64, p, i64, i32]
     return library
@@ -72,7 +72,10 @@ def phase_address() -> int:
 def phase_scratch(rows: int, channels: int) -> int:
     """bfloat16 values of scratch one thread's ``amx_phase_linear`` call needs for ``rows`` rows of at most
     ``channels`` padded channels (three parts)."""
-    return _round_up(rows, _BLOCK) * channels * 3
+    return max(_round_up(rows, _BLOCK) * 3, -(-rows // _PART_GROUP) * 48) * (channels + _BLOCK)
+
+
+_PART_GROUP = 16  # amx_kernels.c's PART_GROUP: float32 rows split part by part, 48 plane rows a group
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -255,13 +258,18 @@ def residual_unit(x: torch.Tensor, left: torch.Tensor | None, dilation: int, fir
 FEW_ROWS = 16  # linear: at most this many rows without a bias take amx_linear_rows (the same sums, the same bits)
 
 
-def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None,
+           part_rows: bool = False) -> torch.Tensor:
     """x [..., C] -> [..., N]: ``conv`` with one tap over all rows; up to ``FEW_ROWS`` rows without a bias in one
-    split per thread (``amx_linear_rows``: 16 rows of the released Thinker's output head 2x faster)."""
+    split per thread (``amx_linear_rows``: 16 rows of the released Thinker's output head 2x faster).
+    ``part_rows`` (no bias): every row count takes ``amx_linear_rows``, float32 rows summed part by part as the
+    decoder kernels' phase sums them (a third of the tile products at few rows; other bits than ``conv``'s)."""
     if weight.taps != 1:
         raise ValueError("a linear layer's weight has one tap")
     rows = x.reshape(-1, x.shape[-1])
-    if bias is not None or rows.shape[0] > FEW_ROWS:
+    if part_rows and bias is not None:
+        raise ValueError("part_rows takes no bias")
+    if bias is not None or (rows.shape[0] > FEW_ROWS and not part_rows):
         return conv(rows[None], weight, 1, bias).view(*x.shape[:-1], weight.outputs)
     _check_rows(rows, weight)
     rows = rows.contiguous()
@@ -272,5 +280,5 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None)
     out = x.new_empty(count, weight.outputs)
     bf16 = int(x.dtype == torch.bfloat16)
     _lazy.require().amx_linear_rows(weight.words.data_ptr(), count, pointers.data_ptr(), bf16, out.data_ptr(), bf16,
-                                    planes.data_ptr(), stride, threads)
+                                    planes.data_ptr(), stride, threads, int(part_rows))
     return out.view(*x.shape[:-1], weight.outputs)

@@ -43,8 +43,8 @@ predictor's passes (15 per frame, on a few rows each) and the paged Thinker's an
 join (measured on the small preset's Talker, 16 rows, bfloat16, 2 threads: 19.2 ms a step layer by layer, 8.6
 ms in one call, where its 124 MB of weights take about 5 ms to read). Quantized layers (``KernelWeight`` entries)
 run in the same call through ``quant_kernels``' phases, AMX weights (``AmxWeight`` entries: the code predictor's
-dense layers on AMX CPUs) through ``amx_kernels``' phase for bfloat16 rows and on the pair tiles for float32
-rows, whatever the row count.
+dense layers on AMX CPUs) through ``amx_kernels``' phase, whatever the row count (float32 rows as three exact
+bfloat16 parts, each summed on its own).
 """
 
 from __future__ import annotations

@@ -85,16 +85,18 @@ def _(x: torch.Tensor, packed: list[torch.Tensor], index: torch.Tensor) -> torch
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` whose forward reads its weight packed by ``pack_linear_weights``: ``panels`` (with
     ``panel_bias``) for ``cpu_kernels.linear``, else ``packed_weight`` for oneDNN; or by ``pack_amx``:
-    ``amx_weight`` for ``amx_kernels.linear`` (float32 or bfloat16 rows)."""
+    ``amx_weight`` for ``amx_kernels.linear`` (float32 or bfloat16 rows; ``amx_part_rows``: its float32 rows
+    summed part by part at every row count)."""
 
     panels: torch.Tensor | None
     panel_bias: torch.Tensor | None
     packed_weight: torch.Tensor | None
     amx_weight: amx_kernels.AmxWeight | None = None
+    amx_part_rows: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx_weight is not None:
-            return amx_kernels.linear(x, self.amx_weight, self.bias)
+            return amx_kernels.linear(x, self.amx_weight, self.bias, self.amx_part_rows)
         if self.panels is not None and cpu_kernels.rows_take(x.dtype, self.panels.dtype):
             return cpu_kernels.linear(x, self.panels, self.panel_bias, self.out_features)
         packed = self.panels if self.panels is not None else self.packed_weight
@@ -189,13 +191,15 @@ def pack_panels(linear: nn.Module, float32_pairs: bool = False) -> int:
     return 1
 
 
-def pack_amx(linear: nn.Module) -> int:
+def pack_amx(linear: nn.Module, part_rows: bool = False) -> int:
     """An ``nn.Linear`` turned into a PackedLinear on an AMX weight (``amx_kernels``: AMX CPUs, bfloat16-valued
     weights; its weight released), for layers that always see many rows or run inside the decoder kernels; 1, or 0
-    where AMX does not take it."""
-    if type(linear) is not nn.Linear or not amx_kernels.takes(linear.weight):
+    where AMX does not take it. ``part_rows`` (no bias): ``amx_kernels.linear``'s part-by-part sums at every row
+    count."""
+    if type(linear) is not nn.Linear or not amx_kernels.takes(linear.weight) or (part_rows and linear.bias is not None):
         return 0
     _to_packed(linear, None, None, amx_kernels.pack(linear.weight.detach()))
+    linear.amx_part_rows = part_rows
     return 1
 
 
@@ -211,15 +215,16 @@ def _to_packed(linear: nn.Linear, panels: torch.Tensor | None, packed_weight: to
 
 
 def pack_output_head(head: nn.Module, embedding: nn.Module) -> int:
-    """A model's bfloat16 output head (an ``nn.Linear`` over the vocabulary, not tied to ``embedding``) on AMX tiles
-    (``pack_amx``) at every batch size, for ``pack_weights`` of the models that own one; 1, or 0 where it stays
-    for the panels. On panels 16 rows of it are compute-bound (AVX512-BF16 dot products); on AMX they stream
-    at the weight's read rate. The released Thinker's head (152064 x 2048), 2 threads, Xeon Emerald Rapids,
-    alternating runs: 16 rows 62-100 -> 23-44 ms, 1 row 25-30 (panels) vs 26-33 ms. float32 rows stay on the
-    pair panels (on AMX's three parts they took 47-70 ms)."""
-    if type(head) is not nn.Linear or head.weight.dtype != torch.bfloat16 or head.weight is embedding.weight:
+    """A model's output head (an ``nn.Linear`` over the vocabulary without a bias, not tied to ``embedding``) on AMX
+    tiles (``pack_amx``, float32 rows summed part by part) at every batch size, for ``pack_weights`` of the models
+    that own one; 1, or 0 where it stays for the panels. On panels 16 rows of it are compute-bound (AVX512-BF16 dot
+    products, float32 FMAs); on AMX they stream at the weight's read rate. The released Thinker's head (152064 x
+    2048), 2 threads, Xeon Emerald Rapids, alternating runs: bfloat16 16 rows 62-100 -> 23-44 ms, 1 row 25-30
+    (panels) vs 26-33 ms; float32 (pair panels -> AMX part rows, medians) 16 rows 41.5 -> 26.4 ms, 4 rows 22.6 ->
+    20.7, 1 row 19.8 -> 20.2."""
+    if type(head) is not nn.Linear or head.bias is not None or head.weight is embedding.weight:
         return 0
-    return pack_amx(head)
+    return pack_amx(head, part_rows=True)
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -76,6 +76,6 @@ class Thinker(nn.Module):
         return self.lm_head(hidden)
 
     def pack_weights(self, batch_hint: int) -> int:
-        """The ``fast`` option's part here: a bfloat16 output head on AMX tiles (``pack_output_head``); the
+        """The ``fast`` option's part here: the output head on AMX tiles (``pack_output_head``); the
         other layers are packed after this call."""
         return pack_output_head(self.lm_head, self.model.embed_tokens)

@@ -154,10 +154,11 @@ static inline void load_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* acc [32][32] float32 = planes' rows (32 from `a`, CP channels a row, `plane` elements between parts; tap t's
+/* acc [32][32] float32 = planes' rows (32 from `a`, CP channels a row, rows lda elements apart, `plane` elements
+ * between parts; tap t's
  * rows start t * dil rows further) times the weight block `wb` ([K/2][32][2], K = taps * CP). */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
-    const uint16_t *a, int64_t CP, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *wb,
+    const uint16_t *a, int64_t CP, int64_t lda, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *wb,
     float *acc) {
     _tile_zero(0);
     _tile_zero(1);
@@ -168,10 +169,10 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
         const uint16_t *wk = wb + k * 32; /* 16 input pairs x 32 outputs x 2 */
         _tile_loadd(6, wk, 128);
         _tile_loadd(7, wk + 32, 128);
-        const uint16_t *ak = a + tap * dil * CP + c0;
+        const uint16_t *ak = a + tap * dil * lda + c0;
         for (int p = 0; p < parts; p++) {
-            _tile_loadd(4, ak + p * plane, CP * 2);
-            _tile_loadd(5, ak + p * plane + 16 * CP, CP * 2);
+            _tile_loadd(4, ak + p * plane, lda * 2);
+            _tile_loadd(5, ak + p * plane + 16 * lda, lda * 2);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
@@ -217,7 +218,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
     const size_t esize = out_bf16 ? 2 : 4;
     for (int64_t nb = nb0; nb < nb1; nb++) {
         for (int64_t m = m0; m < m1; m += 32) {
-            block_32x32(planes + (m - m0) * CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
+            block_32x32(planes + (m - m0) * CP, CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
             const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
             for (int64_t r = 0; r < rows; r++)
                 store_row(acc + r * 32, bias ? bias + n0 : 0, out0 + ((m - m0 + r) * ldo + n0) * esize, out_bf16,
@@ -316,7 +317,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
 /* acc [16][32] float32 for up to 16 rows (one linear layer's few rows, `plane` elements between parts): as
  * block_32x32 with half the rows, the same sums in the same order. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
-    const uint16_t *a, int64_t CP, int parts, int64_t plane, const uint16_t *wb, float *acc) {
+    const uint16_t *a, int64_t CP, int64_t lda, int parts, int64_t plane, const uint16_t *wb, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t k = 0; k < CP; k += 32) {
@@ -327,7 +328,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
         _tile_loadd(6, wk, 128);
         _tile_loadd(7, wk + 32, 128);
         for (int p = 0; p < parts; p++) {
-            _tile_loadd(4, a + p * plane + k, CP * 2);
+            _tile_loadd(4, a + p * plane + k, lda * 2);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
         }
@@ -336,37 +337,130 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
     _tile_stored(1, acc + 16, 128);
 }
 
+/* float32 rows with their three parts as rows of their own (`part_rows`): a group of up to PART_GROUP rows is
+ * 3 * count plane rows, part p of row i at plane row p * count + i (so one 16-row tile holds all parts of up to 5
+ * rows), and a row's product is (hi.w + mid.w) + lo.w, each part summed over k on its own. A tile's rows never mix,
+ * so a row's bits do not depend on its batch mates at any count; few rows take a third of the interleaved parts'
+ * tile products (1 row: 2 products per 32 inputs and 32 outputs, not 6). `seg`: the group's planes; acc: [64][32]
+ * float32, then the count rows' sums. */
+#define PART_GROUP 16
+#define PART_SEG ((3 * PART_GROUP + 15) / 16 * 16) /* plane rows of a group */
+static inline __attribute__((target("amx-tile,amx-bf16"))) void block_part_rows(
+    const uint16_t *seg, int64_t count, int64_t CP, int64_t lda, const uint16_t *wb, float *acc) {
+    const int64_t T = (3 * count + 15) / 16;
+    if (T <= 2) { /* both halves at once: accumulators 2t + h (a chain each), A tiles 4 and 5, B tiles 6 and 7 */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < CP; k += 32) {
+            const uint16_t *wk = wb + k * 32;
+            for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+            _tile_loadd(6, wk, 128);
+            _tile_loadd(7, wk + 32, 128);
+            _tile_loadd(4, seg + k, lda * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (T > 1) {
+                _tile_loadd(5, seg + 16 * lda + k, lda * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, acc, 128);
+        _tile_stored(1, acc + 16, 128);
+        if (T > 1) {
+            _tile_stored(2, acc + 16 * 32, 128);
+            _tile_stored(3, acc + 16 * 32 + 16, 128);
+        }
+    } else { /* three A tiles: accumulators t (outputs 0-15) and 3 + t (16-31); the A and B tiles take turns
+              * in tiles 6 and 7, each A tile loaded twice per k (the second time from L1) */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t k = 0; k < CP; k += 32) {
+            const uint16_t *wk = wb + k * 32, *ak = seg + k;
+            for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+            _tile_loadd(7, wk, 128);
+            _tile_loadd(6, ak, lda * 2);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(6, ak + 16 * lda, lda * 2);
+            _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(6, ak + 32 * lda, lda * 2);
+            _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(7, wk + 32, 128);
+            _tile_loadd(6, ak, lda * 2);
+            _tile_dpbf16ps(3, 6, 7);
+            _tile_loadd(6, ak + 16 * lda, lda * 2);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(6, ak + 32 * lda, lda * 2);
+            _tile_dpbf16ps(5, 6, 7);
+        }
+        _tile_stored(0, acc, 128);
+        _tile_stored(1, acc + 16 * 32, 128);
+        _tile_stored(2, acc + 32 * 32, 128);
+        _tile_stored(3, acc + 16, 128);
+        _tile_stored(4, acc + 16 * 32 + 16, 128);
+        _tile_stored(5, acc + 32 * 32 + 16, 128);
+    }
+    for (int64_t i = 0; i < count; i++)
+        for (int c = 0; c < 32; c += 16) {
+            const __m512 hi = _mm512_loadu_ps(acc + i * 32 + c), mid = _mm512_loadu_ps(acc + (count + i) * 32 + c);
+            const __m512 lo = _mm512_loadu_ps(acc + (2 * count + i) * 32 + c);
+            _mm512_storeu_ps(acc + i * 32 + c, _mm512_add_ps(_mm512_add_ps(hi, mid), lo));
+        }
+}
+
 /* A linear layer inside the caller's parallel region (cpu_kernels.c's decoder kernels, as quant_kernels.c's
  * phases): every thread of the region calls it. Each thread splits the M rows (pointers, float32 or bfloat16)
- * into its own planes (`scratch`, round32(M) * CP * 3 bfloat16 values: no barrier before the product), then the
- * 32 x 32 output blocks (16 x 32 for up to 16 rows: the same sums) are shared out (an orphaned omp for, ending in
- * its barrier). w: the weight's words (data address, N, CP, C); out's rows ldo apart; add: out += the product,
- * rounded to out's type first. */
+ * into its own planes (`scratch`, amx_kernels.phase_scratch: no barrier before the product), then the 32 x 32
+ * output blocks (16 x 32 for up to 16 rows: the same sums) are shared out (an orphaned omp for, ending in its
+ * barrier). float32 rows with `part_rows` (the decoder kernels: any row count takes it) are summed part by part
+ * (block_part_rows), otherwise as amx_conv sums them. w: the weight's words (data address, N, CP, C); out's rows
+ * ldo apart; add: out += the product, rounded to out's type first. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
     const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out, int64_t ldo, int out_bf16,
-    int add, uint16_t *scratch) {
+    int add, uint16_t *scratch, int part_rows) {
     const uint16_t *data = (const uint16_t *)w[0];
-    const int64_t N = w[1], CP = w[2], C = w[3], MP = M <= 16 ? 16 : (M + 31) / 32 * 32, plane = MP * CP;
-    const int parts = x_bf16 ? 1 : 3;
-    for (int64_t r = 0; r < MP; r++) {
-        if (r < M) {
-            split_row(rows[r], x_bf16, C, CP, parts, scratch + r * CP, plane, 0, 0);
-        } else {
-            for (int p = 0; p < parts; p++) memset(scratch + p * plane + r * CP, 0, (size_t)CP * 2);
+    const int64_t N = w[1], CP = w[2], C = w[3];
+    const int parts = x_bf16 ? 1 : 3, by_part = parts == 3 && part_rows;
+    const int64_t lda = CP + 32; /* plane rows 64 bytes past a multiple of 4 KB apart (CP 1024 rows would share sets) */
+    const int64_t MP = by_part ? (M + PART_GROUP - 1) / PART_GROUP * PART_SEG : M <= 16 ? 16 : (M + 31) / 32 * 32;
+    const int64_t plane = MP * lda, group_rows = by_part ? PART_GROUP : 32, groups = (M + group_rows - 1) / group_rows;
+    if (by_part) {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t count = M - g * PART_GROUP < PART_GROUP ? M - g * PART_GROUP : PART_GROUP;
+            uint16_t *seg = scratch + g * PART_SEG * lda;
+            for (int64_t i = 0; i < count; i++)
+                split_row(rows[g * PART_GROUP + i], 0, C, CP, 3, seg + i * lda, count * lda, 0, 0);
+            memset(seg + 3 * count * lda, 0, (size_t)((3 * count + 15) / 16 * 16 - 3 * count) * lda * 2);
+        }
+    } else {
+        for (int64_t r = 0; r < MP; r++) {
+            if (r < M) {
+                split_row(rows[r], x_bf16, C, CP, parts, scratch + r * lda, plane, 0, 0);
+            } else {
+                for (int p = 0; p < parts; p++) memset(scratch + p * plane + r * lda, 0, (size_t)CP * 2);
+            }
         }
     }
     load_tile_config();
-    float acc[32 * 32] __attribute__((aligned(64)));
-    const int64_t nblocks = (N + 31) / 32, mblocks = (MP + 31) / 32;
+    float acc[PART_SEG * 32] __attribute__((aligned(64)));
+    const int64_t nblocks = (N + 31) / 32;
     const size_t esize = out_bf16 ? 2 : 4;
 #pragma omp for schedule(static)
-    for (int64_t job = 0; job < nblocks * mblocks; job++) {
-        const int64_t nb = job / mblocks, m = job % mblocks * 32, n0 = nb * 32;
-        if (MP == 16)
-            block_16x32(scratch, CP, parts, plane, data + nb * CP * 32, acc);
+    for (int64_t job = 0; job < nblocks * groups; job++) {
+        const int64_t nb = job / groups, m = job % groups * group_rows, n0 = nb * 32;
+        const int64_t count = M - m < group_rows ? M - m : group_rows, cols = N - n0 < 32 ? N - n0 : 32;
+        if (by_part)
+            block_part_rows(scratch + m / PART_GROUP * PART_SEG * lda, count, CP, lda, data + nb * CP * 32, acc);
+        else if (MP == 16)
+            block_16x32(scratch, CP, lda, parts, plane, data + nb * CP * 32, acc);
         else
-            block_32x32(scratch + m * CP, CP, CP, 1, parts, plane, data + nb * CP * 32, acc);
-        const int64_t count = M - m < 32 ? M - m : 32, cols = N - n0 < 32 ? N - n0 : 32;
+            block_32x32(scratch + m * lda, CP, lda, CP, 1, parts, plane, data + nb * CP * 32, acc);
         for (int64_t r = 0; r < count; r++)
             store_row(acc + r * 32, 0, (char *)out + ((m + r) * ldo + n0) * esize, out_bf16, add, cols);
     }
@@ -379,8 +473,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
  * values per thread (amx_kernels.phase_scratch). */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_rows(
     const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out, int out_bf16, uint16_t *scratch,
-    int64_t stride, int threads) {
+    int64_t stride, int threads, int part_rows) {
 #pragma omp parallel num_threads(threads)
-    amx_phase_linear(w, M, rows, x_bf16, out, w[1], out_bf16, 0, scratch + (int64_t)thread_id() * stride);
+    amx_phase_linear(w, M, rows, x_bf16, out, w[1], out_bf16, 0, scratch + (int64_t)thread_id() * stride, part_rows);
 }
 #endif

@@ -697,29 +697,27 @@ enum { /* bufs */
 typedef void (*quant_linear_fn)(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out,
                                 int64_t ldo, int out_bf16, int add, float *xp, float *yf);
 typedef void (*amx_linear_fn)(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out,
-                              int64_t ldo, int out_bf16, int add, uint16_t *scratch);
+                              int64_t ldo, int out_bf16, int add, uint16_t *scratch, int part_rows);
 typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t T, int64_t K, int64_t E,
                              const int64_t *starts, const int64_t *order, const float *weights, const void *x,
                              int x_bf16, void *out, int out_bf16, float *xp, float *h, float *hp, int64_t *ids,
                              int64_t *where);
 /* A layer's linear layer `slot` over rows_in: quantized (L_QUANT) or panels of N (padded) columns; out's rows
  * are N wide either way. */
-/* AMX weights ([K/2][32][2] bfloat16, K a multiple of 32): bfloat16 rows on AMX tiles, float32 rows on the pair
- * panel tiles (PAIRED: f32p, the float32 panels' bits), whatever the row count, so a row's result never depends on
- * its batch mates. Code predictor frames at the released widths (2 layers, 2 threads, Xeon Emerald Rapids, ms),
- * bfloat16 dot-product panels -> AMX tiles: 1 row 26-29 -> 27-28, 4 rows 92 -> 47, 16 rows 175 -> 77; float32
- * panels -> pair tiles (half the bytes): 1 / 4 / 16 rows 50 / 127 / 150-190 -> 29-43 / 50-75 / 100-115. */
-#define LAYER_LINEAR(SUFFIX, PAIRED, T, WT, slot, K, N, out, add)                                          \
+/* AMX weights ([K/2][32][2] bfloat16, K a multiple of 32) on AMX tiles through amx_kernels.c's phase at every row
+ * count, so a row's result never depends on its batch mates: bfloat16 rows as they are, float32 rows as three exact
+ * parts summed part by part (part_rows: a third of the tile products at few rows). Code predictor frames at the
+ * released widths (2 layers, 2 threads, Xeon Emerald Rapids, ms), bfloat16 dot-product panels -> AMX tiles: 1 row
+ * 26-29 -> 27-28, 4 rows 92 -> 47, 16 rows 175 -> 77; float32 on the pair panels (f32p) -> AMX part rows, the
+ * two alternating in one process (medians): 1 row 25.7 -> 24.5, 4 rows 27.8 -> 26.8, 16 rows 67.4 -> 43.9. */
+#define LAYER_LINEAR(SUFFIX, T, WT, slot, K, N, out, add)                                                  \
     do {                                                                                                   \
         if (a[L_QUANT] >> (slot) & 1)                                                                      \
             ((quant_linear_fn)bufs[B_QLINEAR])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, \
                                                out, N, bf16, add, (float *)bufs[B_QX], (float *)bufs[B_QY]); \
-        else if ((a[L_AMX] >> (slot) & 1) && bf16)                                                         \
-            ((amx_linear_fn)bufs[B_AMX])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, out, N, \
-                                         bf16, add, (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE]); \
         else if (a[L_AMX] >> (slot) & 1)                                                                   \
-            linear_panels_##PAIRED(R, K, N, (const T *const *)rows_in, (const uint16_t *)((const int64_t *)a[slot])[0], \
-                                   0, out, bf16, add, ys, (float *const *)rows_out, ones);                 \
+            ((amx_linear_fn)bufs[B_AMX])((const int64_t *)a[slot], R, (const void *const *)rows_in, bf16, out, N, \
+                                         bf16, add, (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE], 1); \
         else                                                                                               \
             linear_panels_##SUFFIX(R, K, N, (const T *const *)rows_in, (const WT *)a[slot], 0, out, bf16, add, \
                                    ys, (float *const *)rows_out, ones);                                    \
@@ -745,7 +743,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
     }
 }
 
-#define DEFINE_DECODER_LAYERS(SUFFIX, TS, WT, T, PAIRED)                                                      \
+#define DEFINE_DECODER_LAYERS(SUFFIX, TS, WT, T)                                                              \
     /* Route each row: softmax (float32) over its router logits, the top k (the first of equal values first), \
      * optionally renormalised, rounded to the model's type as a tensor of it holds them. */                 \
     static inline void route_row_##SUFFIX(const T *logits, int64_t E, int64_t K, int norm_topk, int64_t *ids,  \
@@ -786,7 +784,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
             row_norm_##TS(H, x + r * H, norm1, eps, 0, normed + r * H);                                    \
         for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
-        LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_QKV, H, NQKV, qkv, 0);                                               \
+        LAYER_LINEAR(SUFFIX, T, WT, L_QKV, H, NQKV, qkv, 0);                                               \
         /* q/k norms, rotary; k and v into the caches */                                                   \
         _Pragma("omp for schedule(static)") for (int64_t task = 0; task < R * (NQ + NKV); task++) {         \
             const int64_t r = task / (NQ + NKV), head = task % (NQ + NKV);                                 \
@@ -835,14 +833,14 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             for (int64_t d = 0; d < D; d++) put_##TS(o + d, row[d]);                                       \
         }                                                                                                  \
         for (int64_t r = 0; r < R; r++) rows_in[r] = attn + r * NQ * D;                                    \
-        LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_O, NQ * D, H, x, 1);                                                 \
+        LAYER_LINEAR(SUFFIX, T, WT, L_O, NQ * D, H, x, 1);                                                 \
         /* post-attention norm; the dense MLP or the shared expert's gate/up (and its gate), the router */  \
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                                 \
             row_norm_##TS(H, x + r * H, norm2, eps, 0, normed + r * H);                                    \
         for (int64_t r = 0; r < R; r++) rows_in[r] = normed + r * H;                                       \
         const int64_t I = a[L_INTER], NGU = round32(2 * I), E = a[L_EXPERTS], K = a[L_TOPK];                \
         T *logits = (T *)bufs[B_LOGITS], *sg = (T *)bufs[B_SG], *moe = (T *)bufs[B_MOE];                   \
-        if (a[L_GU]) LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_GU, H, NGU, gu, 0);                                     \
+        if (a[L_GU]) LAYER_LINEAR(SUFFIX, T, WT, L_GU, H, NGU, gu, 0);                                     \
         if (a[L_ROUTER])                                                                                   \
             linear_panels_##SUFFIX(R, H, round32(E), (const T *const *)rows_in, (const WT *)a[L_ROUTER], 0,   \
                                    logits, bf16, 0, ys, (float *const *)rows_out, ones);                   \
@@ -865,7 +863,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         }                                                                                                  \
         if (!a[L_ROUTER]) { /* dense: down + residual */                                                   \
             for (int64_t r = 0; r < R; r++) rows_in[r] = act + r * I;                                      \
-            LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_DOWN, I, H, x, 1);                                               \
+            LAYER_LINEAR(SUFFIX, T, WT, L_DOWN, I, H, x, 1);                                               \
             return;                                                                                        \
         }                                                                                                  \
         int64_t *order = (int64_t *)bufs[B_SORT], *starts = order + R * K;                                  \
@@ -883,7 +881,7 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
                 rows_in[r] = act + r * I;                                                                  \
                 rows_out[r] = ys + r * 32;                                                                 \
             }                                                                                              \
-            LAYER_LINEAR(SUFFIX, PAIRED, T, WT, L_DOWN, I, H, gu, 0);                                              \
+            LAYER_LINEAR(SUFFIX, T, WT, L_DOWN, I, H, gu, 0);                                              \
         }                                                                                                  \
         /* x += experts + sigmoid(shared gate) * shared expert */                                          \
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++) {                               \
@@ -927,13 +925,13 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
         }                                                                                                  \
     }
 
-DEFINE_DECODER_LAYERS(f32, f32, float, float, f32p)
+DEFINE_DECODER_LAYERS(f32, f32, float, float)
 #if LANES == 16
 /* a float32 model whose panels are bfloat16 pairs (its weights bfloat16 values): half the bytes, the same bits */
-DEFINE_DECODER_LAYERS(f32p, f32, uint16_t, float, f32p)
+DEFINE_DECODER_LAYERS(f32p, f32, uint16_t, float)
 #endif
 /* (AMX CPUs have AVX512-BF16: bfloat16 decoders with AMX weights take the dot-product variant, never this one) */
-DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t, bf16x)
+DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
-DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t, bf16dp)
+DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t)
 #endif
