@@ -54,6 +54,7 @@ from benchmarks.roofline import (
     measure_peaks,
     read_dtype,
     stored_dtype,
+    with_three_parts,
 )
 from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
@@ -700,9 +701,14 @@ def main() -> None:
     engine.shutdown()
 
     lines = []
+    # Measured before and after the runs, the better kept: the neighbours' load only ever lowers a peak.
+    peaks_all = {d: peaks_before[d].best(measure_peaks(getattr(torch, d), bf16_weights=bf16_weights)) for d in dtypes}
+    if bf16_weights and {"float32", "bfloat16"} <= peaks_all.keys():
+        # float32's three-part products at a third of the best bfloat16 rate of the run (one probe alone can land
+        # in a slow phase of a shared VM: 309 against 2300 GFLOP/s)
+        peaks_all["float32"] = with_three_parts(peaks_all["float32"], peaks_all["bfloat16"])
     for dtype_name in dtypes:
-        # Measured before and after the runs, the better kept: the neighbours' load only ever lowers a peak.
-        peaks = peaks_before[dtype_name].best(measure_peaks(getattr(torch, dtype_name), bf16_weights=bf16_weights))
+        peaks = peaks_all[dtype_name]
         lines.append(f"peaks ({dtype_name}, {args.threads} threads, better of before/after the runs): GEMM "
                      f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
                      f"bound = max(GFLOP / GEMM peak, GB / read peak)"

@@ -16,6 +16,7 @@ from benchmarks.roofline import (
     largest_tensor_bytes,
     read_dtype,
     stored_dtype,
+    with_three_parts,
 )
 from benchmarks.stage_timers import Component, StageTimers
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
@@ -114,6 +115,19 @@ def test_tables_account_for_the_whole_wall_time():
     assert total[3:5] == ["0.500", "12.5%"]  # the measured components' bounds summed, against the wall
     steps = stage_table(4.0, {"thinker": Component(seconds=1.0, calls=4), "talker": Component(seconds=2.0, calls=4)})
     assert steps[-1].split()[2:4] == ["1.00", "25.0%"]
+
+
+def test_float32_peak_counts_three_part_products_where_amx_serves(monkeypatch):
+    """float32's GEMM peak for weights of bfloat16 values: a third of the bfloat16 rate where the AMX kernels serve
+    (the pipeline takes the best bfloat16 probe of the run), its own rate elsewhere; the read rate its own."""
+    from omnistage.models.layers import amx_kernels
+
+    f32, bf16 = Peaks(gemm_gflops=300.0, read_gbps=20.0), Peaks(gemm_gflops=2400.0, read_gbps=30.0)
+    monkeypatch.setattr(amx_kernels, "available", lambda: True)
+    assert with_three_parts(f32, bf16) == Peaks(800.0, 20.0)
+    assert with_three_parts(f32, Peaks(600.0, 30.0)) == f32  # a slow bfloat16 probe never lowers it
+    monkeypatch.setattr(amx_kernels, "available", lambda: False)
+    assert with_three_parts(f32, bf16) == f32
 
 
 def test_output_difference_names_the_first_difference():
