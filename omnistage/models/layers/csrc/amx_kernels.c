@@ -12,8 +12,9 @@
  * float32 GEMM's by float32 summation rounding only. `parts` 1 is a plain bfloat16 product (bfloat16 inputs).
  *
  * Layouts:
- *   planes  [parts][rows][CP] bfloat16, CP a multiple of 32 (zero past the signal's C channels): a job's input
- *           rows split into a thread's buffer (amx_conv) or a phase call's rows (amx_phase_linear);
+ *   planes  bfloat16, CP a multiple of 32 (zero past the signal's C channels): a job's input rows split into a
+ *           thread's buffer, [parts][CP/32][rows][32] (amx_conv, amx_unit: split_rows), or a phase call's rows,
+ *           [parts][rows][CP + 32] (amx_phase_linear);
  *   weights [NP/32][taps * CP / 2][32][2] bfloat16: per block of 32 outputs, pairs of consecutive inputs
  *           (input k = tap * CP + channel), each pair's two values side by side per output (the layout of an
  *           AMX B tile, two of which cover the block's 32 outputs);
@@ -84,11 +85,12 @@ static inline __m512 sin_unsigned(__m512 t, const int precise) {
     return _mm512_fmadd_ps(_mm512_mul_ps(p, r2), r, r);
 }
 
-/* One row (float32 or bfloat16, C channels) -> `parts` planes' rows of CP channels (`plane` elements apart), zero
- * past C, through SnakeBeta where `alpha` is given: hi = the value rounded, then each part the rest rounded (the
- * rest of float32 after three is 0). */
+/* One row (float32 or bfloat16, C channels) -> `parts` planes' rows of CP channels (`plane` elements apart; each
+ * 32 channels `kstride` elements after the previous 32: 32 for rows as they are), zero past C, through SnakeBeta
+ * where `alpha` is given: hi = the value rounded, then each part the rest rounded (the rest of float32 after three
+ * is 0). */
 static inline void split_row(const void *x, int x_bf16, int64_t C, int64_t CP, int parts, uint16_t *p0,
-                             int64_t plane, const float *alpha, const float *scale) {
+                             int64_t plane, int64_t kstride, const float *alpha, const float *scale) {
     for (int64_t c = 0; c < CP; c += 16) {
         const int64_t n = C - c >= 16 ? 16 : C - c > 0 ? C - c : 0;
         const __mmask16 m = (__mmask16)((1u << n) - 1u);
@@ -102,14 +104,21 @@ static inline void split_row(const void *x, int x_bf16, int64_t C, int64_t CP, i
             v = _mm512_fmadd_ps(y, y, v);
         }
         hi = round_bf16(v);
-        _mm256_storeu_si256((__m256i *)(p0 + c), _mm512_cvtepi32_epi16(hi));
+        uint16_t *at = p0 + (c >> 5) * kstride + (c & 31);
+        _mm256_storeu_si256((__m256i *)at, _mm512_cvtepi32_epi16(hi));
         __m512 rest = _mm512_sub_ps(v, widen_bf16(hi)); /* exact */
         for (int p = 1; p < parts; p++) {
             const __m512i part = round_bf16(rest);
-            _mm256_storeu_si256((__m256i *)(p0 + p * plane + c), _mm512_cvtepi32_epi16(part));
+            _mm256_storeu_si256((__m256i *)(at + p * plane), _mm512_cvtepi32_epi16(part));
             rest = _mm512_sub_ps(rest, widen_bf16(part));
         }
     }
+}
+
+/* A plane row of zeros in each part (split_row's layout). */
+static inline void zero_row(uint16_t *p0, int64_t CP, int parts, int64_t plane, int64_t kstride) {
+    for (int p = 0; p < parts; p++)
+        for (int64_t c = 0; c < CP; c += 32) memset(p0 + p * plane + (c >> 5) * kstride, 0, 64);
 }
 
 /* 32 (or `cols` < 32) outputs of one row from the accumulators' float32 `acc`, plus bias, into out. */
@@ -154,12 +163,12 @@ static inline void load_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* acc [32][32] float32 = planes' rows (32 from `a`, CP channels a row, rows lda elements apart, `plane` elements
- * between parts; tap t's
+/* acc [32][32] float32 = planes' rows (32 from `a`, CP channels a row, rows lda elements apart and 32 channels
+ * kstride after the previous 32 (split_row's layout), `plane` elements between parts; tap t's
  * rows start t * dil rows further) times the weight block `wb` ([K/2][32][2], K = taps * CP). */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
-    const uint16_t *a, int64_t CP, int64_t lda, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *wb,
-    float *acc) {
+    const uint16_t *a, int64_t CP, int64_t lda, int64_t kstride, int64_t K, int64_t dil, int parts, int64_t plane,
+    const uint16_t *wb, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -169,7 +178,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
         const uint16_t *wk = wb + k * 32; /* 16 input pairs x 32 outputs x 2 */
         _tile_loadd(6, wk, 128);
         _tile_loadd(7, wk + 32, 128);
-        const uint16_t *ak = a + tap * dil * lda + c0;
+        const uint16_t *ak = a + tap * dil * lda + (c0 >> 5) * kstride;
         for (int p = 0; p < parts; p++) {
             _tile_loadd(4, ak + p * plane, lda * 2);
             _tile_loadd(5, ak + p * plane + 16 * lda, lda * 2);
@@ -186,7 +195,10 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
 }
 
 /* A job's planes: rows [first, first + count) of batch item b's TI input rows, split into `parts` planes of CP
- * channels (`plane` elements apart). The input's first H rows of an item are `left`'s (contiguous [B, H, C], as
+ * channels (`plane` elements apart), 32 channels at a time: each plane is CP / 32 blocks of its rows' 32 channels
+ * (an A tile's 16 rows x 32 channels one contiguous 1 KB at any row offset: one stream for the prefetcher and no
+ * cache set conflicts, where rows of CP channels, a tap's rows read at a dilation's offset, were 16 strided rows
+ * per tile). The input's first H rows of an item are `left`'s (contiguous [B, H, C], as
  * they are), the rest x's ([B, TI - H] rows ldx elements apart), through SnakeBeta where `alpha` is given (per
  * channel: alpha, scale); rows past TI are zeros (the last row block's padding rows read them; their outputs
  * are not stored). */
@@ -194,22 +206,23 @@ static void split_rows(const void *x, int64_t ldx, const void *left, int64_t H, 
                        const float *scale, int x_bf16, int64_t b, int64_t TI, int64_t first, int64_t count,
                        int64_t C, int64_t CP, int parts, uint16_t *planes, int64_t plane) {
     const size_t esize = x_bf16 ? 2 : 4;
+    const int64_t kstride = plane / CP * 32;
     for (int64_t r = 0; r < count; r++) {
         const int64_t e = first + r;
-        uint16_t *dst = planes + r * CP;
+        uint16_t *dst = planes + r * 32;
         if (e < H) {
-            split_row((const char *)left + (b * H + e) * C * esize, x_bf16, C, CP, parts, dst, plane, 0, 0);
+            split_row((const char *)left + (b * H + e) * C * esize, x_bf16, C, CP, parts, dst, plane, kstride, 0, 0);
         } else if (e < TI) {
             split_row((const char *)x + (b * (TI - H) + e - H) * ldx * esize, x_bf16, C, CP, parts, dst, plane,
-                      alpha, scale);
+                      kstride, alpha, scale);
         } else {
-            for (int p = 0; p < parts; p++) memset(dst + p * plane, 0, (size_t)CP * 2);
+            zero_row(dst, CP, parts, plane, kstride);
         }
     }
 }
 
 /* A job's output blocks nb0 .. nb1 - 1 for rows m0 .. m1 - 1 (32-row blocks; rows from TO on are not stored)
- * from its planes, into out0 (row m0's outputs; rows ldo elements apart, N valid outputs), plus bias, added to what
+ * from its planes (split_rows' layout), into out0 (row m0's outputs; rows ldo elements apart, N valid outputs), plus bias, added to what
  * is there when `accumulate`. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
     const uint16_t *planes, int64_t CP, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *w,
@@ -218,7 +231,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
     const size_t esize = out_bf16 ? 2 : 4;
     for (int64_t nb = nb0; nb < nb1; nb++) {
         for (int64_t m = m0; m < m1; m += 32) {
-            block_32x32(planes + (m - m0) * CP, CP, CP, K, dil, parts, plane, w + nb * K * 32, acc);
+            block_32x32(planes + (m - m0) * 32, CP, 32, plane / CP * 32, K, dil, parts, plane, w + nb * K * 32, acc);
             const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
             for (int64_t r = 0; r < rows; r++)
                 store_row(acc + r * 32, bias ? bias + n0 : 0, out0 + ((m - m0 + r) * ldo + n0) * esize, out_bf16,
@@ -300,9 +313,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
             job_blocks(planes, CP, K, dil, parts, plane, w1, 0, nblocks, m0, m1, TO, C, bias1, h, C, x_bf16, 0, acc);
             for (int64_t r = 0; r < m1 - m0; r++) {
                 if (m0 + r < TO) {
-                    split_row(h + r * C * esize, x_bf16, C, CP, parts, planes2 + r * CP, plane2, alpha2, scale2);
+                    split_row(h + r * C * esize, x_bf16, C, CP, parts, planes2 + r * 32, plane2, mchunk * 32, alpha2,
+                              scale2);
                 } else {
-                    for (int p = 0; p < parts; p++) memset(planes2 + p * plane2 + r * CP, 0, (size_t)CP * 2);
+                    zero_row(planes2 + r * 32, CP, parts, plane2, mchunk * 32);
                 }
             }
             const int64_t at = (b * TO + m0) * C * esize, kept = (m1 < TO ? m1 : TO) - m0;
@@ -435,13 +449,13 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
             const int64_t count = M - g * PART_GROUP < PART_GROUP ? M - g * PART_GROUP : PART_GROUP;
             uint16_t *seg = scratch + g * PART_SEG * lda;
             for (int64_t i = 0; i < count; i++)
-                split_row(rows[g * PART_GROUP + i], 0, C, CP, 3, seg + i * lda, count * lda, 0, 0);
+                split_row(rows[g * PART_GROUP + i], 0, C, CP, 3, seg + i * lda, count * lda, 32, 0, 0);
             memset(seg + 3 * count * lda, 0, (size_t)((3 * count + 15) / 16 * 16 - 3 * count) * lda * 2);
         }
     } else {
         for (int64_t r = 0; r < MP; r++) {
             if (r < M) {
-                split_row(rows[r], x_bf16, C, CP, parts, scratch + r * lda, plane, 0, 0);
+                split_row(rows[r], x_bf16, C, CP, parts, scratch + r * lda, plane, 32, 0, 0);
             } else {
                 for (int p = 0; p < parts; p++) memset(scratch + p * plane + r * lda, 0, (size_t)CP * 2);
             }
@@ -460,7 +474,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
         else if (MP == 16)
             block_16x32(scratch, CP, lda, parts, plane, data + nb * CP * 32, acc);
         else
-            block_32x32(scratch + m * lda, CP, lda, CP, 1, parts, plane, data + nb * CP * 32, acc);
+            block_32x32(scratch + m * lda, CP, lda, 32, CP, 1, parts, plane, data + nb * CP * 32, acc);
         for (int64_t r = 0; r < count; r++)
             store_row(acc + r * 32, 0, (char *)out + ((m + r) * ldo + n0) * esize, out_bf16, add, cols);
     }
