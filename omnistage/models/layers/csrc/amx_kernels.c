@@ -173,19 +173,20 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32) {
-        const int64_t tap = k / CP, c0 = k - tap * CP;
-        const uint16_t *wk = wb + k * 32; /* 16 input pairs x 32 outputs x 2 */
-        _tile_loadd(6, wk, 128);
-        _tile_loadd(7, wk + 32, 128);
-        const uint16_t *ak = a + tap * dil * lda + (c0 >> 5) * kstride;
-        for (int p = 0; p < parts; p++) {
-            _tile_loadd(4, ak + p * plane, lda * 2);
-            _tile_loadd(5, ak + p * plane + 16 * lda, lda * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+    const uint16_t *wk = wb; /* 16 input pairs x 32 outputs x 2 a step, k = tap * CP + c0 ascending */
+    for (int64_t tap = 0; tap < K / CP; tap++) {
+        for (int64_t c0 = 0; c0 < CP; c0 += 32, wk += 32 * 32) {
+            _tile_loadd(6, wk, 128);
+            _tile_loadd(7, wk + 32, 128);
+            const uint16_t *ak = a + tap * dil * lda + (c0 >> 5) * kstride;
+            for (int p = 0; p < parts; p++) {
+                _tile_loadd(4, ak + p * plane, lda * 2);
+                _tile_loadd(5, ak + p * plane + 16 * lda, lda * 2);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
     }
     _tile_stored(0, acc, 128);
