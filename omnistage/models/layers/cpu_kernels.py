@@ -808,7 +808,9 @@ def decoder_pass(
     float dtype); ``eps``: the norms' epsilon. Returns x; with ``head`` = (final norm weight float32 [H],
     ``pack_linear`` panels of the output head, vocabulary size), each request's last row also takes the final
     norm and the head in the same call, and it returns (logits [B, vocabulary] in x's dtype, argmax picks [B]
-    int64: the first of equal maxima, as ``torch.argmax``)."""
+    int64: the first of equal maxima, as ``torch.argmax``). Where the layers have AMX weights, bfloat16 pair panels
+    of a hidden size that is a multiple of 32 are read as AMX weights (the same layout) at every batch size: the
+    released code predictor's frame at 16 rows in bfloat16 0.86x the time, float32 0.99x."""
     _require()
     batch, rows_per_request, hidden = x.shape
     heads, kv_heads, head_dim, positions = shape

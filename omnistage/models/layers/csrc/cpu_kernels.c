@@ -913,8 +913,16 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
                     rows_in[b] = last + b * H;                                                             \
                     rows_out[b] = ys + b * 32;                                                             \
                 }                                                                                          \
-                linear_panels_##SUFFIX(B, H, VP, (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, logits, \
-                                       sizeof(T) == 2, 0, ys, (float *const *)rows_out, (const float *)bufs[B_ONES]); \
+                if (sizeof(WT) == 2 && bufs[B_AMX] && H % 32 == 0) { /* pair panels are AMX's B tiles */     \
+                    const int64_t words[4] = {bufs[B_HEAD], VP, H, H};                                     \
+                    ((amx_linear_fn)bufs[B_AMX])(words, B, (const void *const *)rows_in, sizeof(T) == 2, logits, VP, \
+                                                 sizeof(T) == 2, 0,                                        \
+                                                 (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE], 1); \
+                } else {                                                                                   \
+                    linear_panels_##SUFFIX(B, H, VP, (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, logits, \
+                                           sizeof(T) == 2, 0, ys, (float *const *)rows_out,                \
+                                           (const float *)bufs[B_ONES]);                                   \
+                }                                                                                          \
                 _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++) {                       \
                     int64_t best = 0;                                                                      \
                     for (int64_t v = 1; v < V; v++)                                                        \
