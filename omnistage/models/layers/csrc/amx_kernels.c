@@ -329,6 +329,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
     }
 }
 
+/* A weight block's step 4 KB ahead (the hardware prefetcher stops at 4 KB boundaries): few rows stream their
+ * weights at the memory's rate (an output head's 16 rows ~2x faster; 1 row as fast as panels). */
+static inline void prefetch_step(const uint16_t *wk) {
+    for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+}
+
 /* acc [16][32] float32 for up to 16 rows (one linear layer's few rows, `plane` elements between parts): as
  * block_32x32 with half the rows, the same sums in the same order. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
@@ -337,9 +343,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
     _tile_zero(1);
     for (int64_t k = 0; k < CP; k += 32) {
         const uint16_t *wk = wb + k * 32;
-        /* the block's weights 4 KB ahead (the hardware prefetcher stops at 4 KB boundaries): few rows stream
-         * their weights at the memory's rate (an output head's 16 rows ~2x faster; 1 row as fast as panels) */
-        for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+        prefetch_step(wk);
         _tile_loadd(6, wk, 128);
         _tile_loadd(7, wk + 32, 128);
         for (int p = 0; p < parts; p++) {
@@ -356,38 +360,36 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
  * 3 * count plane rows, part p of row i at plane row p * count + i (so one 16-row tile holds all parts of up to 5
  * rows), and a row's product is (hi.w + mid.w) + lo.w, each part summed over k on its own. A tile's rows never mix,
  * so a row's bits do not depend on its batch mates at any count; few rows take a third of the interleaved parts'
- * tile products (1 row: 2 products per 32 inputs and 32 outputs, not 6). `seg`: the group's planes; acc: [64][32]
+ * tile products (1 row: 2 products per 32 inputs and 32 outputs, not 6). `seg`: the group's planes; acc: [48][32]
  * float32, then the count rows' sums. */
 #define PART_GROUP 16
 #define PART_SEG ((3 * PART_GROUP + 15) / 16 * 16) /* plane rows of a group */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_part_rows(
     const uint16_t *seg, int64_t count, int64_t CP, int64_t lda, const uint16_t *wb, float *acc) {
     const int64_t T = (3 * count + 15) / 16;
-    if (T <= 2) { /* both halves at once: accumulators 2t + h (a chain each), A tiles 4 and 5, B tiles 6 and 7 */
+    if (T == 1) { /* one tile of rows: block_16x32's sums */
+        block_16x32(seg, CP, lda, 1, 0, wb, acc);
+    } else if (T == 2) { /* both halves at once: accumulators 2t + h, A tiles 4 and 5, B tiles 6 and 7 */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t k = 0; k < CP; k += 32) {
             const uint16_t *wk = wb + k * 32;
-            for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+            prefetch_step(wk);
             _tile_loadd(6, wk, 128);
             _tile_loadd(7, wk + 32, 128);
             _tile_loadd(4, seg + k, lda * 2);
+            _tile_loadd(5, seg + 16 * lda + k, lda * 2);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
-            if (T > 1) {
-                _tile_loadd(5, seg + 16 * lda + k, lda * 2);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
         }
         _tile_stored(0, acc, 128);
         _tile_stored(1, acc + 16, 128);
-        if (T > 1) {
-            _tile_stored(2, acc + 16 * 32, 128);
-            _tile_stored(3, acc + 16 * 32 + 16, 128);
-        }
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
     } else { /* three A tiles: accumulators t (outputs 0-15) and 3 + t (16-31); the A and B tiles take turns
               * in tiles 6 and 7, each A tile loaded twice per k (the second time from L1) */
         _tile_zero(0);
@@ -398,7 +400,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_part_rows(
         _tile_zero(5);
         for (int64_t k = 0; k < CP; k += 32) {
             const uint16_t *wk = wb + k * 32, *ak = seg + k;
-            for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+            prefetch_step(wk);
             _tile_loadd(7, wk, 128);
             _tile_loadd(6, ak, lda * 2);
             _tile_dpbf16ps(0, 6, 7);
