@@ -163,12 +163,19 @@ static inline void load_tile_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* A weight block's step 4 KB ahead (the hardware prefetcher stops at 4 KB boundaries): few rows stream their
+ * weights at the memory's rate (an output head's 16 rows ~2x faster; 1 row as fast as panels). */
+static inline void prefetch_step(const uint16_t *wk) {
+    for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
+}
+
 /* acc [32][32] float32 = planes' rows (32 from `a`, CP channels a row, rows lda elements apart and 32 channels
  * kstride after the previous 32 (split_row's layout), `plane` elements between parts; tap t's
- * rows start t * dil rows further) times the weight block `wb` ([K/2][32][2], K = taps * CP). */
+ * rows start t * dil rows further) times the weight block `wb` ([K/2][32][2], K = taps * CP); `prefetch`: each
+ * step's weights 4 KB ahead (prefetch_step). */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
     const uint16_t *a, int64_t CP, int64_t lda, int64_t kstride, int64_t K, int64_t dil, int parts, int64_t plane,
-    const uint16_t *wb, float *acc) {
+    const uint16_t *wb, float *acc, int prefetch) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -176,6 +183,7 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
     const uint16_t *wk = wb; /* 16 input pairs x 32 outputs x 2 a step, k = tap * CP + c0 ascending */
     for (int64_t tap = 0; tap < K / CP; tap++) {
         for (int64_t c0 = 0; c0 < CP; c0 += 32, wk += 32 * 32) {
+            if (prefetch) prefetch_step(wk);
             _tile_loadd(6, wk, 128);
             _tile_loadd(7, wk + 32, 128);
             const uint16_t *ak = a + tap * dil * lda + (c0 >> 5) * kstride;
@@ -232,7 +240,8 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
     const size_t esize = out_bf16 ? 2 : 4;
     for (int64_t nb = nb0; nb < nb1; nb++) {
         for (int64_t m = m0; m < m1; m += 32) {
-            block_32x32(planes + (m - m0) * 32, CP, 32, plane / CP * 32, K, dil, parts, plane, w + nb * K * 32, acc);
+            block_32x32(planes + (m - m0) * 32, CP, 32, plane / CP * 32, K, dil, parts, plane, w + nb * K * 32, acc,
+                        0);
             const int64_t rows = TO - m < 32 ? TO - m : 32, n0 = nb * 32, cols = N - n0 < 32 ? N - n0 : 32;
             for (int64_t r = 0; r < rows; r++)
                 store_row(acc + r * 32, bias ? bias + n0 : 0, out0 + ((m - m0 + r) * ldo + n0) * esize, out_bf16,
@@ -329,12 +338,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
     }
 }
 
-/* A weight block's step 4 KB ahead (the hardware prefetcher stops at 4 KB boundaries): few rows stream their
- * weights at the memory's rate (an output head's 16 rows ~2x faster; 1 row as fast as panels). */
-static inline void prefetch_step(const uint16_t *wk) {
-    for (int i = 0; i < 2048; i += 64) _mm_prefetch((const char *)wk + 4096 + i, _MM_HINT_T0);
-}
-
 /* acc [16][32] float32 for up to 16 rows (one linear layer's few rows, `plane` elements between parts): as
  * block_32x32 with half the rows, the same sums in the same order. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void block_16x32(
@@ -369,27 +372,8 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_part_rows(
     const int64_t T = (3 * count + 15) / 16;
     if (T == 1) { /* one tile of rows: block_16x32's sums */
         block_16x32(seg, CP, lda, 1, 0, wb, acc);
-    } else if (T == 2) { /* both halves at once: accumulators 2t + h, A tiles 4 and 5, B tiles 6 and 7 */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t k = 0; k < CP; k += 32) {
-            const uint16_t *wk = wb + k * 32;
-            prefetch_step(wk);
-            _tile_loadd(6, wk, 128);
-            _tile_loadd(7, wk + 32, 128);
-            _tile_loadd(4, seg + k, lda * 2);
-            _tile_loadd(5, seg + 16 * lda + k, lda * 2);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, acc, 128);
-        _tile_stored(1, acc + 16, 128);
-        _tile_stored(2, acc + 16 * 32, 128);
-        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    } else if (T == 2) { /* two tiles of rows: block_32x32's sums */
+        block_32x32(seg, CP, lda, 32, CP, 1, 1, 0, wb, acc, 1);
     } else { /* three A tiles: accumulators t (outputs 0-15) and 3 + t (16-31); the A and B tiles take turns
               * in tiles 6 and 7, each A tile loaded twice per k (the second time from L1) */
         _tile_zero(0);
@@ -401,20 +385,17 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_part_rows(
         for (int64_t k = 0; k < CP; k += 32) {
             const uint16_t *wk = wb + k * 32, *ak = seg + k;
             prefetch_step(wk);
-            _tile_loadd(7, wk, 128);
-            _tile_loadd(6, ak, lda * 2);
-            _tile_dpbf16ps(0, 6, 7);
-            _tile_loadd(6, ak + 16 * lda, lda * 2);
-            _tile_dpbf16ps(1, 6, 7);
-            _tile_loadd(6, ak + 32 * lda, lda * 2);
-            _tile_dpbf16ps(2, 6, 7);
-            _tile_loadd(7, wk + 32, 128);
-            _tile_loadd(6, ak, lda * 2);
-            _tile_dpbf16ps(3, 6, 7);
-            _tile_loadd(6, ak + 16 * lda, lda * 2);
-            _tile_dpbf16ps(4, 6, 7);
-            _tile_loadd(6, ak + 32 * lda, lda * 2);
-            _tile_dpbf16ps(5, 6, 7);
+#define HALF(outputs, a0, a1, a2) /* 16 outputs' B tile, then the three A tiles into accumulators a0-a2 */   \
+    _tile_loadd(7, wk + (outputs), 128);                                                                       \
+    _tile_loadd(6, ak, lda * 2);                                                                               \
+    _tile_dpbf16ps(a0, 6, 7);                                                                                  \
+    _tile_loadd(6, ak + 16 * lda, lda * 2);                                                                    \
+    _tile_dpbf16ps(a1, 6, 7);                                                                                  \
+    _tile_loadd(6, ak + 32 * lda, lda * 2);                                                                    \
+    _tile_dpbf16ps(a2, 6, 7);
+            HALF(0, 0, 1, 2)
+            HALF(32, 3, 4, 5)
+#undef HALF
         }
         _tile_stored(0, acc, 128);
         _tile_stored(1, acc + 16 * 32, 128);
@@ -477,7 +458,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
         else if (MP == 16)
             block_16x32(scratch, CP, lda, parts, plane, data + nb * CP * 32, acc);
         else
-            block_32x32(scratch + m * lda, CP, lda, 32, CP, 1, parts, plane, data + nb * CP * 32, acc);
+            block_32x32(scratch + m * lda, CP, lda, 32, CP, 1, parts, plane, data + nb * CP * 32, acc, 0);
         for (int64_t r = 0; r < count; r++)
             store_row(acc + r * 32, 0, (char *)out + ((m + r) * ldo + n0) * esize, out_bf16, add, cols);
     }
