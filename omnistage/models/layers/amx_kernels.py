@@ -31,6 +31,8 @@ from omnistage.models.layers.c_build import LazyLibrary, build_library, scratch
 
 _SOURCE = Path(__file__).with_name("csrc") / "amx_kernels.c"
 _BLOCK = 32  # outputs per weight block, channels per input chunk
+_PART_GROUP = 16  # amx_kernels.c's PART_GROUP: float32 rows split part by part, a group's parts in 16-row tiles
+_PART_SEG = -(-3 * _PART_GROUP // 16) * 16  # (PART_SEG: plane rows a group)
 ROW_CHUNK = 128  # output rows per job at least (a job's planes stay in L2; see row_chunk)
 MAX_ROW_CHUNK = 512
 PLANES_BYTES = 3 << 19  # a job's planes at most (1.5 MB: L2 is 2 MB a core on AMX CPUs) where its rows allow
@@ -72,10 +74,7 @@ def phase_address() -> int:
 def phase_scratch(rows: int, channels: int) -> int:
     """bfloat16 values of scratch one thread's ``amx_phase_linear`` call needs for ``rows`` rows of at most
     ``channels`` padded channels (three parts)."""
-    return max(_round_up(rows, _BLOCK) * 3, -(-rows // _PART_GROUP) * 48) * (channels + _BLOCK)
-
-
-_PART_GROUP = 16  # amx_kernels.c's PART_GROUP: float32 rows split part by part, 48 plane rows a group
+    return max(_round_up(rows, _BLOCK) * 3, -(-rows // _PART_GROUP) * _PART_SEG) * (channels + _BLOCK)
 
 
 def _round_up(n: int, multiple: int) -> int:

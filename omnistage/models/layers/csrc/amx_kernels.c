@@ -231,8 +231,8 @@ static void split_rows(const void *x, int64_t ldx, const void *left, int64_t H, 
 }
 
 /* A job's output blocks nb0 .. nb1 - 1 for rows m0 .. m1 - 1 (32-row blocks; rows from TO on are not stored)
- * from its planes (split_rows' layout), into out0 (row m0's outputs; rows ldo elements apart, N valid outputs), plus bias, added to what
- * is there when `accumulate`. */
+ * from its planes (split_rows' layout), into out0 (row m0's outputs; rows ldo elements apart, N valid outputs),
+ * plus bias, added to what is there when `accumulate`. */
 static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
     const uint16_t *planes, int64_t CP, int64_t K, int64_t dil, int parts, int64_t plane, const uint16_t *w,
     int64_t nb0, int64_t nb1, int64_t m0, int64_t m1, int64_t TO, int64_t N, const float *bias, char *out0,
@@ -425,7 +425,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
     const uint16_t *data = (const uint16_t *)w[0];
     const int64_t N = w[1], CP = w[2], C = w[3];
     const int parts = x_bf16 ? 1 : 3, by_part = parts == 3 && part_rows;
-    const int64_t lda = CP + 32; /* plane rows 64 bytes past a multiple of 4 KB apart (CP 1024 rows would share sets) */
+    const int64_t lda = CP + 32; /* plane rows 64 bytes longer than a row: 1024-channel rows 2 KB apart shared two
+                                  * L1 sets */
     const int64_t MP = by_part ? (M + PART_GROUP - 1) / PART_GROUP * PART_SEG : M <= 16 ? 16 : (M + 31) / 32 * 32;
     const int64_t plane = MP * lda, group_rows = by_part ? PART_GROUP : 32, groups = (M + group_rows - 1) / group_rows;
     if (by_part) {
