@@ -562,7 +562,7 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, quan
     meta = build_attention_metadata([1, 1, 1], contexts, tables, 4, 8)
     positions = torch.tensor(contexts)
     cos, sin = dec.rotary(positions, dtype)
-    mine = [c.clone() for c in caches]
+    mine, alone = [c.clone() for c in caches], [c.clone() for c in caches]
     h, want_mid = step, None
     for i, layer in enumerate(dec.layers):  # the reference: each layer's own ops
         h = layer(h, cos, sin, dec.attend(caches[i], meta))
@@ -581,6 +581,10 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, quan
         written = ours.float().abs().sum(dim=(0, 2, 3)) > 0
         assert torch.equal(written, theirs.float().abs().sum(dim=(0, 2, 3)) > 0)  # the same slots, no others
     assert torch.equal(step, before)  # the input rows are left as they were
+    # Without a capture, every layer and the final norm in one call (the Talker's steps).
+    got_alone, _ = dec.run_layers(step, positions, alone, meta)
+    assert [t.addresses.shape[0] for t in calls[2:]] == [3]
+    assert torch.equal(got_alone, got)  # the same sums, whether the norm follows one call or two
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")

@@ -253,6 +253,8 @@ class PagedDecoder(nn.Module):
         # stage's caches (rebuilt if they move).
         self._kernel_layers: list[cpu_kernels.LayerWeights] | None = []
         self._table: tuple[tuple[int, ...], cpu_kernels.LayerTable] | None = None
+        self._parts: dict[tuple[int, int], cpu_kernels.LayerTable] = {}  # the table's spans, kept with it
+        self._final_norm: torch.Tensor | None = None  # the final norm's weight as the kernel reads it (float32)
 
     def pack_weights(self, batch_hint: int) -> int:
         """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it before the layers; it
@@ -274,32 +276,38 @@ class PagedDecoder(nn.Module):
         cannot serve this decoder."""
         if self._kernel_layers is None:
             self._kernel_layers = kernel_layers(self.layers, self.cfg, self.norm.weight.dtype)
+            self._final_norm = self.norm.weight.detach().float().contiguous() if self._kernel_layers else None
         return self._kernel_layers
 
-    def _kernel_table(self, kv_caches: list[torch.Tensor]) -> cpu_kernels.LayerTable:
+    def _kernel_table(self, kv_caches: list[torch.Tensor], start: int, stop: int) -> cpu_kernels.LayerTable:
+        """The kernel's table of layers ``start`` .. ``stop - 1`` over these caches (kept: a step's lookup)."""
         key = tuple(cache.data_ptr() for cache in kv_caches)
         if self._table is None or self._table[0] != key:
             self._table = (key, cpu_kernels.decoder_table(self.kernel_layers(), [(c[0], c[1]) for c in kv_caches]))
-        return self._table[1]
+            self._parts = {}
+        part = self._parts.get((start, stop))
+        if part is None:
+            part = self._parts[start, stop] = self._table[1].part(start, stop)
+        return part
 
     def run_span(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
-        attn_meta: AttentionMetadata, start: int, stop: int,
+        attn_meta: AttentionMetadata, start: int, stop: int, final_norm: bool = False,
     ) -> torch.Tensor:
-        """Layers ``start`` .. ``stop - 1`` over rows h [N, H] (h itself is left as it is). A decode step (one
-        query row per request, every row real) on CPU under ``fast`` runs them in one ``cpu_kernels.decoder_step``
-        call; anything else layer by layer."""
+        """Layers ``start`` .. ``stop - 1`` over rows h [N, H] (h itself is left as it is), then with
+        ``final_norm`` the decoder's final norm. A decode step (one query row per request, every row real) on
+        CPU under ``fast`` runs them in one ``cpu_kernels.decoder_step`` call; anything else layer by layer."""
         groups = attn_meta.groups
         if (stop > start and len(groups) == 1 and groups[0].max_q == 1 and groups[0].token_rows.numel() == h.shape[0]
                 and h.device.type == "cpu" and kv_caches[0].dtype == h.dtype and self.kernel_layers()):
-            table = self._kernel_table(kv_caches).part(start, stop)
             g, cfg = groups[0], self.cfg
             return cpu_kernels.decoder_step(
-                h.contiguous().clone(), table, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (cos, sin),
-                attn_meta.slot_mapping, g.token_req, g.seq_lens, g.kv_slots, cfg.rms_norm_eps)
+                h.contiguous().clone(), self._kernel_table(kv_caches, start, stop),
+                (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), (cos, sin), attn_meta.slot_mapping, g.token_req,
+                g.seq_lens, g.kv_slots, cfg.rms_norm_eps, self._final_norm if final_norm else None)
         for i in range(start, stop):
             h = self.layers[i](h, cos, sin, self.attend(kv_caches[i], attn_meta))
-        return h
+        return self.norm(h) if final_norm else h
 
     def attend(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> AttendFn:
         """Bind one layer's paged cache and the step's metadata into an ``attend`` callable."""
@@ -331,9 +339,11 @@ class PagedDecoder(nn.Module):
             raise ValueError(f"positions has {positions.shape[0]} rows, hidden has {h.shape[0]}")
         cos, sin = self.rotary(positions, h.dtype) if rope is None else rope
         split = capture_layer if capture_layer is not None and capture_layer < num_layers else num_layers
-        h = self.run_span(h, cos, sin, kv_caches, attn_meta, 0, split)
-        captured = h if split < num_layers else None
-        h = self.norm(self.run_span(h, cos, sin, kv_caches, attn_meta, split, num_layers))
+        if split < num_layers:
+            captured = self.run_span(h, cos, sin, kv_caches, attn_meta, 0, split)
+            h = self.run_span(captured, cos, sin, kv_caches, attn_meta, split, num_layers, final_norm=True)
+        else:
+            h, captured = self.run_span(h, cos, sin, kv_caches, attn_meta, 0, num_layers, final_norm=True), None
         if capture_layer == num_layers:
             captured = h
         return h, captured

@@ -685,7 +685,8 @@ enum { /* bufs */
                                ones; SCORES [threads, max_kv] float32 (last: its size follows the context) */
     B_HEAD_NORM, B_HEAD, B_HEAD_LOGITS, B_PICKS, B_LAST, /* frame: each request's last row through the final
                                norm (float32 [H]), the head's panels, logits [B, VP] (model's type), argmax picks
-                               [B] int64 (the first of equal maxima), scratch [B, H]; B_HEAD_NORM NULL: none */
+                               [B] int64 (the first of equal maxima), scratch [B, H]; B_HEAD_NORM NULL: none;
+                               B_HEAD NULL (paged): every row through the final norm, in place, no head */
     B_QLINEAR, B_QMOE, B_QX, B_QY, B_QHP, B_QIDS, B_QWHERE, /* quantized weights (L_QUANT): quant_kernels.c's
                                phase_linear / phase_moe, and their scratch (float32 QX, QY, QHP; int64 QIDS
                                [E + 1], QWHERE [R k]); 0 where no layer has any */
@@ -900,7 +901,12 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
             for (int64_t l = 0; l < L; l++) layer_##SUFFIX(layers + l * L_WIDTH, dims, bufs, eps, scale, tid); \
-            if (bufs[B_HEAD_NORM]) { /* each request's last row: final norm, output head, argmax */        \
+            if (bufs[B_HEAD_NORM] && !bufs[B_HEAD]) { /* paged: every row through the final norm, in place */ \
+                const int64_t R = dims[0], H = dims[1];                                                    \
+                T *x = (T *)bufs[B_X];                                                                     \
+                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
+                    row_norm_##TS(H, x + r * H, (const float *)bufs[B_HEAD_NORM], eps, 0, x + r * H);      \
+            } else if (bufs[B_HEAD_NORM]) { /* each request's last row: final norm, output head, argmax */  \
                 const int64_t H = dims[1], B = dims[9], S = dims[10], V = dims[13], VP = dims[14];         \
                 const T *x = (const T *)bufs[B_X];                                                         \
                 T *last = (T *)bufs[B_LAST], *logits = (T *)bufs[B_HEAD_LOGITS];                           \
