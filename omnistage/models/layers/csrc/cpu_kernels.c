@@ -185,9 +185,9 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
 #define DEFINE_TILES(SUFFIX, WT, XT, XS)                                                                     \
     /* gate/up over one panel (16 gate, 16 up columns), then SwiGLU: h[r] gets 16 intermediates. */          \
     static inline __attribute__((always_inline)) void gate_up_tile_##SUFFIX(                                 \
-        const int rows, int64_t H, const XT *const *x, const WT *w, XT *const *h) {                          \
+        const int rows, int64_t H, const XT *const *x, const WT *w, XT *const *h, const WT *pf) {            \
         vf acc[ROWS][PV];                                                                                   \
-        panel_dots_##SUFFIX(rows, H, x, w, acc, (const WT *)0);                                             \
+        panel_dots_##SUFFIX(rows, H, x, w, acc, pf);                                                        \
         for (int r = 0; r < rows; r++) {                                                                    \
             float gu[32];                                                                                   \
             for (int i = 0; i < PV; i++) store_f32(gu + i * LANES, acc[r][i]);                              \
@@ -227,16 +227,17 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
         ROW_CASES_7_TO_8(f, args)                                                                           \
         }                                                                                                   \
     }
-/* A panel's rows: x / h rows of type XT / HT, weights WT. */
+/* A panel's rows: x / h rows of type XT / HT, weights WT. The last row tile reads the panel `next` (NULL: none)
+ * into L2 as it goes, in step with its own reads (PREFETCH_K); the others read ahead in their own panel. */
 #define DEFINE_PANELS(SUFFIX, WT, XT, HT)                                                                    \
-    static inline void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const XT *const *x, const WT *w,             \
-                                       HT *const *h) {                                                      \
-        ROW_TILES(rows, gate_up_tile_##SUFFIX, (H, x + r0, w, h + r0))                                      \
+    static inline void gate_up_panel_##SUFFIX(int64_t rows, int64_t H, const XT *const *x, const WT *w,     \
+                                              HT *const *h, const WT *next) {                               \
+        ROW_TILES(rows, gate_up_tile_##SUFFIX, (H, x + r0, w, h + r0, r0 + ROWS >= rows ? next : (const WT *)0)) \
     }                                                                                                       \
     static void down_panel_##SUFFIX(int64_t rows, int64_t I, const HT *const *h, const WT *w,                \
                                     const float *weight, float *const *y, const WT *next) {                 \
         ROW_TILES(rows, down_tile_##SUFFIX, (I, h + r0, w, weight + r0, y + r0,                             \
-                                             r0 > 0 && r0 + ROWS >= rows ? next : (const WT *)0))           \
+                                             r0 + ROWS >= rows ? next : (const WT *)0))                     \
     }
 
 DEFINE_KERNELS(f32, float, load_f32, float, f32)
@@ -306,9 +307,9 @@ static inline __attribute__((always_inline)) void panel_dots_bf16dp(
 }
 
 static inline __attribute__((always_inline)) void gate_up_tile_bf16dp(
-    const int rows, int64_t H, const uint16_t *const *x, const uint16_t *w, uint16_t *const *h) {
+    const int rows, int64_t H, const uint16_t *const *x, const uint16_t *w, uint16_t *const *h, const uint16_t *pf) {
     __m512 g[ROWS], u[ROWS];
-    panel_dots_bf16dp(rows, H, x, w, g, u, (const uint16_t *)0);
+    panel_dots_bf16dp(rows, H, x, w, g, u, pf);
     for (int r = 0; r < rows; r++) {
         float gs[16], us[16];
         _mm512_storeu_ps(gs, g[r]);
@@ -331,6 +332,18 @@ static inline __attribute__((always_inline)) void down_tile_bf16dp(
 
 DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
 #endif
+
+/* The panel a thread reads after expert e's panel p (experts' panels [E, panels, ...], those with rows only, p
+ * before p + 1), as an index e' * panels + p', or -1: none. Its reads prefetch it in step (a MoE layer's panels
+ * lie apart: the prefetcher would start over on each). */
+static inline int64_t next_chunk(const int64_t *starts, int64_t E, int64_t e, int64_t p, int64_t panels) {
+    for (int64_t n = e + 1; n < E; n++)
+        if (starts[n + 1] > starts[n]) return n * panels + p;
+    if (p + 1 >= panels) return -1;
+    for (int64_t n = 0; n <= e; n++)
+        if (starts[n + 1] > starts[n]) return n * panels + p + 1;
+    return -1;
+}
 
 /* The layer's two phases for one weight type, run by every thread of the enclosing parallel region (orphaned
  * `omp for`s, each ending in its barrier), on selections already sorted by expert (order, starts).
@@ -355,8 +368,10 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
                     rows_in[j] = (void *)(x + (order[first + j] / K) * H);                                  \
                     rows_out[j] = h + (first + j) * I + p * 16;                                             \
                 }                                                                                          \
+                const int64_t at = next_chunk(starts, E, e, p, up_panels);                                 \
                 gate_up_panel_##SUFFIX(count, H, (const XT *const *)rows_in,                               \
-                                       w13 + ((e * up_panels + p) * H) * 32, (HT *const *)rows_out);       \
+                                       w13 + ((e * up_panels + p) * H) * 32, (HT *const *)rows_out,        \
+                                       at < 0 ? (const WT *)0 : w13 + at * H * 32);                        \
             }                                                                                              \
         }                                                                                                  \
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < down_panels; p++) {                     \
@@ -372,9 +387,10 @@ DEFINE_PANELS(bf16dp, uint16_t, uint16_t, uint16_t)
                         rows_out[j] = ys + s * 32;                                                          \
                         wsel[j] = weights[s];                                                              \
                     }                                                                                      \
+                    const int64_t at = j0 + ROWS >= count ? next_chunk(starts, E, e, p, down_panels) : -1;  \
                     down_panel_##SUFFIX(m, I, (const HT *const *)rows_in,                                  \
                                         w2 + ((e * down_panels + p) * I) * 32, wsel, (float *const *)rows_out, \
-                                        (const WT *)0);                                                    \
+                                        at < 0 ? (const WT *)0 : w2 + at * I * 32);                        \
                 }                                                                                          \
             }                                                                                              \
             for (int64_t t = 0; t < T; t++) { /* each token's slots in top-k order */                      \
@@ -447,7 +463,9 @@ static inline vf load_columns(const void *out, int out_bf16, int64_t offset) {
                                        const WT *w, const float *bias, void *out, int out_bf16, int add,    \
                                        const float *ys, float *const *rows_out, const float *ones) {        \
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < N / 32; p++) {                          \
-            down_panel_##SUFFIX(T, K, rows_in, w + p * K * 32, ones, rows_out, w + (p + 1) * K * 32);      \
+            /* (one tile: its reads ahead run into the next panel, contiguous) */                          \
+            down_panel_##SUFFIX(T, K, rows_in, w + p * K * 32, ones, rows_out,                             \
+                                T > ROWS ? w + (p + 1) * K * 32 : (const WT *)0);                         \
             vf b[PV];                                                                                      \
             for (int i = 0; i < PV; i++) b[i] = bias ? load_f32(bias + p * 32 + i * LANES) : splat(0.0f);  \
             for (int64_t t = 0; t < T; t++) {                                                              \
