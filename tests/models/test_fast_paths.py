@@ -524,16 +524,19 @@ def test_fast_bfloat16_decoders_attend_in_float32_on_cpu():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", ["float32", "float32-bf16-values", "bfloat16"])
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("quant", [None, "int8", "int8-g32", "int4"])
-def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, quant, monkeypatch):
+def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, quant, monkeypatch):
     """``cpu_kernels.decoder_step`` (a decode step's layers in one call, the fast option's default on CPU) equals
     the decoder layers one by one: a dense layer, then routed experts with and without a sigmoid-gated shared
     expert; requests of different lengths in scattered cache blocks; keys and values land in the same slots;
     the hidden captured between layers and the final-normed output of ``run_layers`` agree too. Quantized
     layers (int8, int4: projections, experts, the shared expert) run through the quantized kernels' phases
-    inside the same call."""
+    inside the same call; where AMX takes the dense layers (bfloat16 values), through its phase."""
+    dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
+    if weights == "float32-bf16-values" and quant is not None:
+        pytest.skip("quantized layers do not look at their float values' precision")
     if not cpu_kernels.supports_decoder_layers(dtype, 64, 16):
         pytest.skip("the panel kernels are off")
     if dtype == torch.bfloat16 and quant is None and cpu_kernels.widened_bf16_decoders():
@@ -545,11 +548,16 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(dtype, shared, quan
                         intermediate_size=96 if wide else 80, rms_norm_eps=1e-6, rope_theta=1e4, num_experts=6,
                         num_experts_per_tok=2, moe_intermediate_size=32 if wide else 24, norm_topk_prob=not shared,
                         sparse_layers=(1, 2), shared_expert_intermediate_size=(64 if wide else 40) if shared else 0)
-    dec = _quantized(_seeded(PagedDecoder(cfg), seed=21, std=0.2).to(dtype), quant, "layers.", dtype)
-    dec = fast_kernels(dec, True)
+    dec = _seeded(PagedDecoder(cfg), seed=21, std=0.2)
+    if weights == "float32-bf16-values":
+        dec = dec.to(torch.bfloat16)
+    dec = fast_kernels(_quantized(dec.to(dtype), quant, "layers.", dtype), True)
     assert len(dec.kernel_layers()) == 3
-    kinds = {type(w.qkv) for w in dec.kernel_layers()} | {type(w.experts[0]) for w in dec.kernel_layers()[1:]}
-    assert kinds == ({KernelWeight} if quant else {torch.Tensor})
+    dense = {type(w.qkv) for w in dec.kernel_layers()} | {type(w.gate_up) for w in dec.kernel_layers()[:1]}
+    experts = {type(w.experts[0]) for w in dec.kernel_layers()[1:]}
+    amx = amx_kernels.available() and weights != "float32"
+    assert experts == {KernelWeight if quant else torch.Tensor}
+    assert dense == {KernelWeight if quant else AmxWeight if amx else torch.Tensor}
     caches = allocate_kv_cache(3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     tables, contexts = [[5, 2], [7], [0, 6, 3]], [5, 1, 9]
     g = torch.Generator().manual_seed(22)
@@ -685,7 +693,8 @@ def test_float32_weights_of_bfloat16_values_are_kept_as_pairs_with_the_same_bits
 @torch.inference_mode()
 def test_a_float32_decoder_of_bfloat16_values_decodes_on_pairs_with_the_same_bits(monkeypatch):
     """A float32 MoE decoder (shared expert, router) whose weights are bfloat16 values: its decode steps run on
-    bfloat16 pairs and give exactly the bits of the same decoder on float32 panels, in half the weight bytes."""
+    bfloat16 pairs and give exactly the bits of the same decoder on float32 panels, in half the weight bytes (its
+    dense layers kept off AMX, which would take them in both)."""
     from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
     from omnistage.runner.memory_use import weight_bytes_by_component
 
@@ -695,6 +704,7 @@ def test_a_float32_decoder_of_bfloat16_values_decodes_on_pairs_with_the_same_bit
 
     def decoder(pairs: bool) -> PagedDecoder:
         dec = _bf16_valued(_seeded(PagedDecoder(cfg), seed=33, std=0.2))
+        monkeypatch.setattr(amx_kernels, "takes", lambda weight: False)
         if not pairs:
             monkeypatch.setattr(cpu_kernels, "keeps_float32_as_pairs", lambda weight: False)
         dec = fast_kernels(dec, True)
