@@ -524,9 +524,10 @@ def test_fast_bfloat16_decoders_attend_in_float32_on_cpu():
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
-@pytest.mark.parametrize("weights", ["float32", "float32-bf16-values", "bfloat16"])
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("quant", [None, "int8", "int8-g32", "int4"])
+@pytest.mark.parametrize("weights,quant", [  # (quantized layers do not look at their float values' precision)
+    *((weights, quant) for weights in ("float32", "bfloat16") for quant in (None, "int8", "int8-g32", "int4")),
+    ("float32-bf16-values", None)])
 def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, quant, monkeypatch):
     """``cpu_kernels.decoder_step`` (a decode step's layers in one call, the fast option's default on CPU) equals
     the decoder layers one by one: a dense layer, then routed experts with and without a sigmoid-gated shared
@@ -535,8 +536,6 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, qu
     layers (int8, int4: projections, experts, the shared expert) run through the quantized kernels' phases
     inside the same call; where AMX takes the dense layers (bfloat16 values), through its phase."""
     dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
-    if weights == "float32-bf16-values" and quant is not None:
-        pytest.skip("quantized layers do not look at their float values' precision")
     if not cpu_kernels.supports_decoder_layers(dtype, 64, 16):
         pytest.skip("the panel kernels are off")
     if dtype == torch.bfloat16 and quant is None and cpu_kernels.widened_bf16_decoders():
