@@ -172,7 +172,10 @@ class ARRunner:
         sampled: dict[str, int] = {}
         if ctx.sample_req_ids:
             rows = torch.tensor([ctx.spans[r][1] - 1 for r in ctx.sample_req_ids], device=self.device)
-            logits = self.model.compute_logits(output.hidden_states[rows])
+            if output.logits is not None:  # (the forward's own, for every row)
+                logits = output.logits[rows]
+            else:
+                logits = self.model.compute_logits(output.hidden_states[rows])
             sampling_rows = [ctx.sampling_rows[ctx.index(r)] for r in ctx.sample_req_ids]
             tokens = sample(logits, sampling_rows).tolist()
             sampled = dict(zip(ctx.sample_req_ids, tokens))

@@ -27,6 +27,10 @@ class OmniOutput:
     hidden_states: torch.Tensor | None
     multimodal_outputs: dict[str, Any] = field(default_factory=dict)
     intermediate: dict[str, Any] = field(default_factory=dict)
+    # Every row's logits where the forward computed them itself (a decode step's layers and output head in one
+    # kernel call), row-aligned with hidden_states and equal to compute_logits of them: the runner samples from
+    # these rows instead of calling compute_logits. None: it calls compute_logits.
+    logits: torch.Tensor | None = None
 
 
 @dataclass

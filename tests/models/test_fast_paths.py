@@ -592,6 +592,14 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, qu
     got_alone, _ = dec.run_layers(step, positions, alone, meta)
     assert [t.addresses.shape[0] for t in calls[2:]] == [3]
     assert torch.equal(got_alone, got)  # the same sums, whether the norm follows one call or two
+    # An output head in the same call (the Talker's codec head): every row's logits, with the panels' own bits.
+    head = torch.randn(70, 64, generator=g)
+    panels = cpu_kernels.pack_linear((head if weights == "float32" else head.to(torch.bfloat16)).to(dtype),
+                                     float32_pairs=True)
+    hidden, logits = dec.run_layers_with_head(step, positions, alone, meta, (panels, 70))
+    assert torch.equal(hidden, got) and (logits is not None or quant is not None)
+    if logits is not None:
+        assert logits.shape == (3, 70) and torch.equal(logits, cpu_kernels.linear(hidden, panels, None, 70))
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")

@@ -16,6 +16,8 @@ from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.fast_linear import PackedLinear, can_pack, onednn_available
 from omnistage.models.layers.moe import StackedExperts
+from omnistage.models.qwen3_omni.stage_models import TalkerStageModel
+from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
@@ -416,6 +418,19 @@ def test_fast_compiled_pipeline_matches_transformers(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(StackedExperts, "kernel", lambda self, x, *a: kernel_rows.append(len(x)) or kernel(self, x, *a))
     step_rows, step = [], cpu_kernels.decoder_step
     monkeypatch.setattr(cpu_kernels, "decoder_step", lambda x, *a: step_rows.append(len(x)) or step(x, *a))
+    # Whether each Talker step's forward brought its logits (decode steps: the codec head in the kernel's call),
+    # and how often the runner computed them itself.
+    forward_logits, head_calls = [], []
+    with_logits, compute_logits = Talker.forward_with_logits, TalkerStageModel.compute_logits
+
+    def recorded_forward(self, *args):
+        hidden, logits = with_logits(self, *args)
+        forward_logits.append(logits is not None)
+        return hidden, logits
+
+    monkeypatch.setattr(Talker, "forward_with_logits", recorded_forward)
+    monkeypatch.setattr(TalkerStageModel, "compute_logits",
+                        lambda self, h: head_calls.append(len(h)) or compute_logits(self, h))
     eng = OmniEngine(EngineArgs(str(tiny_ckpt), fast=True), load_pipeline_config("qwen3_omni"))
     predictor = eng.orchestrator.stages["talker"].runner.model.talker.code_predictor
     assert predictor.packed_heads is not None and not predictor.frame_compiler.exact
@@ -428,6 +443,8 @@ def test_fast_compiled_pipeline_matches_transformers(tiny_ckpt, monkeypatch):
     # expert kernel (where the kernels build: a C compiler).
     if cpu_kernels.available():
         assert {1, 2, 3} <= set(step_rows) and max(kernel_rows) > 3
+        assert forward_logits.count(True) > forward_logits.count(False)  # decode steps outnumber prefills
+    assert len(head_calls) <= forward_logits.count(False)  # logits from the forward were used, not recomputed
     for i in range(len(PROMPTS)):
         tokens, codes, wav = reference(str(tiny_ckpt), i)
         assert got[i]["tokens"] == tokens

@@ -837,15 +837,18 @@ def decoder_pass(
 def decoder_step(
     x: torch.Tensor, table: LayerTable, shape: tuple[int, int, int], rope: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor, row_request: torch.Tensor, seq_lens: torch.Tensor, kv_slots: torch.Tensor,
-    eps: float, final_norm: torch.Tensor | None = None,
-) -> torch.Tensor:
+    eps: float, final_norm: torch.Tensor | None = None, head: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every layer of a paged Qwen3(-MoE) decoder for a decode step, in one call, in place on x [R, H]: row r
     (one query each) writes its key and value at cache slot ``slot_mapping[r]`` and attends to the first
     ``seq_lens[q]`` slots of ``kv_slots[q]``, q = ``row_request[r]`` (``AttentionMetadata``'s decode group).
     ``table``: ``decoder_table``'s over the paged caches' K and V halves; ``shape``: (query heads, key/value
     heads, head size); ``rope``: (cos, sin) [R, head size] of the rows. Returns x: the last layer's output, or
     with ``final_norm`` (float32 [H], the decoder's final RMSNorm weight) that output normed, in the same call
-    (as separate ops, a 1-row step's norm cost 0.15 ms after the layers had streamed their weights)."""
+    (as separate ops, a 1-row step's norm cost 0.15 ms after the layers had streamed their weights). With
+    ``head`` = (``pack_linear`` panels of an output head that ``head_takes``, vocabulary size) too, every row's
+    logits in the same call, with ``linear``'s bits on those panels: returns (x, logits [R, vocabulary] in x's
+    dtype)."""
     _require()
     heads, kv_heads, head_dim = shape
     rows = x.shape[0]
@@ -854,8 +857,27 @@ def decoder_step(
     if final_norm is not None and not (final_norm.dtype == torch.float32 and final_norm.shape == (x.shape[-1],)
                                        and final_norm.is_contiguous()):
         raise ValueError("decoder_step's final norm weight is float32 [hidden], contiguous")
+    if head is not None and (final_norm is None or not head_takes(table, x.dtype, head[0])
+                             or head[0].shape[1] != x.shape[-1]):
+        raise ValueError("decoder_step's head follows the final norm, on panels the layers' kernel reads")
     inputs = [t.to(torch.int64).contiguous() for t in (slot_mapping, row_request, seq_lens, kv_slots)]
-    head = [0] * 5 if final_norm is None else [final_norm.data_ptr(), 0, 0, 0, 0]
-    _run_layers(x, table, heads, kv_heads, head_dim, rope, kv_slots.shape[1], [1, 0, 0, 0, 0, 0, 0],
-                [t.data_ptr() for t in inputs], head, eps)
-    return x
+    head_ptrs, vocab, out = [0] * 5, 0, None
+    if final_norm is not None:
+        head_ptrs[0] = final_norm.data_ptr()
+    if head is not None:
+        panels, vocab = head
+        logits = x.new_empty(rows, panels.shape[0] * DOWN_PANEL)
+        head_ptrs[1:3] = [panels.data_ptr(), logits.data_ptr()]
+        out = logits[:, :vocab]
+    geometry = [1, 0, 0, 0, 0, vocab, 0 if head is None else head[0].shape[0] * DOWN_PANEL]
+    _run_layers(x, table, heads, kv_heads, head_dim, rope, kv_slots.shape[1], geometry,
+                [t.data_ptr() for t in inputs], head_ptrs, eps, None if head is None else head[0].dtype)
+    return x if out is None else (x, out)
+
+
+def head_takes(table: LayerTable, rows: torch.dtype, panels: torch.Tensor) -> bool:
+    """Whether ``decoder_step`` can run an output head on these ``pack_linear`` panels after the table's layers:
+    the layers' kernel variant reads them (panels of the layers' dtype, or any the rows take where the layers
+    have none) over the hidden size."""
+    return (panels.dim() == 3 and rows_take(rows, panels.dtype) and table.weights in (None, panels.dtype)
+            and int(table.addresses.shape[0]) > 0)

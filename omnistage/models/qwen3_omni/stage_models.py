@@ -387,8 +387,8 @@ class TalkerStageModel:
 
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
         with torch.inference_mode():
-            hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta)
-        return OmniOutput(hidden_states=hidden, multimodal_outputs={"codes.audio": frames})
+            hidden, logits = self.talker.forward_with_logits(inputs_embeds, positions, kv_caches, attn_meta)
+        return OmniOutput(hidden_states=hidden, multimodal_outputs={"codes.audio": frames}, logits=logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

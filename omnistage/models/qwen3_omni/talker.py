@@ -98,6 +98,22 @@ class Talker(nn.Module):
         hidden, _ = self.model.run_layers(inputs_embeds, positions, kv_caches, attn_meta)
         return hidden
 
+    def forward_with_logits(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, and every row's ``compute_logits`` (the same bits) where a decode step's layers and the codec
+        head run in one kernel call (the ``fast`` option on CPU, the head on panels); else None."""
+        panels = getattr(self.codec_head, "panels", None)
+        if panels is None or getattr(self.codec_head, "amx_weight", None) is not None:
+            return self.forward(inputs_embeds, positions, kv_caches, attn_meta), None
+        hidden, logits = self.model.run_layers_with_head(inputs_embeds, positions, kv_caches, attn_meta,
+                                                         (panels, self.vocab_size))
+        return hidden, None if logits is None else logits.masked_fill_(self.suppressed, float("-inf"))
+
     def compute_logits(self, hidden: torch.Tensor, suppress: bool = True) -> torch.Tensor:
         """[M, H] -> [M, vocab]; the reserved top ids except codec_eos are -inf (as generate's suppress_tokens)."""
         logits = self.codec_head(hidden)

@@ -704,7 +704,8 @@ enum { /* bufs */
     B_HEAD_NORM, B_HEAD, B_HEAD_LOGITS, B_PICKS, B_LAST, /* frame: each request's last row through the final
                                norm (float32 [H]), the head's panels, logits [B, VP] (model's type), argmax picks
                                [B] int64 (the first of equal maxima), scratch [B, H]; B_HEAD_NORM NULL: none;
-                               B_HEAD NULL (paged): every row through the final norm, in place, no head */
+                               paged: every row through the final norm (in place), then where B_HEAD is given
+                               every row's logits [R, VP] on the head's panels (no picks) */
     B_QLINEAR, B_QMOE, B_QX, B_QY, B_QHP, B_QIDS, B_QWHERE, /* quantized weights (L_QUANT): quant_kernels.c's
                                phase_linear / phase_moe, and their scratch (float32 QX, QY, QHP; int64 QIDS
                                [E + 1], QWHERE [R k]); 0 where no layer has any */
@@ -919,11 +920,23 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
             for (int64_t l = 0; l < L; l++) layer_##SUFFIX(layers + l * L_WIDTH, dims, bufs, eps, scale, tid); \
-            if (bufs[B_HEAD_NORM] && !bufs[B_HEAD]) { /* paged: every row through the final norm, in place */ \
+            if (bufs[B_HEAD_NORM] && dims[8] == 1) { /* paged: every row through the final norm, in place, \
+                                                       * then the head's logits of every row where given */   \
                 const int64_t R = dims[0], H = dims[1];                                                    \
                 T *x = (T *)bufs[B_X];                                                                     \
                 _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
                     row_norm_##TS(H, x + r * H, (const float *)bufs[B_HEAD_NORM], eps, 0, x + r * H);      \
+                if (bufs[B_HEAD]) { /* (the panels linear layers' path: a separate head call's bits) */     \
+                    void **rows_in = (void **)bufs[B_PTRS] + (int64_t)tid * 2 * dims[6], **rows_out = rows_in + dims[6]; \
+                    float *ys = (float *)bufs[B_Y] + (int64_t)tid * dims[6] * 32;                          \
+                    for (int64_t r = 0; r < R; r++) {                                                      \
+                        rows_in[r] = x + r * H;                                                            \
+                        rows_out[r] = ys + r * 32;                                                         \
+                    }                                                                                      \
+                    linear_panels_##SUFFIX(R, H, dims[14], (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, \
+                                           bufs[B_HEAD_LOGITS], sizeof(T) == 2, 0, ys, (float *const *)rows_out, \
+                                           (const float *)bufs[B_ONES]);                                   \
+                }                                                                                          \
             } else if (bufs[B_HEAD_NORM]) { /* each request's last row: final norm, output head, argmax */  \
                 const int64_t H = dims[1], B = dims[9], S = dims[10], V = dims[13], VP = dims[14];         \
                 const T *x = (const T *)bufs[B_X];                                                         \
