@@ -13,8 +13,10 @@ from benchmarks.roofline import (
     DecoderShape,
     Peaks,
     decoder_forward_work,
+    largest_cache_bytes,
     largest_tensor_bytes,
     read_dtype,
+    read_probe_mib,
     stored_dtype,
     with_three_parts,
 )
@@ -128,6 +130,22 @@ def test_float32_peak_counts_three_part_products_where_amx_serves(monkeypatch):
     assert with_three_parts(f32, Peaks(600.0, 30.0)) == f32  # a slow bfloat16 probe never lowers it
     monkeypatch.setattr(amx_kernels, "available", lambda: False)
     assert with_three_parts(f32, bf16) == f32
+
+
+def test_read_probe_outsizes_the_last_level_cache(tmp_path, monkeypatch):
+    """The read peak comes from a buffer four times the largest cache (at least 1 GiB): one the cache partly holds
+    reads faster than memory."""
+    import benchmarks.roofline as roofline
+
+    for index, size in enumerate(["48K", "2048K", "307200K", "not a size"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert largest_cache_bytes(tmp_path) == 307200 << 10
+    assert largest_cache_bytes(tmp_path / "missing") == 0
+    monkeypatch.setattr(roofline, "largest_cache_bytes", lambda: 300 << 20)
+    assert read_probe_mib() == 1200
+    monkeypatch.setattr(roofline, "largest_cache_bytes", lambda: 0)
+    assert read_probe_mib() == 1024
 
 
 def test_output_difference_names_the_first_difference():
