@@ -107,8 +107,8 @@ class Talker(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward``, and every row's ``compute_logits`` (the same bits) where a decode step's layers and the codec
         head run in one kernel call (the ``fast`` option on CPU, the head on panels); else None."""
-        panels = getattr(self.codec_head, "panels", None)
-        if panels is None or getattr(self.codec_head, "amx_weight", None) is not None:
+        panels = getattr(self.codec_head, "panels", None)  # (None for a head on AMX or oneDNN, or unpacked)
+        if panels is None:
             return self.forward(inputs_embeds, positions, kv_caches, attn_meta), None
         hidden, logits = self.model.run_layers_with_head(inputs_embeds, positions, kv_caches, attn_meta,
                                                          (panels, self.vocab_size))

@@ -920,53 +920,41 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             int tid = 0;                                                                                   \
             IF_OPENMP(tid = omp_get_thread_num();)                                                          \
             for (int64_t l = 0; l < L; l++) layer_##SUFFIX(layers + l * L_WIDTH, dims, bufs, eps, scale, tid); \
-            if (bufs[B_HEAD_NORM] && dims[8] == 1) { /* paged: every row through the final norm, in place, \
-                                                       * then the head's logits of every row where given */   \
-                const int64_t R = dims[0], H = dims[1];                                                    \
-                T *x = (T *)bufs[B_X];                                                                     \
-                _Pragma("omp for schedule(static)") for (int64_t r = 0; r < R; r++)                         \
-                    row_norm_##TS(H, x + r * H, (const float *)bufs[B_HEAD_NORM], eps, 0, x + r * H);      \
-                if (bufs[B_HEAD]) { /* (the panels linear layers' path: a separate head call's bits) */     \
-                    void **rows_in = (void **)bufs[B_PTRS] + (int64_t)tid * 2 * dims[6], **rows_out = rows_in + dims[6]; \
-                    float *ys = (float *)bufs[B_Y] + (int64_t)tid * dims[6] * 32;                          \
-                    for (int64_t r = 0; r < R; r++) {                                                      \
-                        rows_in[r] = x + r * H;                                                            \
-                        rows_out[r] = ys + r * 32;                                                         \
-                    }                                                                                      \
-                    linear_panels_##SUFFIX(R, H, dims[14], (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, \
-                                           bufs[B_HEAD_LOGITS], sizeof(T) == 2, 0, ys, (float *const *)rows_out, \
-                                           (const float *)bufs[B_ONES]);                                   \
-                }                                                                                          \
-            } else if (bufs[B_HEAD_NORM]) { /* each request's last row: final norm, output head, argmax */  \
-                const int64_t H = dims[1], B = dims[9], S = dims[10], V = dims[13], VP = dims[14];         \
-                const T *x = (const T *)bufs[B_X];                                                         \
-                T *last = (T *)bufs[B_LAST], *logits = (T *)bufs[B_HEAD_LOGITS];                           \
-                int64_t *picks = (int64_t *)bufs[B_PICKS];                                                 \
+            if (bufs[B_HEAD_NORM]) { /* the final norm (paged: every row, in place; frame: each request's last \
+                                      * row, into LAST), then the head (frame: always, and the argmax; paged:  \
+                                      * where given, on the panels: a separate head call's bits) */            \
+                const int paged = dims[8] == 1;                                                                \
+                const int64_t H = dims[1], N = paged ? dims[0] : dims[9], S = dims[10], V = dims[13], VP = dims[14]; \
+                T *x = (T *)bufs[B_X], *normed = paged ? x : (T *)bufs[B_LAST], *logits = (T *)bufs[B_HEAD_LOGITS]; \
                 void **rows_in = (void **)bufs[B_PTRS] + (int64_t)tid * 2 * dims[6], **rows_out = rows_in + dims[6]; \
-                float *ys = (float *)bufs[B_Y] + (int64_t)tid * dims[6] * 32;                              \
-                _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++)                         \
-                    row_norm_##TS(H, x + (b * S + S - 1) * H, (const float *)bufs[B_HEAD_NORM], eps, 0, last + b * H); \
-                for (int64_t b = 0; b < B; b++) {                                                          \
-                    rows_in[b] = last + b * H;                                                             \
-                    rows_out[b] = ys + b * 32;                                                             \
-                }                                                                                          \
-                if (sizeof(WT) == 2 && bufs[B_AMX] && H % 32 == 0) { /* pair panels are AMX's B tiles */     \
-                    const int64_t words[4] = {bufs[B_HEAD], VP, H, H};                                     \
-                    ((amx_linear_fn)bufs[B_AMX])(words, B, (const void *const *)rows_in, sizeof(T) == 2, logits, VP, \
-                                                 sizeof(T) == 2, 0,                                        \
+                float *ys = (float *)bufs[B_Y] + (int64_t)tid * dims[6] * 32;                                  \
+                _Pragma("omp for schedule(static)") for (int64_t n = 0; n < N; n++)                            \
+                    row_norm_##TS(H, x + (paged ? n : n * S + S - 1) * H, (const float *)bufs[B_HEAD_NORM], eps, 0, \
+                                  normed + n * H);                                                             \
+                for (int64_t n = 0; bufs[B_HEAD] && n < N; n++) {                                              \
+                    rows_in[n] = normed + n * H;                                                               \
+                    rows_out[n] = ys + n * 32;                                                                 \
+                }                                                                                              \
+                if (!paged && sizeof(WT) == 2 && bufs[B_AMX] && H % 32 == 0) { /* pair panels are AMX's B tiles */ \
+                    const int64_t words[4] = {bufs[B_HEAD], VP, H, H};                                         \
+                    ((amx_linear_fn)bufs[B_AMX])(words, N, (const void *const *)rows_in, sizeof(T) == 2, logits, VP, \
+                                                 sizeof(T) == 2, 0,                                            \
                                                  (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE], 1); \
-                } else {                                                                                   \
-                    linear_panels_##SUFFIX(B, H, VP, (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, logits, \
-                                           sizeof(T) == 2, 0, ys, (float *const *)rows_out,                \
-                                           (const float *)bufs[B_ONES]);                                   \
-                }                                                                                          \
-                _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; b++) {                       \
-                    int64_t best = 0;                                                                      \
-                    for (int64_t v = 1; v < V; v++)                                                        \
-                        if (get_##TS(logits + b * VP + v) > get_##TS(logits + b * VP + best)) best = v;     \
-                    picks[b] = best;                                                                       \
-                }                                                                                          \
-            }                                                                                              \
+                } else if (bufs[B_HEAD]) {                                                                     \
+                    linear_panels_##SUFFIX(N, H, VP, (const T *const *)rows_in, (const WT *)bufs[B_HEAD], 0, logits, \
+                                           sizeof(T) == 2, 0, ys, (float *const *)rows_out,                    \
+                                           (const float *)bufs[B_ONES]);                                       \
+                }                                                                                              \
+                if (!paged) {                                                                                  \
+                    int64_t *picks = (int64_t *)bufs[B_PICKS];                                                 \
+                    _Pragma("omp for schedule(static)") for (int64_t b = 0; b < N; b++) {                      \
+                        int64_t best = 0;                                                                      \
+                        for (int64_t v = 1; v < V; v++)                                                        \
+                            if (get_##TS(logits + b * VP + v) > get_##TS(logits + b * VP + best)) best = v;    \
+                        picks[b] = best;                                                                       \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
         }                                                                                                  \
     }
 
