@@ -58,6 +58,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -405,13 +406,14 @@ def _linear_workspace(tokens: int, threads: int) -> list[int]:
                 _scratch("ones", tokens, torch.float32, fill=1.0).data_ptr()]
     return _kept("linear", (tokens, threads), lambda: [
         torch.empty(threads * tokens * DOWN_PANEL), torch.empty(threads * 2 * tokens, dtype=torch.int64),
-        torch.ones(tokens)])
+        torch.ones(tokens)])[1]
 
 
-def _kept(kind: str, key: tuple, make: Callable[[], list[torch.Tensor]]) -> list[int]:
-    """Addresses of buffers ``make()`` built for this thread and ``key``, built once and kept: calls of one
-    shape (a step's hundreds of small calls, a frame's 15 passes) then cost no allocation and no address
-    lookups. At most 64 shapes per kind are kept (row counts up to a stage's batch limit, a few tables)."""
+def _kept(kind: str, key: tuple, make: Callable[[], list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+    """Buffers ``make()`` built for this thread and ``key`` and their addresses, built once and kept: calls of one
+    shape (a step's hundreds of small calls) then cost no allocation and no address lookups. At most 64 shapes
+    per kind are kept (row counts up to a stage's batch limit, a few tables); a caller that keeps addresses
+    beyond its call keeps the buffers too."""
     kept = _local.__dict__.setdefault(f"kept-{kind}", {})
     found = kept.get(key)
     if found is None:
@@ -419,7 +421,7 @@ def _kept(kind: str, key: tuple, make: Callable[[], list[torch.Tensor]]) -> list
             kept.clear()
         buffers = make()
         found = kept[key] = (buffers, [t.data_ptr() for t in buffers])
-    return found[1]
+    return found
 
 
 def _linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
@@ -722,9 +724,9 @@ def _quant_sizes(layers: list[LayerWeights]) -> dict[str, int]:
 
 
 def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_width: int, threads: int,
-                     rows_max: int) -> list[int]:
-    """Addresses of this thread's scratch for a decoder-kernel call on x's rows (bufs B_GEO..B_ONES), kept per
-    shape (building them on every call cost ~0.1 ms of the ~1.4 ms a code-predictor pass takes)."""
+                     rows_max: int) -> tuple[list[torch.Tensor], list[int]]:
+    """This thread's scratch for a decoder-kernel call on x's rows (bufs B_GEO..B_ONES) and its addresses, kept
+    per shape (building them on every call cost ~0.1 ms of the ~1.4 ms a code-predictor pass takes)."""
     rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
     selections = rows * table.top_k
 
@@ -742,10 +744,10 @@ def _layer_workspace(x: torch.Tensor, table: LayerTable, qkv_width: int, attn_wi
                             table.intermediate, table.experts, table.top_k, table.expert_intermediate), make)
 
 
-def _quant_workspace(rows: int, table: LayerTable) -> list[int]:
+def _quant_workspace(rows: int, table: LayerTable) -> tuple[list[torch.Tensor], list[int]]:
     """bufs B_QLINEAR..B_QWHERE: quant_kernels' phases and their scratch for rows (zeros: nothing quantized)."""
     if not table.quant_inputs:
-        return [0] * 7
+        return [], [0] * 7
     inputs, inter, selections = table.quant_inputs, table.quant_intermediate, rows * max(table.top_k, 1)
 
     def make() -> list[torch.Tensor]:
@@ -754,42 +756,135 @@ def _quant_workspace(rows: int, table: LayerTable) -> list[int]:
                 torch.empty(selections * (inter + 2 * (inter // 32))), torch.empty(table.experts + 1, dtype=torch.int64),
                 torch.empty(selections, dtype=torch.int64)]
 
-    return [*quant_kernels.phase_addresses(),
-            *_kept("quant-layers", (rows, inputs, table.quant_outputs, inter, table.top_k, table.experts), make)]
+    buffers, addresses = _kept("quant-layers", (rows, inputs, table.quant_outputs, inter, table.top_k, table.experts),
+                               make)
+    return buffers, [*quant_kernels.phase_addresses(), *addresses]
 
 
-def _amx_workspace(rows: int, table: LayerTable, threads: int) -> list[int]:
+def _amx_workspace(rows: int, table: LayerTable, threads: int) -> tuple[list[torch.Tensor], list[int]]:
     """bufs B_AMX..B_AMX_STRIDE: amx_kernels' phase, its scratch and one thread's share (zeros: no AMX weight)."""
     if not table.amx_channels:
-        return [0] * 3
+        return [], [0] * 3
     stride = amx_kernels.phase_scratch(rows, table.amx_channels)
     planes = _scratch("amx-phase", threads * stride, torch.bfloat16)
-    return [amx_kernels.phase_address(), planes.data_ptr(), stride]
+    return [planes], [amx_kernels.phase_address(), planes.data_ptr(), stride]
 
 
-def _run_layers(
+@dataclass
+class _LayersCall:
+    """A ``decoder_layers_*`` call's arguments, kept with every buffer they point to (``call`` runs it)."""
+
+    function: Any
+    dims: Any  # ctypes int64[15]
+    bufs: Any  # ctypes int64[_BUFFERS]
+    layers: int
+    args: tuple  # the rest: table addresses, eps, scale, threads
+    keep: list[torch.Tensor]
+
+    def call(self) -> None:
+        self.function(self.dims, self.args[0], self.layers, self.bufs, *self.args[1:])
+
+
+_DIM_POSITION = 11  # dims[11]: a frame's first position (geometry[3])
+_B_HEAD, _B_PICKS = 25, 27  # bufs' entries B_HEAD (the head's panels) and B_PICKS (enum B_*)
+
+
+def _layers_call(
     x: torch.Tensor, table: LayerTable, heads: int, kv_heads: int, head_dim: int, rope: tuple[torch.Tensor, ...],
     max_kv: int, geometry: list[int], inputs: list[int], head: list[int], eps: float,
     weights: torch.dtype | None = None,
-) -> None:
-    """The ``decoder_layers_*`` call; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS, ``head``: the rest;
-    ``weights``: the panels' dtype (the table's, else the head's; default x's)."""
+) -> _LayersCall:
+    """The ``decoder_layers_*`` call's arguments; ``geometry``: dims[8:], ``inputs``: bufs B_PUT..B_SLOTS,
+    ``head``: the rest; ``weights``: the panels' dtype (the table's, else the head's; default x's)."""
     if not (x.is_contiguous() and x.device.type == "cpu" and heads % kv_heads == 0):
         raise ValueError("the decoder kernel needs contiguous CPU rows and query heads a multiple of kv heads")
     threads, rows = torch.get_num_threads(), x.numel() // x.shape[-1]
     qkv_width = _round_up((heads + 2 * kv_heads) * head_dim, DOWN_PANEL)
     rows_max = max(rows, rows * table.top_k)
-    scratch = _layer_workspace(x, table, qkv_width, heads * head_dim, threads, rows_max)
+    workspace, scratch = _layer_workspace(x, table, qkv_width, heads * head_dim, threads, rows_max)
     scores = _scratch("layers-scores", threads * max_kv, torch.float32)
     cos, sin = (t.float().contiguous() for t in rope)
+    quant, quant_addresses = _quant_workspace(rows, table)
+    amx, amx_addresses = _amx_workspace(rows, table, threads)
     dims = (ctypes.c_int64 * 15)(rows, x.shape[-1], heads, kv_heads, head_dim, qkv_width, rows_max, max_kv,
                                  *geometry)
     bufs = (ctypes.c_int64 * _BUFFERS)(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), *inputs, *scratch,
-                                       scores.data_ptr(), *head, *_quant_workspace(rows, table),
-                                       *_amx_workspace(rows, table, threads))
-    _function(f"decoder_layers_{_layers_suffix(x.dtype, x.shape[-1], weights or table.weights)}")(
-        dims, table.addresses.data_ptr(), table.addresses.shape[0], bufs, eps, head_dim**-0.5, threads,
-    )
+                                       scores.data_ptr(), *head, *quant_addresses, *amx_addresses)
+    function = _function(f"decoder_layers_{_layers_suffix(x.dtype, x.shape[-1], weights or table.weights)}")
+    return _LayersCall(function, dims, bufs, table.addresses.shape[0],
+                       (table.addresses.data_ptr(), eps, head_dim**-0.5, threads),
+                       [x, cos, sin, table.addresses, *workspace, scores, *quant, *amx])
+
+
+def _run_layers(*args, **kwargs) -> None:
+    """``_layers_call``'s call, run once."""
+    _layers_call(*args, **kwargs).call()
+
+
+class DecoderPass:
+    """Every layer of a small Qwen3 decoder (RMSNorm, q/k/v, q/k norms, rotary, causal attention over a
+    per-request cache of the frame's positions, o, RMSNorm, MLP, residuals) for a pass, in one call, in place
+    on the rows x [B, S, H] (request b's rows at positions first_position .. first_position + S - 1; their keys
+    and values are written to the caches). The code predictor makes 15 passes per frame; as separate ops, each
+    layer of a pass is ~15 calls on 16 rows, each with its own dispatch and thread fork/join.
+
+    Built once for a frame's passes over one row buffer (the call's arguments: ~60 us a pass when built per pass,
+    ~7% of a 16-row float32 code-predictor frame); ``run`` sets the pass's position (and head) and runs it, the
+    caller writing the pass's rows into ``x`` first.
+
+    ``table``: ``decoder_table``'s over caches [B, Q, kv_heads, head size]; ``shape``: (query heads, key/value
+    heads, head size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any
+    float dtype); ``eps``: the norms' epsilon. With ``head`` = (final norm weight float32 [H], the heads' panels
+    dtype, vocabulary size), each request's last row also takes the final norm and a head (``run``'s panels, from
+    ``pack_linear``) in the same call, and ``run`` returns its logits [B, vocabulary] in x's dtype (valid until
+    the next run) and writes the argmax picks (int64, the first of equal maxima, as ``torch.argmax``). Where the
+    layers have AMX weights, bfloat16 pair panels of a hidden size that is a multiple of 32 are read as AMX
+    weights (the same layout) at every batch size: the released code predictor's frame at 16 rows in bfloat16
+    0.86x the time, float32 0.99x."""
+
+    def __init__(self, x: torch.Tensor, table: LayerTable, shape: tuple[int, int, int, int],
+                 rope: tuple[torch.Tensor, torch.Tensor], eps: float,
+                 head: tuple[torch.Tensor, torch.dtype, int] | None = None) -> None:
+        _require()
+        batch, self.rows_per_request, hidden = x.shape
+        heads, kv_heads, head_dim, self.positions = shape
+        vocab, head_ptrs, self.logits = 0, [0] * 5, None
+        self.head_dtype = None if head is None else head[1]
+        if head is not None:
+            norm, panels_dtype, vocab = head
+            if (norm.dtype != torch.float32 or not rows_take(x.dtype, panels_dtype)
+                    or table.weights not in (None, panels_dtype)):
+                raise ValueError("the head needs a float32 norm weight and panels of the layers' dtype (x's, or "
+                                 "bfloat16 pairs for float32 rows)")
+            padded = _round_up(vocab, DOWN_PANEL)
+            logits = x.new_empty(batch, padded)
+            last = _scratch(f"pass-last-{x.dtype}", batch * hidden, x.dtype)
+            head_ptrs = [norm.data_ptr(), 0, logits.data_ptr(), 0, last.data_ptr()]
+            self.logits, self._head = logits[:, :vocab], [norm, logits, last]
+        geometry = [0, batch, self.rows_per_request, 0, self.positions, vocab, _round_up(vocab, DOWN_PANEL)]
+        self.x, self.hidden = x, hidden
+        self._call = _layers_call(x, table, heads, kv_heads, head_dim, rope, self.positions, geometry, [0] * 4,
+                                  head_ptrs, eps, self.head_dtype)
+
+    def run(self, first_position: int, panels: torch.Tensor | None = None,
+            picks: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The pass over ``x``'s rows at ``first_position``; with a head, its ``pack_linear`` panels and the
+        picks' destination (int64 [B], contiguous). Returns the head's logits (None without a head)."""
+        if first_position + self.rows_per_request > self.positions:
+            raise ValueError("decoder_pass rows must lie within the cache's positions")
+        self._call.dims[_DIM_POSITION] = first_position
+        if self.logits is not None:
+            if (panels is None or panels.dim() != 3 or panels.dtype != self.head_dtype
+                    or panels.shape[1] != self.hidden or panels.shape[0] * DOWN_PANEL != self._head[1].shape[1]):
+                raise ValueError("the head's panels are pack_linear's of the pass's dtype over the hidden size, "
+                                 "for the vocabulary it was built for")
+            if picks is None or picks.dtype != torch.int64 or picks.shape != (self.x.shape[0],) \
+                    or not picks.is_contiguous():
+                raise ValueError("the picks go to a contiguous int64 tensor of one entry per request")
+            self._call.bufs[_B_HEAD] = panels.data_ptr()
+            self._call.bufs[_B_PICKS] = picks.data_ptr()
+        self._call.call()
+        return self.logits
 
 
 def decoder_pass(
@@ -797,41 +892,16 @@ def decoder_pass(
     rope: tuple[torch.Tensor, torch.Tensor], eps: float,
     head: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Every layer of a small Qwen3 decoder (RMSNorm, q/k/v, q/k norms, rotary, causal attention over a
-    per-request cache of the frame's positions, o, RMSNorm, MLP, residuals) for one pass, in one call, in place
-    on x [B, S, H] (request b's rows at positions first_position .. first_position + S - 1; their keys and
-    values are written to the caches). The code predictor makes 15 passes per frame; as separate ops, each
-    layer of a pass is ~15 calls on 16 rows, each with its own dispatch and thread fork/join.
-
-    ``table``: ``decoder_table``'s over caches [B, Q, kv_heads, head size]; ``shape``: (query heads, key/value
-    heads, head size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any
-    float dtype); ``eps``: the norms' epsilon. Returns x; with ``head`` = (final norm weight float32 [H],
-    ``pack_linear`` panels of the output head, vocabulary size), each request's last row also takes the final
-    norm and the head in the same call, and it returns (logits [B, vocabulary] in x's dtype, argmax picks [B]
-    int64: the first of equal maxima, as ``torch.argmax``). Where the layers have AMX weights, bfloat16 pair panels
-    of a hidden size that is a multiple of 32 are read as AMX weights (the same layout) at every batch size: the
-    released code predictor's frame at 16 rows in bfloat16 0.86x the time, float32 0.99x."""
-    _require()
-    batch, rows_per_request, hidden = x.shape
-    heads, kv_heads, head_dim, positions = shape
-    if first_position + rows_per_request > positions:
-        raise ValueError("decoder_pass rows must lie within the cache's positions")
-    vocab, head_ptrs, out = 0, [0] * 5, None
-    if head is not None:
-        norm, panels, vocab = head
-        if (norm.dtype != torch.float32 or not rows_take(x.dtype, panels.dtype) or panels.shape[1] != hidden
-                or table.weights not in (None, panels.dtype)):
-            raise ValueError("the head needs a float32 norm weight and panels of the layers' dtype (x's, or "
-                             "bfloat16 pairs for float32 rows) over the hidden size")
-        logits = x.new_empty(batch, panels.shape[0] * DOWN_PANEL)
-        picks = torch.empty(batch, dtype=torch.int64)
-        last = _scratch(f"pass-last-{x.dtype}", batch * hidden, x.dtype)
-        head_ptrs = [norm.data_ptr(), panels.data_ptr(), logits.data_ptr(), picks.data_ptr(), last.data_ptr()]
-        out = (logits[:, :vocab], picks)
-    geometry = [0, batch, rows_per_request, first_position, positions, vocab, _round_up(vocab, DOWN_PANEL)]
-    _run_layers(x, table, heads, kv_heads, head_dim, rope, positions, geometry, [0] * 4, head_ptrs, eps,
-                None if head is None else head[1].dtype)
-    return x if out is None else out
+    """One ``DecoderPass`` run on x (see there): returns x, or with ``head`` = (final norm weight float32 [H],
+    ``pack_linear`` panels of the output head, vocabulary size) (logits [B, vocabulary] in x's dtype, argmax picks
+    [B] int64)."""
+    if head is None:
+        DecoderPass(x, table, shape, rope, eps).run(first_position)
+        return x
+    norm, panels, vocab = head
+    picks = torch.empty(x.shape[0], dtype=torch.int64)
+    logits = DecoderPass(x, table, shape, rope, eps, (norm, panels.dtype, vocab)).run(first_position, panels, picks)
+    return logits, picks
 
 
 def decoder_step(

@@ -312,7 +312,7 @@ class CodePredictor(nn.Module):
     def _kernel_frame(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_frame``'s passes with every pass's decoder layers in one ``cpu_kernels.decoder_pass`` call (the
+        """``_frame``'s passes with every pass's decoder layers in one ``cpu_kernels.DecoderPass`` call (the
         ``fast`` option on CPU): the same rows, positions, heads, picks and embedding sum."""
         d = self.cfg.decoder
         batch, groups = talker_hidden.shape[0], self.num_code_groups
@@ -321,21 +321,25 @@ class CodePredictor(nn.Module):
         shape = (d.num_heads, d.num_kv_heads, d.head_dim, groups)
         # The values the model uses (rounded to its dtype), in float32 once per frame.
         rope = tuple(t.to(talker_hidden.dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
-        norm = self.model.norm.weight.detach().float()
+        # Each pass ends with the final norm, its group's head and the argmax, in the same call.
+        head = (self.model.norm.weight.detach().float(), self.packed_heads.dtype, self.cfg.vocab_size)
         any_sampled = bool(sampled.any())  # a greedy batch skips the draws
+        codes = torch.empty(groups - 1, batch, dtype=torch.int64)
 
-        def run(x: torch.Tensor, position: int, group: int) -> torch.Tensor:
-            # The pass ends with the final norm, this group's head and the argmax, in the same call.
-            head = (norm, self.packed_heads[group - 1], self.cfg.vocab_size)
-            logits, best = cpu_kernels.decoder_pass(x, table, position, shape, rope, d.rms_norm_eps, head)
-            return _draw_residual_codes(logits.float(), sampled, noise[:, group - 1], best) if any_sampled else best
+        def pick(step: cpu_kernels.DecoderPass, position: int, group: int) -> torch.Tensor:
+            logits = step.run(position, self.packed_heads[group - 1], codes[group - 1])
+            if any_sampled:
+                codes[group - 1] = _draw_residual_codes(logits.float(), sampled, noise[:, group - 1], codes[group - 1])
+            return self.embed_group(codes[group - 1], group)
 
-        codes = [run(torch.stack((talker_hidden, code0_embed), dim=1), 0, 1)]
-        embeds = [code0_embed, self.embed_group(codes[0], 1)]
+        first = torch.stack((talker_hidden, code0_embed), dim=1)
+        embeds = [code0_embed, pick(cpu_kernels.DecoderPass(first, table, shape, rope, d.rms_norm_eps, head), 0, 1)]
+        rows = talker_hidden.new_empty(batch, 1, talker_hidden.shape[-1])  # each pass overwrites its rows
+        later = cpu_kernels.DecoderPass(rows, table, shape, rope, d.rms_norm_eps, head)
         for group in range(2, groups):
-            codes.append(run(embeds[-1][:, None].clone(), group, group))  # the pass overwrites its rows
-            embeds.append(self.embed_group(codes[-1], group))
-        return torch.stack(codes, dim=1), embedding_sum(torch.stack(embeds, dim=1))
+            rows[:, 0] = embeds[-1]
+            embeds.append(pick(later, group, group))
+        return codes.t(), embedding_sum(torch.stack(embeds, dim=1))
 
     def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
         d = self.cfg.decoder
