@@ -21,6 +21,7 @@ from omnistage.models.qwen3_omni.code2wav import (
     SnakeBeta,
     _snake_after,
     _snake_after_eager,
+    _snake_eager,
 )
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 
@@ -92,6 +93,31 @@ def test_fused_residual_tail_equals_the_separate_passes(channels, length, monkey
     assert unit.forward_channels_last(kept) is kept  # x is overwritten with the result, as by the separate passes
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels, outputs, taps, dilation, length, held", [
+    (32, 1, 7, 1, 300, 6),  # the decoder's last convolution, rows past a job's tile
+    (16, 3, 3, 2, 5, 4),  # several outputs, dilated, fewer rows than a tile
+    (48, 2, 7, 3, 700, 0),  # no left context: the first (taps - 1) * dilation rows give no output
+])
+def test_snake_conv_equals_snake_then_conv(dtype, channels, outputs, taps, dilation, length, held):
+    """``cpu_kernels.snake_conv``: [left; SnakeBeta(x)] convolved in one pass equals SnakeBeta, the concatenation
+    and torch's convolution; bfloat16 rows within the activation's rounding to bfloat16 and the output's."""
+    gen = torch.Generator().manual_seed(7)
+    x = (2 * torch.randn(2, length, channels, generator=gen)).to(dtype)
+    left = torch.randn(2, held, channels, generator=gen).to(dtype) if held else None
+    alpha, scale = torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5
+    weight = torch.randn(outputs, channels, taps, generator=gen) / (channels * taps) ** 0.5
+    bias = torch.randn(outputs, generator=gen)
+    got = cpu_kernels.snake_conv(x, left, alpha, scale, weight, bias, dilation)
+    activated = _snake_eager(x.float(), alpha, scale).to(dtype).float()
+    signal = activated if left is None else torch.cat((left.float(), activated), 1)
+    want = torch.nn.functional.conv1d(signal.transpose(1, 2), weight, bias, dilation=dilation).transpose(1, 2)
+    assert got.dtype == dtype and got.shape == want.shape == (2, held + length - (taps - 1) * dilation, outputs)
+    tol = F32_TOL if dtype == torch.float32 else 2**-7
+    assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
 def test_derived_weights_follow_the_weight():
     """The channels-last layouts are derived from the weight once and rebuilt when it changes; weights made
     under inference mode (no version counter) work too."""
@@ -126,11 +152,23 @@ def _decode(model: Code2Wav, codes: torch.Tensor, reference: bool) -> torch.Tens
         model.reference_kernels = False
 
 
-def test_fast_decoder_equals_reference_kernels_float32():
-    model = _model(64)
+def _counting_snake_conv(monkeypatch) -> list[int]:
+    """Counts ``cpu_kernels.snake_conv``'s calls (the decoder's last convolution where its channels allow)."""
+    calls = []
+    real = cpu_kernels.snake_conv
+    monkeypatch.setattr(cpu_kernels, "snake_conv", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+# decoder_dim 256: 16 channels at the last convolution, which SnakeBeta and the convolution then take in one pass
+@pytest.mark.parametrize("decoder_dim", [64, 256])
+def test_fast_decoder_equals_reference_kernels_float32(decoder_dim, monkeypatch):
+    model = _model(decoder_dim)
     codes = random_codes(8, 30, seed=5, batch=2)
     reference = _decode(model, codes, reference=True)
+    calls = _counting_snake_conv(monkeypatch)
     fast = _decode(model, codes, reference=False)
+    assert len(calls) == (decoder_dim == 256 and cpu_kernels.available())
     diff = (fast - reference).abs().max().item()
     print(f"float32 fast vs reference kernels: {diff:.2e} (signal std {reference.std():.2f})")
     assert reference.std() > 0.02 and diff <= F32_TOL
@@ -141,9 +179,10 @@ def test_fast_decoder_equals_reference_kernels_float32():
     assert worst <= 1e-4
 
 
-def test_fast_decoder_bfloat16_is_as_close_to_float32_as_the_reference():
+@pytest.mark.parametrize("decoder_dim", [64, 256])
+def test_fast_decoder_bfloat16_is_as_close_to_float32_as_the_reference(decoder_dim):
     """bfloat16 rounds differently on the two paths; each is compared to the float32 result it approximates."""
-    model = _model(64)
+    model = _model(decoder_dim)
     codes = random_codes(8, 30, seed=6, batch=2)
     exact = _decode(model, codes, reference=True)
     half = Code2Wav(model.config).eval()

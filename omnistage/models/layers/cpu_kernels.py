@@ -1,6 +1,7 @@
 """omnistage's own CPU kernels (``csrc/cpu_kernels.c``): linear layers and routed experts (one call per MoE
 layer) on weights in panel layout, paged decode attention read in place from the cache (both for the ``fast``
-option), and a vocoder residual unit's tail (SnakeBeta, kernel-1 convolution, residual) in one pass.
+option), a vocoder residual unit's tail (SnakeBeta, kernel-1 convolution, residual) in one pass, and the
+vocoder's last SnakeBeta and few-output convolution in one pass.
 
 A decode batch gives each expert a few rows. GEMM libraries then stream an expert's weights at a fraction of
 the machine's read bandwidth and cost a call per expert (oneDNN: 2 per expert per layer). The expert kernel
@@ -104,6 +105,10 @@ def _build() -> ctypes.CDLL:
             linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
+    for suffix in _SUFFIX.values():
+        snake_conv = getattr(library, f"snake_conv_{suffix}")
+        snake_conv.restype = None
+        snake_conv.argtypes = [i64] * 7 + [pointer] * 8 + [i32]
     for suffix in ("f32", _DOT, _WIDE, _PAIRS):
         if hasattr(library, f"decoder_layers_{suffix}"):
             layers = getattr(library, f"decoder_layers_{suffix}")
@@ -566,6 +571,49 @@ def snake_pointwise(
         args[2].data_ptr(), x.data_ptr(), buf.data_ptr(), threads,
     )
     return x
+
+
+_LANES_MAX = 16  # the C kernels' vector width is at most this (16 lanes with AVX-512, 8 otherwise)
+
+
+def supports_snake_conv(x: torch.Tensor, out_channels: int) -> bool:
+    """Whether ``snake_conv`` serves these [B, T, C] signals (CPU, float32 or bfloat16, C a multiple of 16) for a
+    convolution to ``out_channels`` (few: its sums are per output row)."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and x.shape[-1] % _LANES_MAX == 0 and out_channels <= 8
+            and available())
+
+
+def snake_conv(x: torch.Tensor, left: torch.Tensor | None, alpha: torch.Tensor, scale: torch.Tensor,
+               weight: torch.Tensor, bias: torch.Tensor | None, dilation: int) -> torch.Tensor:
+    """A few-output convolution (stride 1) of SnakeBeta'd rows in one pass: the signal [B, H + T, C] that is
+    ``left`` [B, H, C] as it is (None: H = 0) followed by ``x + (sin(x alpha) scale)^2`` [B, T, C] (rounded to
+    x's dtype), convolved with ``weight`` [O, C, K] at ``dilation``, plus ``bias`` -> [B, H + T - (K - 1) *
+    dilation, O] in x's dtype (sums in float32)."""
+    _require()
+    batch, length, channels = x.shape
+    outputs, _, taps = weight.shape
+    held = 0 if left is None else left.shape[1]
+    out_length = held + length - (taps - 1) * dilation
+    if (weight.shape[1] != channels or out_length < 1 or (left is not None and left.shape != (batch, held, channels))
+            or (left is not None and left.dtype != x.dtype)):
+        raise ValueError(f"snake_conv: {held} + {length} rows of {channels} channels, left {tuple(left.shape) if left is not None else None}, "
+                         f"weight {tuple(weight.shape)} at dilation {dilation}")
+    x = x.contiguous()
+    left = None if left is None else left.contiguous()
+    w = weight.detach().float().permute(0, 2, 1).contiguous()  # [O, K, C]
+    alpha, scale = alpha.detach().float().contiguous(), scale.detach().float().contiguous()
+    bias = torch.zeros(outputs) if bias is None else bias.detach().float().contiguous()
+    threads = torch.get_num_threads()
+    buf = _scratch("snake-conv", threads * (_SNAKE_TILE + (taps - 1) * dilation) * channels, torch.float32)
+    out = x.new_empty(batch, out_length, outputs)
+    _function(f"snake_conv_{_SUFFIX[x.dtype]}")(
+        batch, held, length, channels, taps, dilation, outputs, x.data_ptr(), 0 if left is None else left.data_ptr(),
+        alpha.data_ptr(), scale.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), buf.data_ptr(), threads)
+    return out
+
+
+_SNAKE_TILE = 256 + 4  # snake_conv's output rows per job and the rows its sums read past them (SNAKE_TILE and
+# SNAKE_ROWS in cpu_kernels.c)
 
 
 # -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------
