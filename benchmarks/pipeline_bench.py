@@ -60,7 +60,7 @@ from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
 from omnistage.runner.memory_use import weight_bytes_by_component
-from omnistage.runtime_env import release_free_heap, resident_bytes
+from omnistage.runtime_env import freeze_loaded_objects, release_free_heap, resident_bytes
 from omnistage.testing.reference import captured_codes
 
 CODE_PREDICTOR, SAMPLER, OVERHEAD = "code predictor", "sampler", "engine overhead"
@@ -605,6 +605,7 @@ def main() -> None:
         # Warm-up at every concurrency: whatever is built lazily per batch size is built here, not timed.
         for n in sorted(set(args.concurrency)):
             run_omnistage(engine, prompts(n), 4, 8)
+        freeze_loaded_objects()  # as `omnistage serve` and stage workers do after their load (thawed at shutdown)
         return engine
 
     if family == "qwen2_5_omni":
@@ -663,6 +664,7 @@ def main() -> None:
     timers = None
     for i, config in enumerate(args.configs):
         if i:
+            gc.unfreeze()  # the frozen engine can be collected again
             engine.shutdown()  # one engine's weights and KV pools (and workers) at a time
             del engine
             timers = None  # (they wrap the old engine's modules: they would keep its weights alive)

@@ -83,3 +83,29 @@ def test_release_free_heap_trims_without_configure_allocator(monkeypatch):
     assert runtime_env.release_free_heap() and libc.calls == ["malloc_trim"]
     monkeypatch.setattr(runtime_env, "_glibc", lambda: None)  # off glibc: nothing to call
     assert not runtime_env.release_free_heap()
+
+
+def test_freeze_loaded_objects_moves_live_objects_out_of_the_collector():
+    """What is alive when a serving process finishes its load is frozen (full collections skip it); garbage
+    made before is collected first, not frozen with it."""
+    import gc
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    garbage = Cycle()
+    alive = Cycle()
+    collected = []
+    import weakref
+
+    ref = weakref.ref(garbage, lambda r: collected.append(r))
+    del garbage
+    try:
+        frozen = runtime_env.freeze_loaded_objects()
+        assert collected and ref() is None  # the cycle was collected before the freeze
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is alive for o in gc.get_objects())  # frozen objects are not in any generation
+    finally:
+        gc.unfreeze()
+    assert any(o is alive for o in gc.get_objects())

@@ -156,6 +156,7 @@ from omnistage.entrypoints.translation import Translator
 from omnistage.entrypoints.voices import VoiceMap
 from omnistage.pipeline.client import EngineClient
 from omnistage.pipeline.omni import AsyncOmni, EngineDeadError
+from omnistage.runtime_env import freeze_loaded_objects
 
 logger = logging.getLogger("omnistage.server")
 
@@ -355,6 +356,7 @@ def serve(model: str | None = None, stage_config: str | None = None, host: str =
                      distributed_executor_backend=distributed_executor_backend, fast=fast,
                      quantization=quantization, quantization_group_size=quantization_group_size,
                      enable_prefix_caching=enable_prefix_caching)
+    freeze_loaded_objects()  # the engine lives as long as the server: collections need not walk it
     if model is None and served_model_name is None:
         served_model_name = DEFAULT_MODEL_NAME  # the built-in model's cache dir name carries a build hash
     try:

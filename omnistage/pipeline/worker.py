@@ -48,6 +48,7 @@ def build_worker_stage(init: wire.Init) -> tuple[Any, tuple[type, ...]]:
     from omnistage.pipeline.engine_args import EngineArgs
     from omnistage.pipeline.faults import FaultInjector
     from omnistage.pipeline.stage_builder import build_stage
+    from omnistage.runtime_env import freeze_loaded_objects
 
     for p in init.sys_path:
         if p not in sys.path:
@@ -62,6 +63,7 @@ def build_worker_stage(init: wire.Init) -> tuple[Any, tuple[type, ...]]:
     args = EngineArgs(init.model, dtype=init.dtype, device=init.device, fast=init.fast,
                       quantization=init.quantization, quantization_group_size=init.quantization_group_size)
     stage = build_stage(family_cls(init.model), stage_cfg, init.runner, args, FaultInjector.from_env())
+    freeze_loaded_objects()  # this process holds the stage for its life: collections need not walk it
     return stage, family_cls.wire_types
 
 
