@@ -557,6 +557,8 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, qu
     amx = amx_kernels.available() and weights != "float32"
     assert experts == {KernelWeight if quant else torch.Tensor}
     assert dense == {KernelWeight if quant else AmxWeight if amx else torch.Tensor}
+    # float32 rows on bfloat16 pair panels: 6 experts for 2 selections a token take AMX tiles too
+    assert [w.experts_on_amx for w in dec.kernel_layers()[1:]] == [amx and weights == "float32-bf16-values"] * 2
     caches = allocate_kv_cache(3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype=dtype)
     tables, contexts = [[5, 2], [7], [0, 6, 3]], [5, 1, 9]
     g = torch.Generator().manual_seed(22)
@@ -600,6 +602,10 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, qu
     assert torch.equal(hidden, got) and (logits is not None or quant is not None)
     if logits is not None:
         assert logits.shape == (3, 70) and torch.equal(logits, cpu_kernels.linear(hidden, panels, None, 70))
+    # A request's row gives the same bits alone (its own blocks, its own experts' rows) as in the batch.
+    first = [c.clone() for c in caches]
+    solo = dec.run_layers(step[:1], positions[:1], first, build_attention_metadata([1], contexts[:1], tables[:1], 4, 8))[0]
+    assert torch.equal(solo, got[:1])
 
 
 @pytest.mark.skipif(not onednn_available(), reason="oneDNN is not available in this torch build")
@@ -701,7 +707,7 @@ def test_float32_weights_of_bfloat16_values_are_kept_as_pairs_with_the_same_bits
 def test_a_float32_decoder_of_bfloat16_values_decodes_on_pairs_with_the_same_bits(monkeypatch):
     """A float32 MoE decoder (shared expert, router) whose weights are bfloat16 values: its decode steps run on
     bfloat16 pairs and give exactly the bits of the same decoder on float32 panels, in half the weight bytes (its
-    dense layers kept off AMX, which would take them in both)."""
+    dense layers and experts kept off AMX, which would take them in both)."""
     from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
     from omnistage.runner.memory_use import weight_bytes_by_component
 
@@ -719,6 +725,7 @@ def test_a_float32_decoder_of_bfloat16_values_decodes_on_pairs_with_the_same_bit
         return dec
 
     on_pairs, on_float32 = decoder(True), decoder(False)
+    monkeypatch.setattr(cpu_kernels, "experts_take_amx", lambda *args: False)  # (their panels, as the float32 ones)
     assert {t.dtype for layer in on_pairs.kernel_layers() for t in layer.panels()} == {torch.bfloat16}
     assert {t.dtype for layer in on_float32.kernel_layers() for t in layer.panels()} == {torch.float32}
     held = (sum(weight_bytes_by_component(d).values()) for d in (on_pairs, on_float32))

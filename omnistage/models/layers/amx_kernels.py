@@ -2,7 +2,8 @@
 implicit GEMMs on Intel AMX tiles (Sapphire Rapids and later), for the compute-bound layers with many rows:
 Code2Wav's convolutions; and a phase the decoder kernels (``cpu_kernels``) call inside their parallel region
 for the code predictor's dense layers in bfloat16 (``phase_address``), whose weights in AMX's layout (pairs of
-inputs) the kernels' panel tiles read for float32 rows.
+inputs) the kernels' panel tiles read for float32 rows, and one for routed experts on their bfloat16 pair panels
+(``experts_address``; ``cpu_kernels.experts_take_amx``).
 
 A TDPBF16PS instruction takes 16 x 16 x 32 bfloat16 products per 16 cycles, eight times the float32 FMA units'
 rate. float32 rows stay float32-accurate: each value is split into three bfloat16 parts whose sum is the value
@@ -69,6 +70,11 @@ def available() -> bool:
 def phase_address() -> int:
     """``amx_phase_linear``'s address, for the decoder kernels (``cpu_kernels``) to call inside their region."""
     return ctypes.cast(_lazy.require().amx_phase_linear, ctypes.c_void_p).value
+
+
+def experts_address() -> int:
+    """``amx_phase_experts``' address (routed experts on their pair panels), as ``phase_address``."""
+    return ctypes.cast(_lazy.require().amx_phase_experts, ctypes.c_void_p).value
 
 
 def phase_scratch(rows: int, channels: int) -> int:

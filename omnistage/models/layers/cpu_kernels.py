@@ -619,9 +619,26 @@ _SNAKE_TILE = 256 + 4  # snake_conv's output rows per job and the rows its sums 
 # -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------
 
 _LAYER_WIDTH = 21  # the C table's entries per layer (enum L_* in cpu_kernels.c)
-_BUFFERS = 39  # the C kernel's buffer addresses (enum B_*)
+_BUFFERS = 40  # the C kernel's buffer addresses (enum B_*)
 _QUANT_BITS = {"qkv": 1, "o": 4, "gate_up": 8, "down": 9, "experts": 12}  # L_QUANT's / L_AMX's bit per entry (L_*)
 MAX_EXPERTS = 512  # the C router's bound
+
+
+EXPERTS_ON_AMX_RATIO = 4  # routed experts on AMX tiles where num_experts <= this x top_k (experts_take_amx)
+
+
+def experts_take_amx(rows: torch.dtype, experts: tuple[Weight, Weight], hidden: int, num_experts: int,
+                     top_k: int) -> bool:
+    """Whether a decoder's routed experts run on AMX tiles in the decoder kernels (``amx_phase_experts``): float32
+    rows on bfloat16 pair panels (a float32 model whose weights are bfloat16 values), widths a multiple of 32, an
+    AMX CPU, and few experts for the selections (num_experts <= EXPERTS_ON_AMX_RATIO x top_k: a 16-token step then
+    gives each expert ~4 rows, where the FMA panels are compute-bound; the released 128-expert layers keep them,
+    their ~1-row experts memory-bound either way). Decided per layer, never per batch: a row's bits do not depend
+    on its batch mates."""
+    up, down = experts
+    return (rows == torch.float32 and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in experts)
+            and hidden % 32 == 0 and up.shape[1] * UP_PANEL % 32 == 0 and num_experts <= EXPERTS_ON_AMX_RATIO * top_k
+            and amx_kernels.available())
 
 
 def supports_decoder_layers(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
@@ -645,7 +662,8 @@ class LayerWeights:
     shared expert scaled by the sigmoid of ``shared_gate`` (a 1-output linear layer). q/k/v, o, the MLP's
     gate/up and down and the experts (both or neither) may instead be quantized weights (``KernelWeight``:
     quant_kernels' phases run them); q/k/v, o, gate/up and down may be AMX weights (``AmxWeight``: amx_kernels'
-    phase runs them); the router and the shared gate are panels."""
+    phase runs them), and the experts' bfloat16 pair panels AMX tiles (``experts_on_amx``); the router and the
+    shared gate are panels."""
 
     input_norm: torch.Tensor
     qkv: Weight
@@ -662,6 +680,7 @@ class LayerWeights:
     top_k: int = 0
     norm_topk: bool = False
     shared_gate: torch.Tensor | None = None
+    experts_on_amx: bool = False  # the experts' bfloat16 pair panels as AMX tiles (float32 rows; experts_take_amx)
 
     def __post_init__(self) -> None:
         tensors = [self.input_norm, self.qkv, self.q_norm, self.k_norm, self.o, self.post_norm]
@@ -686,6 +705,9 @@ class LayerWeights:
             raise ValueError(f"routed experts need their panels and 0 < top_k <= num_experts <= {MAX_EXPERTS}")
         elif (self.shared_gate is None) != (self.gate_up is None):
             raise ValueError("a shared expert needs both its MLP and its gate")
+        if self.experts_on_amx and not (self.experts is not None and all(
+                isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in self.experts)):
+            raise ValueError("experts on AMX tiles are bfloat16 pair panels")
 
     def quantized(self) -> dict[str, KernelWeight]:
         """The layer's quantized weights by entry (``experts``: the gate/up one, its down beside it)."""
@@ -716,7 +738,15 @@ class LayerWeights:
                                      k_cache, v_cache, self.gate_up, self.down)] + [
             self.intermediate, address(self.router), address(up), address(down), self.num_experts, self.top_k,
             expert_inter, int(self.norm_topk), address(self.shared_gate), quant,
-            sum(1 << _QUANT_BITS[name] for name in self.amx())]
+            sum(1 << _QUANT_BITS[name] for name in self.amx()) | int(self.experts_on_amx) << _QUANT_BITS["experts"]]
+
+    def amx_channels(self) -> int:
+        """The most (padded) inputs an AMX tile product of this layer reads (0: none): its AMX weights', and with
+        the experts on AMX tiles the hidden size and their intermediate."""
+        widths = [w.padded_channels for w in self.amx().values()]
+        if self.experts_on_amx:
+            widths += [self.input_norm.shape[0], self.experts[0].shape[1] * UP_PANEL]
+        return max(widths, default=0)
 
 
 @dataclass(frozen=True)
@@ -759,7 +789,7 @@ def decoder_table(layers: list[LayerWeights], caches: list[tuple[torch.Tensor, t
         expert_intermediate=max((w.experts[0].shape[1] * UP_PANEL for w in layers
                                  if w.experts and "experts" not in w.quantized()), default=0),
         **_quant_sizes(layers),
-        amx_channels=max((w.padded_channels for layer in layers for w in layer.amx().values()), default=0),
+        amx_channels=max((layer.amx_channels() for layer in layers), default=0),
         weights=next(iter(dtypes), None),
     )
 
@@ -810,12 +840,12 @@ def _quant_workspace(rows: int, table: LayerTable) -> tuple[list[torch.Tensor], 
 
 
 def _amx_workspace(rows: int, table: LayerTable, threads: int) -> tuple[list[torch.Tensor], list[int]]:
-    """bufs B_AMX..B_AMX_STRIDE: amx_kernels' phase, its scratch and one thread's share (zeros: no AMX weight)."""
+    """bufs B_AMX..B_AMX_EXPERTS: amx_kernels' phases, their scratch and one thread's share (zeros: no AMX)."""
     if not table.amx_channels:
-        return [], [0] * 3
+        return [], [0] * 4
     stride = amx_kernels.phase_scratch(rows, table.amx_channels)
     planes = _scratch("amx-phase", threads * stride, torch.bfloat16)
-    return [planes], [amx_kernels.phase_address(), planes.data_ptr(), stride]
+    return [planes], [amx_kernels.phase_address(), planes.data_ptr(), stride, amx_kernels.experts_address()]
 
 
 @dataclass

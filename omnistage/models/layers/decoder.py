@@ -185,7 +185,9 @@ def kernel_layer(layer: DecoderLayer, dtype: torch.dtype) -> cpu_kernels.LayerWe
         else:
             pair = experts.panels
         parts.update(router=panels(mlp.gate), experts=pair, num_experts=mlp.num_experts, top_k=mlp.top_k,
-                     norm_topk=mlp.norm_topk_prob)
+                     norm_topk=mlp.norm_topk_prob,
+                     experts_on_amx=cpu_kernels.experts_take_amx(dtype, pair, mlp.gate.in_features, mlp.num_experts,
+                                                                 mlp.top_k))
         if dense is not None:
             parts["shared_gate"] = panels(mlp.shared_expert_gate)
         if not isinstance(parts["router"], torch.Tensor) or (

@@ -412,6 +412,14 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_part_rows(
         }
 }
 
+/* Up to PART_GROUP float32 rows (C values, CP padded) as block_part_rows' planes at seg (rows lda apart): part p
+ * of row i at plane row p * count + i, zero rows up to the tiles' end. */
+static inline void split_part_rows(const void *const *rows, int64_t count, int64_t C, int64_t CP, int64_t lda,
+                                   uint16_t *seg) {
+    for (int64_t i = 0; i < count; i++) split_row(rows[i], 0, C, CP, 3, seg + i * lda, count * lda, 32, 0, 0);
+    memset(seg + 3 * count * lda, 0, (size_t)((3 * count + 15) / 16 * 16 - 3 * count) * lda * 2);
+}
+
 /* A linear layer inside the caller's parallel region (cpu_kernels.c's decoder kernels, as quant_kernels.c's
  * phases): every thread of the region calls it. Each thread splits the M rows (pointers, float32 or bfloat16)
  * into its own planes (`scratch`, amx_kernels.phase_scratch: no barrier before the product), then the 32 x 32
@@ -432,10 +440,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
     if (by_part) {
         for (int64_t g = 0; g < groups; g++) {
             const int64_t count = M - g * PART_GROUP < PART_GROUP ? M - g * PART_GROUP : PART_GROUP;
-            uint16_t *seg = scratch + g * PART_SEG * lda;
-            for (int64_t i = 0; i < count; i++)
-                split_row(rows[g * PART_GROUP + i], 0, C, CP, 3, seg + i * lda, count * lda, 32, 0, 0);
-            memset(seg + 3 * count * lda, 0, (size_t)((3 * count + 15) / 16 * 16 - 3 * count) * lda * 2);
+            split_part_rows(rows + g * PART_GROUP, count, C, CP, lda, scratch + g * PART_SEG * lda);
         }
     } else {
         for (int64_t r = 0; r < MP; r++) {
@@ -464,6 +469,83 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_linear(
             store_row(acc + r * 32, 0, (char *)out + ((m + r) * ldo + n0) * esize, out_bf16, add, cols);
     }
     _tile_release();
+}
+
+/* The routed experts of a MoE layer, float32 rows, inside the decoder kernels' parallel region (every thread calls
+ * it; cpu_kernels.c's moe_phases_f32p computes the same layer on its FMA panels): the experts' bfloat16 pair panels
+ * are AMX B tiles as they are (gate/up panel p: 16 gate then 16 up outputs [H/2][32][2]; down panel q: 32 hidden
+ * outputs [I/2][32][2]), and each expert's rows are split once per thread (part by part, block_part_rows: a row's
+ * bits do not depend on its batch mates) for all of the thread's panels. A thread takes a fixed share of each
+ * phase's panels; its down outputs (columns) are its own, so each token's experts add up there in expert order
+ * with no buffer per selection. Where experts see a few rows each (16 tokens, top-4 of 16 experts: ~4), the
+ * FMA panels are compute-bound; 1-row experts are memory-bound on both (cpu_kernels.py chooses per layer).
+ *   dims: T tokens, K selections a token, E experts, H (x's row length, a multiple of 32), HP (out's), I (the
+ *   intermediate, a multiple of 32); x [T, H] float32; order / starts: the selections sorted by expert; weights
+ *   [T K] float32 routing weights; w13 [E, I/16, H/2, 32, 2], w2 [E, HP/32, I/2, 32, 2] bfloat16; out [T, HP]
+ *   float32 (written); h [T K, I] float32 scratch; scratch: this thread's planes (PART_SEG * (max(H, I) + 32)
+ *   bfloat16 values). Ends with a barrier. */
+__m512 _ZGVeN16v_expf(__m512 x); /* glibc's 16-lane expf (libmvec) */
+
+/* SwiGLU of 16 gate and 16 up values: g / (1 + e^-g) u. */
+static inline __m512 silu_mul(__m512 g, __m512 u) {
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+static inline void share(int64_t n, int tid, int threads, int64_t *first, int64_t *last) {
+    const int64_t per = n / threads, extra = n % threads;
+    *first = tid * per + (tid < extra ? tid : extra);
+    *last = *first + per + (tid < extra);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void amx_phase_experts(
+    const int64_t *dims, const float *x, const int64_t *order, const int64_t *starts, const float *weights,
+    const uint16_t *w13, const uint16_t *w2, float *out, float *h, uint16_t *scratch, int tid, int threads) {
+    const int64_t T = dims[0], K = dims[1], E = dims[2], H = dims[3], HP = dims[4], I = dims[5];
+    const int64_t up_panels = I / 16, down_panels = HP / 32;
+    const void *rows[PART_GROUP];
+    float acc[PART_SEG * 32] __attribute__((aligned(64)));
+    int64_t p0, p1;
+    load_tile_config();
+    /* gate/up, then SwiGLU into h (16 intermediates a panel) */
+    share(up_panels, tid, threads, &p0, &p1);
+    const int64_t lda = H + 32;
+    for (int64_t e = 0; p0 < p1 && e < E; e++)
+        for (int64_t g = starts[e]; g < starts[e + 1]; g += PART_GROUP) {
+            const int64_t count = starts[e + 1] - g < PART_GROUP ? starts[e + 1] - g : PART_GROUP;
+            for (int64_t j = 0; j < count; j++) rows[j] = x + order[g + j] / K * H;
+            split_part_rows(rows, count, H, H, lda, scratch);
+            for (int64_t p = p0; p < p1; p++) {
+                block_part_rows(scratch, count, H, lda, w13 + (e * up_panels + p) * H * 32, acc);
+                for (int64_t j = 0; j < count; j++)
+                    _mm512_storeu_ps(h + (g + j) * I + p * 16,
+                                     silu_mul(_mm512_loadu_ps(acc + j * 32), _mm512_loadu_ps(acc + j * 32 + 16)));
+            }
+        }
+#pragma omp barrier
+    /* down, times each selection's routing weight, added up per token in expert order (this thread's columns) */
+    share(down_panels, tid, threads, &p0, &p1);
+    for (int64_t t = 0; t < T; t++) memset(out + t * HP + p0 * 32, 0, (size_t)(p1 - p0) * 32 * sizeof(float));
+    const int64_t ldh = I + 32;
+    for (int64_t e = 0; p0 < p1 && e < E; e++)
+        for (int64_t g = starts[e]; g < starts[e + 1]; g += PART_GROUP) {
+            const int64_t count = starts[e + 1] - g < PART_GROUP ? starts[e + 1] - g : PART_GROUP;
+            for (int64_t j = 0; j < count; j++) rows[j] = h + (g + j) * I;
+            split_part_rows(rows, count, I, I, ldh, scratch);
+            for (int64_t p = p0; p < p1; p++) {
+                block_part_rows(scratch, count, I, ldh, w2 + (e * down_panels + p) * I * 32, acc);
+                for (int64_t j = 0; j < count; j++) {
+                    const int64_t sel = order[g + j];
+                    float *o = out + sel / K * HP + p * 32;
+                    const __m512 wsel = _mm512_set1_ps(weights[sel]);
+                    for (int c = 0; c < 32; c += 16)
+                        _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c),
+                                                              _mm512_mul_ps(_mm512_loadu_ps(acc + j * 32 + c), wsel)));
+                }
+            }
+        }
+    _tile_release();
+#pragma omp barrier
 }
 
 /* A linear layer over few rows (amx_kernels.linear: the decode rows of an output head) in a region of its own:

@@ -762,7 +762,8 @@ enum { /* a layer's row of the table */
     L_GU, L_DOWN, L_INTER, /* dense SwiGLU MLP, or the shared expert (L_GU 0: none): gate rows first */
     L_ROUTER, L_EUP, L_EDOWN, L_EXPERTS, L_TOPK, L_EINTER, L_NORM_TOPK, L_SGATE, /* L_ROUTER 0: dense MLP */
     L_QUANT, /* bit i set: entry i (L_QKV, L_O, L_GU, L_DOWN; L_EUP for both experts) is a quantized weight's words */
-    L_AMX, /* bit i set: entry i (L_QKV, L_O, L_GU, L_DOWN) is an AMX weight's words (amx_kernels.c) */
+    L_AMX, /* bit i set: entry i (L_QKV, L_O, L_GU, L_DOWN) is an AMX weight's words (amx_kernels.c); L_EUP's:
+            * the experts' bfloat16 pair panels run on AMX tiles (float32 rows) */
     L_WIDTH
 };
 enum { /* bufs */
@@ -783,6 +784,7 @@ enum { /* bufs */
                                [E + 1], QWHERE [R k]); 0 where no layer has any */
     B_AMX, B_AMX_SCRATCH, B_AMX_STRIDE, /* AMX weights (L_AMX): amx_kernels.c's amx_phase_linear, its planes'
                                scratch (bfloat16) and each thread's share of it in elements; 0 where none */
+    B_AMX_EXPERTS, /* amx_kernels.c's amx_phase_experts, for routed experts on AMX tiles (L_AMX's L_EUP bit) */
     B_WIDTH
 };
 /* quant_kernels.c's phases (orphaned `omp for`s, run by every thread of the layers' parallel region). */
@@ -790,6 +792,9 @@ typedef void (*quant_linear_fn)(const int64_t *w, int64_t M, const void *const *
                                 int64_t ldo, int out_bf16, int add, float *xp, float *yf);
 typedef void (*amx_linear_fn)(const int64_t *w, int64_t M, const void *const *rows, int x_bf16, void *out,
                               int64_t ldo, int out_bf16, int add, uint16_t *scratch, int part_rows);
+typedef void (*amx_experts_fn)(const int64_t *dims, const float *x, const int64_t *order, const int64_t *starts,
+                               const float *weights, const uint16_t *w13, const uint16_t *w2, float *out, float *h,
+                               uint16_t *scratch, int tid, int threads);
 typedef void (*quant_moe_fn)(const int64_t *w_up, const int64_t *w_down, int64_t T, int64_t K, int64_t E,
                              const int64_t *starts, const int64_t *order, const float *weights, const void *x,
                              int x_bf16, void *out, int out_bf16, float *xp, float *h, float *hp, int64_t *ids,
@@ -965,7 +970,16 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
                                          order, route_w, normed, bf16, moe, bf16, (float *)bufs[B_QX],     \
                                          (float *)bufs[B_QY], (float *)bufs[B_QHP], (int64_t *)bufs[B_QIDS], \
                                          (int64_t *)bufs[B_QWHERE]);                                       \
-        else                                                                                               \
+        else if (a[L_AMX] >> L_EUP & 1) { /* float32 rows, bfloat16 pair panels as AMX tiles */            \
+            const int64_t edims[6] = {R, K, E, H, H, a[L_EINTER]};                                          \
+            int threads = 1;                                                                               \
+            IF_OPENMP(threads = omp_get_num_threads();)                                                     \
+            ((amx_experts_fn)bufs[B_AMX_EXPERTS])(edims, (const float *)normed, order, starts, route_w,   \
+                                                  (const uint16_t *)a[L_EUP], (const uint16_t *)a[L_EDOWN], \
+                                                  (float *)moe, (float *)bufs[B_HEXP],                     \
+                                                  (uint16_t *)bufs[B_AMX_SCRATCH] + tid * bufs[B_AMX_STRIDE], \
+                                                  tid, threads);                                           \
+        } else                                                                                             \
             moe_phases_##SUFFIX(R, K, E, H, H, a[L_EINTER], normed, order, starts, route_w, (const WT *)a[L_EUP], \
                                 (const WT *)a[L_EDOWN], moe, bf16, (T *)bufs[B_HEXP], ys, rows_in, rows_out); \
         if (a[L_GU]) { /* the shared expert's down projection, into gu's rows */                           \
