@@ -248,6 +248,9 @@ class CodePredictor(nn.Module):
         # The decoder layers' weights as ``cpu_kernels.decoder_pass`` reads them, per layer, once the ``fast``
         # option packed them ([] when the kernel cannot serve this predictor; None: not looked at yet).
         self._pass_layers: list[cpu_kernels.LayerWeights] | None = None
+        # Per batch size and dtype: the frame caches of the decoder-pass kernel and their table (kept: every pass
+        # writes its rows' keys and values before any row reads them, so a frame needs no zeroed caches).
+        self._frame_tables: dict[tuple[int, torch.dtype], tuple[list[torch.Tensor], cpu_kernels.LayerTable]] = {}
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True, eager=self._eager_frame,
@@ -316,8 +319,13 @@ class CodePredictor(nn.Module):
         ``fast`` option on CPU): the same rows, positions, heads, picks and embedding sum."""
         d = self.cfg.decoder
         batch, groups = talker_hidden.shape[0], self.num_code_groups
-        caches = [talker_hidden.new_zeros(batch, groups, d.num_kv_heads, d.head_dim) for _ in range(2 * d.num_layers)]
-        table = cpu_kernels.decoder_table(self.pass_layers(), list(zip(caches[::2], caches[1::2])))
+        key = (batch, talker_hidden.dtype)
+        if key not in self._frame_tables:
+            caches = [talker_hidden.new_empty(batch, groups, d.num_kv_heads, d.head_dim)
+                      for _ in range(2 * d.num_layers)]
+            self._frame_tables[key] = caches, cpu_kernels.decoder_table(self.pass_layers(),
+                                                                        list(zip(caches[::2], caches[1::2])))
+        table = self._frame_tables[key][1]
         shape = (d.num_heads, d.num_kv_heads, d.head_dim, groups)
         # The values the model uses (rounded to its dtype), in float32 once per frame.
         rope = tuple(t.to(talker_hidden.dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
