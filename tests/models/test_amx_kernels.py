@@ -14,7 +14,7 @@ from test_code2wav_stream import stream_interleaved
 
 from omnistage.models.layers import amx_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
-from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig, DecoderBlock
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 
 pytestmark = pytest.mark.skipif(not amx_kernels.available(), reason="this CPU has no AMX (or no compiler for it)")
@@ -147,7 +147,8 @@ def test_code2wav_on_amx_equals_the_reference_kernels():
     """Code2Wav's ``fast`` packing puts its decoder convolutions, and the pre-transformer's and upsampling
     blocks' linear layers, on AMX (weights stored as bfloat16 values):
     one-shot and streamed, the waveform equals the reference kernels' within float32 rounding (SnakeBeta and the
-    left context applied inside the kernel, the streams' histories gathered from the inputs)."""
+    left context applied inside the kernel, the decoder blocks' SnakeBeta inside their upsampling convolutions,
+    the streams' histories gathered from the inputs)."""
     config = Code2WavConfig(
         codebook_size=64, num_quantizers=8, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, sliding_window=16, decoder_dim=128,
@@ -168,6 +169,10 @@ def test_code2wav_on_amx_equals_the_reference_kernels():
         # all but the last convolution (one output), and every linear layer before the decoder
         assert model.pack_weights(16) == len(convs) - 1 + len(linears) and len(linears) == 2 * 7 + 2 * 2
         assert all(m.amx_weight is not None and m.weight.numel() == 0 for m in linears)  # one copy held
+        # each decoder block's SnakeBeta is applied by its upsampling convolution's kernel, never on its own
+        snakes = [block.block[0] for block in model.decoder if isinstance(block, DecoderBlock)]
+        for snake in snakes:
+            snake.forward_channels_last = None  # (calling it would fail)
         fast = model(codes)[:, 0]
     diff = (fast - reference).abs().max().item()
     assert reference.std() > 0.02 and diff <= 1e-5, diff

@@ -302,6 +302,7 @@ class CausalConvTranspose1d(nn.Module):
         valid: int | torch.Tensor,
         starting: torch.Tensor | None,
         channels_last: bool = False,
+        snake: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Kernel 2 * stride: new inputs [B, C_in, W] after the previous input ``last`` [B, C_in, 1] ->
         (outputs [B, C_out, W * stride], next ``last``).
@@ -311,7 +312,8 @@ class CausalConvTranspose1d(nn.Module):
         for the next call. Rows listed in ``starting`` (index tensor) begin their stream here: they have no
         previous input, and their first block is the one ``forward`` trims, so their inputs move one place
         left and they emit ``stride`` samples fewer (left-aligned; the rest of the row is padding).
-        ``channels_last``: hidden [B, W, C_in], last [B, 1, C_in] and outputs [B, W * stride, C_out].
+        ``channels_last``: hidden [B, W, C_in], last [B, 1, C_in] and outputs [B, W * stride, C_out]; then
+        ``snake`` activates the inputs as ``forward_channels_last`` does (``last`` and the next one as they came).
         """
         dim = 1 if channels_last else -1
         extended = torch.cat((last, hidden), dim)
@@ -319,25 +321,33 @@ class CausalConvTranspose1d(nn.Module):
         next_last = slide_window(extended, valid, 1, dim=dim).clone()
         if starting is not None:
             extended.narrow(dim, 0, extended.shape[dim] - 1)[starting] = hidden[starting]
-        return (self.forward_channels_last(extended) if channels_last else self.forward(extended)), next_last
+        return (self.forward_channels_last(extended, snake) if channels_last else self.forward(extended)), next_last
 
     # -- channels-last path ---------------------------------------------------------------------------
 
-    def forward_channels_last(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, L, C_in] -> [B, output_length(L), C_out]: ``forward`` in the channels-last layout.
+    def forward_channels_last(self, hidden: torch.Tensor,
+                              snake: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[B, L, C_in] -> [B, output_length(L), C_out]: ``forward`` in the channels-last layout, of
+        ``hidden + (sin(hidden alpha) scale)^2`` where ``snake`` = (alpha, scale) per channel (SnakeBeta: the AMX
+        kernel activates the rows it reads, never storing them).
 
         One GEMM whose output rows are already channels-last output samples. Kernel == stride: input i's
         row times the weight gives samples ``i * stride ...``. Kernel == 2 * stride: kept block j needs
         inputs j and j + 1, so the GEMM reads the pair side by side (K = 2 * C_in) and no overlap-add
         pass is needed."""
-        if self.trim not in (0, self.stride):
-            return self.forward(hidden.transpose(1, 2)).transpose(1, 2)
         batch, length, channels = hidden.shape
         bias = self.conv.bias
-        if self.amx_weight is not None and hidden.device.type == "cpu" and length > self.amx_weight.taps - 1:
+        if (self.amx_weight is not None and hidden.device.type == "cpu" and length > self.amx_weight.taps - 1
+                and self.trim in (0, self.stride)):
             # (two taps: the pairs of consecutive inputs are read in place, not concatenated)
-            out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride))
+            out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride),
+                                   snake=snake)
             return out.view(batch, out.shape[1] * self.stride, self.conv.out_channels)
+        if snake is not None:
+            alpha, scale = snake
+            hidden = hidden + (torch.sin(hidden * alpha) * scale) ** 2
+        if self.trim not in (0, self.stride):
+            return self.forward(hidden.transpose(1, 2)).transpose(1, 2)
         if self.trim:
             length = max(length - 1, 0)
             hidden = torch.cat((hidden[:, :-1], hidden[:, 1:]), dim=2) if length else hidden[:, :0]

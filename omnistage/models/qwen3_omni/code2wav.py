@@ -507,9 +507,12 @@ class DecoderBlock(nn.Module):
         return x
 
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
-        x = self.block[0].forward_channels_last(x)
-        up = self.block[1]
-        x = up.forward_channels_last(x) if stream is None else stream.conv_transpose(up, x, channels_last=True)
+        up, snake = self.block[1], None
+        if up.amx_weight is not None and x.device.type == "cpu":  # the AMX kernel activates the rows it reads
+            snake = self.block[0].kernel_parameters()
+        else:
+            x = self.block[0].forward_channels_last(x)
+        x = up.forward_channels_last(x, snake) if stream is None else stream.conv_transpose(up, x, True, snake)
         for unit in self.block[2:]:
             x = unit.forward_channels_last(x, stream)
         return x

@@ -71,15 +71,18 @@ class StreamStep:
         out, self.updated[conv] = conv.forward_stream(x, self.histories[conv], self.valid)
         return out
 
-    def conv_transpose(self, conv: CausalConvTranspose1d, x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
-        """``channels_last``: x and the result are [B, T, C] signals (the state keeps its [C, history] layout)."""
+    def conv_transpose(self, conv: CausalConvTranspose1d, x: torch.Tensor, channels_last: bool = False,
+                       snake: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``channels_last``: x and the result are [B, T, C] signals (the state keeps its [C, history] layout), and
+        ``snake`` activates the inputs (``CausalConvTranspose1d.forward_channels_last``; the state keeps them as
+        they came)."""
         if conv.history_size == 0:
-            out = conv.forward_channels_last(x) if channels_last else conv(x)
+            out = conv.forward_channels_last(x, snake) if channels_last else conv(x)
         else:
             history = self.histories[conv]
             out, last = conv.forward_stream(
                 x, history.transpose(1, 2) if channels_last else history, self.valid, self.starting,
-                channels_last=channels_last,
+                channels_last=channels_last, snake=snake,
             )
             self.updated[conv] = last.transpose(1, 2) if channels_last else last
         self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
