@@ -271,6 +271,7 @@ class TalkerStageModel:
         self.hidden_size = cfg.hidden_size
         self.codec_eos_id = talker.codec_eos_id
         self.num_code_groups = talker.num_code_groups
+        self._step_frames: tuple[StepContext, OmniOutput, dict[str, torch.Tensor]] | None = None  # (_frames)
 
     # ---- prefix caching (see docs/prefix_caching.md) -------------------------------------------------
     def block_extra_key(self, state: Mapping[str, Any], request: Request, start: int, end: int) -> bytes | None:
@@ -402,7 +403,11 @@ class TalkerStageModel:
         ]
 
     def _frames(self, ctx: StepContext, output: OmniOutput) -> dict[str, torch.Tensor]:
-        """Complete frames of this step per request, [k, Q] host tensors (owned copies)."""
+        """Complete frames of this step per request, [k, Q] host tensors (owned copies), made once a step (the
+        stage's and the client's outputs both read them)."""
+        kept = self._step_frames
+        if kept is not None and kept[0] is ctx and kept[1] is output:
+            return kept[2]
         # One host copy of the step's frames, then per-request slices by the real spans.
         frames = output.multimodal_outputs["codes.audio"][: ctx.num_tokens_unpadded].cpu()
         out = {}
@@ -412,6 +417,7 @@ class TalkerStageModel:
             mine = mine[mine[:, 0] >= 0]  # boolean indexing copies: owned, not a view of the step
             if mine.shape[0]:
                 out[req_id] = mine
+        self._step_frames = (ctx, output, out)
         return out
 
     def stage_outputs(
