@@ -97,8 +97,8 @@ def apply_frequency_presence_penalties(logits: torch.Tensor, rows: Sequence[Samp
     return logits - counts * f - (counts > 0).to(logits.dtype) * p
 
 
-def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Bias, penalties, bans, temperature, top-k and top-p, batched. Returns float32 logits (-inf = excluded)."""
+def adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Bias, penalties and bans, batched: what changes a greedy row's pick. Returns float32 logits."""
     logits = apply_logit_bias(logits.float(), rows)
     logits = apply_repetition_penalty(logits, rows)
     logits = apply_frequency_presence_penalties(logits, rows)
@@ -106,6 +106,12 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     if bans:
         ii = torch.tensor(bans, dtype=torch.long, device=logits.device)
         logits = logits.index_put((ii[:, 0], ii[:, 1]), torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Bias, penalties, bans, temperature, top-k and top-p, batched. Returns float32 logits (-inf = excluded)."""
+    logits = adjust_logits(logits, rows)
     # Greedy rows (including temperatures below GREEDY_TEMPERATURE_EPS) are not scaled: argmax only.
     temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], dtype=logits.dtype,
                          device=logits.device)
@@ -136,10 +142,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         raise ValueError(f"{logits.shape[0]} logit rows but {len(rows)} sampling rows")
     if not rows:
         return torch.empty(0, dtype=torch.long, device=logits.device)
+    if all(r.params.greedy for r in rows):  # (temperature, top-k and top-p keep the argmax)
+        return adjust_logits(logits, rows).argmax(-1)
     processed = process_logits(logits, rows)
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
-    if bool(greedy.all()):
-        return processed.argmax(-1)
     probs = processed.softmax(-1)
     noise = torch.ones_like(probs)
     for i, r in enumerate(rows):
