@@ -894,10 +894,10 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
             row_norm_##TS(D, src, head < NQ ? qnorm : knorm, eps, row, 0);                                 \
             T *dst = head < NQ ? src : kc + (put[r] * NKV + (head - NQ)) * D;                              \
             const float *cs = cos_t + rope[r] * D, *sn = sin_t + rope[r] * D;                              \
-            for (int64_t d = 0; d < D; d++) {                                                              \
-                const float turned = d < half ? -row[d + half] : row[d - half];                            \
-                put_##TS(dst + d, round_##TS(row[d] * cs[d]) + round_##TS(turned * sn[d]));                \
-            }                                                                                              \
+            for (int64_t d = 0; d < half; d++) /* (two loops: each vectorises) */                          \
+                put_##TS(dst + d, round_##TS(row[d] * cs[d]) + round_##TS(-row[d + half] * sn[d]));         \
+            for (int64_t d = half; d < D; d++)                                                             \
+                put_##TS(dst + d, round_##TS(row[d] * cs[d]) + round_##TS(row[d - half] * sn[d]));          \
             if (head >= NQ) { /* its value head too */                                                     \
                 const T *v = qkv + r * NQKV + (NQ + NKV) * D + (head - NQ) * D;                            \
                 memcpy(vc + (put[r] * NKV + (head - NQ)) * D, v, (size_t)D * sizeof(T));                   \
