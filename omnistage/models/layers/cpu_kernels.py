@@ -574,6 +574,8 @@ def snake_pointwise(
 
 
 _LANES_MAX = 16  # the C kernels' vector width is at most this (16 lanes with AVX-512, 8 otherwise)
+_SNAKE_TILE = 256 + 4  # snake_conv's output rows per job and the rows its sums read past them (SNAKE_TILE and
+# SNAKE_ROWS in cpu_kernels.c)
 
 
 def supports_snake_conv(x: torch.Tensor, out_channels: int) -> bool:
@@ -594,10 +596,10 @@ def snake_conv(x: torch.Tensor, left: torch.Tensor | None, alpha: torch.Tensor, 
     outputs, _, taps = weight.shape
     held = 0 if left is None else left.shape[1]
     out_length = held + length - (taps - 1) * dilation
-    if (weight.shape[1] != channels or out_length < 1 or (left is not None and left.shape != (batch, held, channels))
-            or (left is not None and left.dtype != x.dtype)):
-        raise ValueError(f"snake_conv: {held} + {length} rows of {channels} channels, left {tuple(left.shape) if left is not None else None}, "
-                         f"weight {tuple(weight.shape)} at dilation {dilation}")
+    if weight.shape[1] != channels or out_length < 1 or (
+            left is not None and (left.shape != (batch, held, channels) or left.dtype != x.dtype)):
+        raise ValueError(f"snake_conv: {held} + {length} rows of {channels} channels (left context of x's dtype and "
+                         f"channels), weight {tuple(weight.shape)} at dilation {dilation}")
     x = x.contiguous()
     left = None if left is None else left.contiguous()
     w = weight.detach().float().permute(0, 2, 1).contiguous()  # [O, K, C]
@@ -610,10 +612,6 @@ def snake_conv(x: torch.Tensor, left: torch.Tensor | None, alpha: torch.Tensor, 
         batch, held, length, channels, taps, dilation, outputs, x.data_ptr(), 0 if left is None else left.data_ptr(),
         alpha.data_ptr(), scale.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), buf.data_ptr(), threads)
     return out
-
-
-_SNAKE_TILE = 256 + 4  # snake_conv's output rows per job and the rows its sums read past them (SNAKE_TILE and
-# SNAKE_ROWS in cpu_kernels.c)
 
 
 # -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------
@@ -635,7 +633,7 @@ def experts_take_amx(rows: torch.dtype, experts: tuple[Weight, Weight], hidden: 
     gives each expert ~4 rows, where the FMA panels are compute-bound; the released 128-expert layers keep them,
     their ~1-row experts memory-bound either way). Decided per layer, never per batch: a row's bits do not depend
     on its batch mates."""
-    up, down = experts
+    up = experts[0]
     return (rows == torch.float32 and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in experts)
             and hidden % 32 == 0 and up.shape[1] * UP_PANEL % 32 == 0 and num_experts <= EXPERTS_ON_AMX_RATIO * top_k
             and amx_kernels.available())
