@@ -143,21 +143,42 @@ def test_layers_on_amx_equal_their_other_kernels(make):
     assert (got - other).abs().max().item() <= 1e-5 * other.abs().max().item()
 
 
-def test_code2wav_on_amx_equals_the_reference_kernels():
-    """Code2Wav's ``fast`` packing puts its decoder convolutions, and the pre-transformer's and upsampling
-    blocks' linear layers, on AMX (weights stored as bfloat16 values):
-    one-shot and streamed, the waveform equals the reference kernels' within float32 rounding (SnakeBeta and the
-    left context applied inside the kernel, the decoder blocks' SnakeBeta inside their upsampling convolutions,
-    the streams' histories gathered from the inputs)."""
+def _code2wav_of_bfloat16_values(decoder_dim: int = 128) -> Code2Wav:
     config = Code2WavConfig(
         codebook_size=64, num_quantizers=8, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=16, decoder_dim=128,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=16, decoder_dim=decoder_dim,
     )
     model = Code2Wav(config).eval()
     randomize_(model, seed=3)
     with torch.no_grad():
         for p in model.parameters():  # as a checkpoint stored in bfloat16 loads
             p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def test_code2wav_stage_warms_up_what_streaming_runs(monkeypatch):
+    """The Code2Wav stage's load runs what its streamed chunks run (the convolutions' kept inputs through
+    SnakeBeta, which a one-shot decode on AMX never activates on their own), for one row and for two: their
+    graphs compile at load (~4 s), not in the first audio request."""
+    from omnistage.models.qwen3_omni import code2wav
+    from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel
+
+    model = _code2wav_of_bfloat16_values()
+    model.pack_weights(16)
+    rows = []
+    snake = code2wav._SNAKE
+    monkeypatch.setattr(code2wav, "_SNAKE", lambda x, alpha, scale: rows.append(x.shape[0]) or snake(x, alpha, scale))
+    Code2WavStageModel(model)
+    assert {1, 2} <= set(rows)
+
+
+def test_code2wav_on_amx_equals_the_reference_kernels():
+    """Code2Wav's ``fast`` packing puts its decoder convolutions, and the pre-transformer's and upsampling
+    blocks' linear layers, on AMX (weights stored as bfloat16 values):
+    one-shot and streamed, the waveform equals the reference kernels' within float32 rounding (SnakeBeta and the
+    left context applied inside the kernel, the decoder blocks' SnakeBeta inside their upsampling convolutions,
+    the streams' histories gathered from the inputs)."""
+    model = _code2wav_of_bfloat16_values()
     codes = random_codes(8, 30, seed=5, batch=2)
     with torch.no_grad():
         model.reference_kernels = True
