@@ -363,7 +363,7 @@ def compile_note(engine) -> str:
     part = getattr(runner.model, "talker", None)
     predictor = getattr(part, "code_predictor", None)
     if predictor is not None and predictor.pass_layers():
-        return "each pass's decoder layers in one CPU kernel call (cpu_kernels.decoder_pass), nothing compiled"
+        return "each pass's decoder layers in one CPU kernel call (cpu_kernels.DecoderPass), nothing compiled"
     compiler = getattr(predictor, "frame_compiler", None)
     if compiler is None:
         return "eager (no compiled path)"

@@ -328,7 +328,7 @@ def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype,
 @torch.inference_mode()
 def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pass, monkeypatch):
     """The ``fast`` code predictor: output heads packed (walked by a scanned index) and either every pass's
-    decoder layers in one ``cpu_kernels.decoder_pass`` call (where the kernels build) or a compiled frame free
+    decoder layers in one ``cpu_kernels.DecoderPass`` call (where the kernels build) or a compiled frame free
     to fuse norms and activations. Its rounding differs from the exact frame's, its picks do not (greedy and
     seeded)."""
     if decoder_pass and not cpu_kernels.available():
@@ -358,13 +358,24 @@ def test_fast_frame_packs_the_heads_and_picks_the_exact_frames_codes(decoder_pas
             assert (got_sum - exact[i][1]).abs().max().item() <= 1e-5, i
 
 
+def _decoder_pass(x, table, position, shape, rope, eps, head=None):
+    """One ``cpu_kernels.DecoderPass`` run on x: x, or with ``head`` = (norm, panels, vocabulary) (logits, picks)."""
+    if head is None:
+        cpu_kernels.DecoderPass(x, table, shape, rope, eps).run(position)
+        return x
+    norm, panels, vocab = head
+    picks = torch.empty(x.shape[0], dtype=torch.int64)
+    return cpu_kernels.DecoderPass(x, table, shape, rope, eps, (norm, panels.dtype, vocab)).run(position, panels,
+                                                                                              picks), picks
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 16])  # the scalar and the 16-lane attention
 @pytest.mark.parametrize("quant", [None, "int8", "int8-g32", "bf16-valued"])
 @torch.inference_mode()
 def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, quant):
-    """``cpu_kernels.decoder_pass``: every layer of a pass in one call equals the decoder layers attending over
+    """``cpu_kernels.DecoderPass``: every layer of a pass in one call equals the decoder layers attending over
     the frame cache (a 2-row first pass, then a 1-row pass), float32 to rounding, bfloat16 to about one
     rounding; the keys and values land in the caches at the rows' positions. With int8 layers (the code
     predictor's under ``--quantization``) the pass runs them through the quantized kernels' phases; with
@@ -406,14 +417,14 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, qu
     norm = cp.model.norm.weight.float()
     for x, position in ((first, 0), (second, 2)):
         want = cp.model(x, torch.arange(position, position + x.shape[1]), cache)  # normed
-        got = cpu_kernels.decoder_pass(x.clone(), table, position, (4, 2, head_dim, 5), rope, 1e-6)
+        got = _decoder_pass(x.clone(), table, position, (4, 2, head_dim, 5), rope, 1e-6)
         got = cp.model.norm(got)
         assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
     # With the head: the last row's final norm, the group's logits and their argmax in the same call.
     for caches_i in caches:
         caches_i.zero_()
-    cpu_kernels.decoder_pass(first.clone(), table, 0, (4, 2, head_dim, 5), rope, 1e-6)
-    logits, picks = cpu_kernels.decoder_pass(second.clone(), table, 2, (4, 2, head_dim, 5), rope, 1e-6,
+    _decoder_pass(first.clone(), table, 0, (4, 2, head_dim, 5), rope, 1e-6)
+    logits, picks = _decoder_pass(second.clone(), table, 2, (4, 2, head_dim, 5), rope, 1e-6,
                                              (norm, cp.packed_heads[1], 64))
     want_logits = cp.logits(want[:, -1], 2).float()
     assert logits.shape == (batch, 64) and logits.dtype == dtype
@@ -421,8 +432,8 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, qu
     for lo, hi in ((4, 5), (19, 20), (7, 9)) if amx else ():
         alone = [c.new_zeros(hi - lo, *c.shape[1:]) for c in caches]
         table_alone = cpu_kernels.decoder_table(layers, list(zip(alone[::2], alone[1::2])))
-        cpu_kernels.decoder_pass(first[lo:hi].clone(), table_alone, 0, (4, 2, head_dim, 5), rope, 1e-6)
-        logits_alone, _ = cpu_kernels.decoder_pass(second[lo:hi].clone(), table_alone, 2, (4, 2, head_dim, 5), rope,
+        _decoder_pass(first[lo:hi].clone(), table_alone, 0, (4, 2, head_dim, 5), rope, 1e-6)
+        logits_alone, _ = _decoder_pass(second[lo:hi].clone(), table_alone, 2, (4, 2, head_dim, 5), rope,
                                                    1e-6, (norm, cp.packed_heads[1], 64))
         assert torch.equal(logits_alone, logits[lo:hi])
     assert (logits.float() - want_logits).abs().max().item() <= 4 * tol * want_logits.abs().max().item()

@@ -38,7 +38,7 @@ A float32 model's weights that are bfloat16 values (checkpoints stored in bfloat
 pairs of inputs (``keeps_float32_as_pairs``; the ``f32p`` tiles, AVX-512 builds): half the bytes, and exactly
 the float32 panels' bits, each product being the same.
 
-``decoder_pass`` and ``decoder_step`` run every layer of a Qwen3(-MoE) decoder in one call: the code
+``DecoderPass`` and ``decoder_step`` run every layer of a Qwen3(-MoE) decoder in one call: the code
 predictor's passes (15 per frame, on a few rows each) and the paged Thinker's and Talker's decode steps under
 ``fast``. As separate ops, a layer is 15-30 calls on a few rows, each with its own dispatch and thread fork and
 join (measured on the small preset's Talker, 16 rows, bfloat16, 2 threads: 19.2 ms a step layer by layer, 8.6
@@ -640,7 +640,7 @@ def experts_take_amx(rows: torch.dtype, experts: tuple[Weight, Weight], hidden: 
 
 
 def supports_decoder_layers(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
-    """Whether ``decoder_pass`` / ``decoder_step`` serve a Qwen3 decoder of this dtype and shape on the CPU
+    """Whether ``DecoderPass`` / ``decoder_step`` serve a Qwen3 decoder of this dtype and shape on the CPU
     (float32 or bfloat16 (see ``widened_bf16_decoders``); hidden size a multiple of 32)."""
     return (
         hidden % DOWN_PANEL == 0 and head_dim % 2 == 0 and head_dim <= MAX_HEAD_DIM and panels_preferred()
@@ -947,7 +947,7 @@ class DecoderPass:
         """The pass over ``x``'s rows at ``first_position``; with a head, its ``pack_linear`` panels and the
         picks' destination (int64 [B], contiguous). Returns the head's logits (None without a head)."""
         if first_position + self.rows_per_request > self.positions:
-            raise ValueError("decoder_pass rows must lie within the cache's positions")
+            raise ValueError("a pass's rows must lie within the cache's positions")
         self._call.dims[_DIM_POSITION] = first_position
         if self.logits is not None:
             if (panels is None or panels.dim() != 3 or panels.dtype != self.head_dtype
@@ -961,23 +961,6 @@ class DecoderPass:
             self._call.bufs[_B_PICKS] = picks.data_ptr()
         self._call.call()
         return self.logits
-
-
-def decoder_pass(
-    x: torch.Tensor, table: LayerTable, first_position: int, shape: tuple[int, int, int, int],
-    rope: tuple[torch.Tensor, torch.Tensor], eps: float,
-    head: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One ``DecoderPass`` run on x (see there): returns x, or with ``head`` = (final norm weight float32 [H],
-    ``pack_linear`` panels of the output head, vocabulary size) (logits [B, vocabulary] in x's dtype, argmax picks
-    [B] int64)."""
-    if head is None:
-        DecoderPass(x, table, shape, rope, eps).run(first_position)
-        return x
-    norm, panels, vocab = head
-    picks = torch.empty(x.shape[0], dtype=torch.int64)
-    logits = DecoderPass(x, table, shape, rope, eps, (norm, panels.dtype, vocab)).run(first_position, panels, picks)
-    return logits, picks
 
 
 def decoder_step(

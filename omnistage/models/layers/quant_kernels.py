@@ -14,7 +14,7 @@ these kernels off with the others; without a C compiler they are unavailable (lo
 in a fixed order per row (rounding differs from dequantize-then-GEMM: compared within float tolerance in
 ``tests/models/test_quant_kernels.py``).
 
-The decoder kernels (``cpu_kernels.decoder_step`` / ``decoder_pass``) run quantized layers through the same
+The decoder kernels (``cpu_kernels.decoder_step`` / ``DecoderPass``) run quantized layers through the same
 code: their table points at a weight's ``KernelWeight`` words, and they call this library's phases
 (``phase_addresses``) inside their own parallel region.
 """

@@ -16,7 +16,7 @@ Two entry points share that loop:
   function of tensors, which ``frame_compiler`` compiles into one graph for every batch size (the batch
   dimension is symbolic); norms, activations and sums keep their eager bits in it (``eager_in_graphs``).
   Under ``fast`` on a CPU where omnistage's kernels build, each pass's decoder layers run as one
-  ``cpu_kernels.decoder_pass`` call instead (same passes, picks and random streams; no graph to compile).
+  ``cpu_kernels.DecoderPass`` call instead (same passes, picks and random streams; no graph to compile).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class CodePredictor(nn.Module):
         # The output heads packed once ``pack_weights`` ran (the ``fast`` option): stacked panels
         # (``cpu_kernels``) or a list of oneDNN-packed weights.
         self.packed_heads: torch.Tensor | list[torch.Tensor] | None = None
-        # The decoder layers' weights as ``cpu_kernels.decoder_pass`` reads them, per layer, once the ``fast``
+        # The decoder layers' weights as ``cpu_kernels.DecoderPass`` reads them, per layer, once the ``fast``
         # option packed them ([] when the kernel cannot serve this predictor; None: not looked at yet).
         self._pass_layers: list[cpu_kernels.LayerWeights] | None = None
         # Per batch size and dtype: the frame caches of the decoder-pass kernel and their table (kept: every pass
@@ -304,7 +304,7 @@ class CodePredictor(nn.Module):
         return F.linear(hidden, head)
 
     def pass_layers(self) -> list[cpu_kernels.LayerWeights]:
-        """The decoder layers' weights for ``cpu_kernels.decoder_pass`` ([] where it cannot serve: weights not
+        """The decoder layers' weights for ``cpu_kernels.DecoderPass`` ([] where it cannot serve: weights not
         packed into panels, another dtype or device, biases, no q/k norms)."""
         if not isinstance(self.packed_heads, torch.Tensor):  # not packed (yet), or packed for oneDNN
             return []
