@@ -13,7 +13,7 @@ from test_code2wav import random_codes, randomize_
 from test_code2wav_stream import stream_interleaved
 
 from omnistage.models.layers import amx_kernels
-from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
+from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, slide_window
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig, DecoderBlock
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 
@@ -88,6 +88,31 @@ def test_conv_after_left_context_through_snake_equals_float64(dtype):
     want = _reference(snaked, _unpack(point), None, 1) + residual.double()
     got = amx_kernels.conv(x, point, 1, None, residual.clone(), snake=(alpha, scale))
     assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_left_context_through_snake_gives_the_bits_of_the_concatenation(dtype):
+    """``snake_left``: the left rows activated as x's are, the bits of the concatenated signal's convolution; a
+    streamed upsampling convolution reads its previous input that way (rows with new inputs and without)."""
+    gen = torch.Generator().manual_seed(12)
+    alpha, scale = torch.rand(64, generator=gen) + 0.5, torch.rand(64, generator=gen) + 0.5
+    x, left = (torch.randn(3, n, 64, generator=gen).to(dtype) for n in (41, 6))
+    packed = amx_kernels.pack(_bf16_valued(40, 64, 7, seed=13, scale=0.15))
+    bias = torch.randn(40, generator=gen)
+    got = amx_kernels.conv(x, packed, 1, bias, left=left, snake=(alpha, scale), snake_left=True)
+    assert torch.equal(got, amx_kernels.conv(torch.cat((left, x), 1), packed, 1, bias, snake=(alpha, scale)))
+    layer = CausalConvTranspose1d(64, 32, 10, 5).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_((torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5).to(torch.bfloat16))
+    assert layer.use_amx()
+    last = torch.randn(3, 1, 64, generator=gen).to(dtype)
+    for valid in (torch.tensor([41, 0, 17]), 41, 0):
+        with torch.no_grad():
+            out, kept = layer.forward_stream(x, last, valid, None, channels_last=True, snake=(alpha, scale))
+            extended = torch.cat((last, x), 1)
+            assert torch.equal(out, layer.forward_channels_last(extended, (alpha, scale)))
+        assert torch.equal(kept, slide_window(extended, valid, 1, dim=1))
 
 
 def _unpack(weight: amx_kernels.AmxWeight) -> torch.Tensor:

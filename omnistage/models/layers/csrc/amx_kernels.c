@@ -222,20 +222,21 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void block_32x32(
  * channels (`plane` elements apart), 32 channels at a time: each plane is CP / 32 blocks of its rows' 32 channels
  * (an A tile's 16 rows x 32 channels one contiguous 1 KB at any row offset: one stream for the prefetcher and no
  * cache set conflicts, where rows of CP channels, a tap's rows read at a dilation's offset, were 16 strided rows
- * per tile). The input's first H rows of an item are `left`'s (contiguous [B, H, C], as
- * they are), the rest x's ([B, TI - H] rows ldx elements apart), through SnakeBeta where `alpha` is given (per
- * channel: alpha, scale); rows past TI are zeros (the last row block's padding rows read them; their outputs
- * are not stored). */
+ * per tile). The input's first H rows of an item are `left`'s (contiguous [B, H, C], as they are, or through
+ * SnakeBeta too where `snake_left`), the rest x's ([B, TI - H] rows ldx elements apart), through SnakeBeta where
+ * `alpha` is given (per channel: alpha, scale); rows past TI are zeros (the last row block's padding rows read
+ * them; their outputs are not stored). */
 static void split_rows(const void *x, int64_t ldx, const void *left, int64_t H, const float *alpha,
-                       const float *scale, int x_bf16, int64_t b, int64_t TI, int64_t first, int64_t count,
-                       int64_t C, int64_t CP, int parts, uint16_t *planes, int64_t plane) {
+                       const float *scale, int snake_left, int x_bf16, int64_t b, int64_t TI, int64_t first,
+                       int64_t count, int64_t C, int64_t CP, int parts, uint16_t *planes, int64_t plane) {
     const size_t esize = x_bf16 ? 2 : 4;
     const int64_t kstride = plane / CP * 32;
     for (int64_t r = 0; r < count; r++) {
         const int64_t e = first + r;
         uint16_t *dst = planes + r * 32;
         if (e < H) {
-            split_row((const char *)left + (b * H + e) * C * esize, x_bf16, C, CP, parts, dst, plane, kstride, 0, 0);
+            split_row((const char *)left + (b * H + e) * C * esize, x_bf16, C, CP, parts, dst, plane, kstride,
+                      snake_left ? alpha : 0, scale);
         } else if (e < TI) {
             split_row((const char *)x + (b * (TI - H) + e - H) * ldx * esize, x_bf16, C, CP, parts, dst, plane,
                       kstride, alpha, scale);
@@ -267,16 +268,16 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
 }
 
 /* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of in[b][t + tap * dil][c] *
- * w[n][tap][c], in[b] = item b's H rows of `left` then its TI - H rows of x, through SnakeBeta if `alpha` (see
- * split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job (up to `mchunk` output
+ * w[n][tap][c], in[b] = item b's H rows of `left` then its TI - H rows of x, through SnakeBeta if `alpha` (the
+ * rows of `left` too where `snake_left`; see split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job (up to `mchunk` output
  * rows of one batch item, a multiple of 32; a share of the output blocks) first splits the input rows it reads into
  * this thread's planes (`scratch`, `stride` elements a thread: (mchunk + (taps - 1) dil) * CP * parts), which then
  * stay in L2 while the weights stream through: the signal is read once, no planes go through memory. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
     int64_t B, int64_t TI, int64_t TO, int64_t C, int64_t CP, int64_t taps, int64_t dil, const void *x, int64_t ldx,
-    const void *left, int64_t H, const float *alpha, const float *scale, int x_bf16, const uint16_t *w, int64_t N,
-    const float *bias, void *out, int64_t ldo, int out_bf16, int accumulate, int64_t mchunk, uint16_t *scratch,
-    int64_t stride, int threads) {
+    const void *left, int64_t H, const float *alpha, const float *scale, int snake_left, int x_bf16,
+    const uint16_t *w, int64_t N, const float *bias, void *out, int64_t ldo, int out_bf16, int accumulate,
+    int64_t mchunk, uint16_t *scratch, int64_t stride, int threads) {
     const int parts = x_bf16 ? 1 : 3;
     const int64_t K = taps * CP, nblocks = (N + 31) / 32, halo = (taps - 1) * dil;
     const int64_t row_blocks = (TO + 31) / 32, chunks = (row_blocks + mchunk / 32 - 1) / (mchunk / 32);
@@ -299,7 +300,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
             const int64_t b = job / (chunks * groups), chunk = job / groups % chunks, group = job % groups;
             const int64_t m0 = chunk * mchunk, m1 = m0 + mchunk < row_blocks * 32 ? m0 + mchunk : row_blocks * 32;
             const int64_t nb1 = (group + 1) * per_group < nblocks ? (group + 1) * per_group : nblocks;
-            split_rows(x, ldx, left, H, alpha, scale, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
+            split_rows(x, ldx, left, H, alpha, scale, snake_left, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts,
+                       planes, plane);
             char *out0 = (char *)out + (b * TO + m0) * ldo * esize;
             job_blocks(planes, CP, K, dil, parts, plane, w, group * per_group, nb1, m0, m1, TO, N, bias, out0, ldo,
                        out_bf16, accumulate ? out0 : 0, stream, acc);
@@ -341,7 +343,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
         for (int64_t job = 0; job < B * chunks; job++) {
             const int64_t b = job / chunks, m0 = job % chunks * mchunk;
             const int64_t m1 = m0 + mchunk < row_blocks * 32 ? m0 + mchunk : row_blocks * 32;
-            split_rows(x, C, left, H, alpha1, scale1, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
+            split_rows(x, C, left, H, alpha1, scale1, 0, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
             job_blocks(planes, CP, K, dil, parts, plane, w1, 0, nblocks, m0, m1, TO, C, bias1, h, C, x_bf16, 0, 0, acc);
             for (int64_t r = 0; r < m1 - m0; r++) {
                 if (m0 + r < TO) {
