@@ -904,9 +904,10 @@ class DecoderPass:
     and values are written to the caches). The code predictor makes 15 passes per frame; as separate ops, each
     layer of a pass is ~15 calls on 16 rows, each with its own dispatch and thread fork/join.
 
-    Built once for a frame's passes over one row buffer (the call's arguments: ~60 us a pass when built per pass,
-    ~7% of a 16-row float32 code-predictor frame); ``run`` sets the pass's position (and head) and runs it, the
-    caller writing the pass's rows into ``x`` first.
+    Built once over one row buffer and run for many passes (the call's arguments: ~60 us a pass when built per
+    pass, ~7% of a 16-row float32 code-predictor frame); ``run`` sets the pass's position (and head) and runs it,
+    the caller writing the pass's rows into ``x`` first. It keeps this thread's scratch buffers: run it on the
+    thread that built it.
 
     ``table``: ``decoder_table``'s over caches [B, Q, kv_heads, head size]; ``shape``: (query heads, key/value
     heads, head size, cache length Q); ``rope``: (cos, sin) [Q, head size], the values the model uses (any

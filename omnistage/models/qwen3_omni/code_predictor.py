@@ -21,6 +21,7 @@ Two entry points share that loop:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,6 +234,18 @@ def python_scan(body: Callable, carry: Any, xs: tuple[torch.Tensor, ...]) -> tup
     return carry, tuple(torch.stack(parts) for parts in zip(*outs, strict=True))
 
 
+@dataclass
+class _FramePasses:
+    """``CodePredictor._kernel_frame``'s kept buffers and passes for one batch size (see ``_passes``)."""
+
+    first: torch.Tensor  # [B, 2, H]: the first pass's rows
+    rows: torch.Tensor  # [B, 1, H]: a later pass's row
+    codes: torch.Tensor  # [Q - 1, B] int64: the frame's picks
+    first_pass: cpu_kernels.DecoderPass
+    later: cpu_kernels.DecoderPass
+    caches: list[torch.Tensor]  # the passes' keys and values (their table points at them)
+
+
 class CodePredictor(nn.Module):
     def __init__(self, config: Any) -> None:
         """config: transformers' ``talker_config.code_predictor_config`` (or a CodePredictorConfig)."""
@@ -248,9 +261,9 @@ class CodePredictor(nn.Module):
         # The decoder layers' weights as ``cpu_kernels.DecoderPass`` reads them, per layer, once the ``fast``
         # option packed them ([] when the kernel cannot serve this predictor; None: not looked at yet).
         self._pass_layers: list[cpu_kernels.LayerWeights] | None = None
-        # Per batch size and dtype: the frame caches of the decoder-pass kernel and their table (kept: every pass
-        # writes its rows' keys and values before any row reads them, so a frame needs no zeroed caches).
-        self._frame_tables: dict[tuple[int, torch.dtype], tuple[list[torch.Tensor], cpu_kernels.LayerTable]] = {}
+        # Per batch size, dtype and thread: the decoder-pass kernel's passes over kept buffers, built once (kept:
+        # every pass writes its rows' keys and values before any row reads them, so a frame needs no zeroed caches).
+        self._frame_passes: dict[tuple[int, torch.dtype, int], _FramePasses] = {}
         # One graph for every batch size (the batch dimension is symbolic); eager when off or failed.
         self.frame_compiler = LazyCompiled(
             self._frame, name="code predictor frame", dynamic_batch=True, eager=self._eager_frame,
@@ -312,42 +325,52 @@ class CodePredictor(nn.Module):
             self._pass_layers = kernel_layers(self.model.layers, self.cfg.decoder, self.model.norm.weight.dtype)
         return self._pass_layers
 
+    def _passes(self, batch: int, dtype: torch.dtype) -> _FramePasses:
+        """The frame's two ``DecoderPass``es (the first over [talker hidden, code0 embedding], the later ones over
+        one row) on buffers kept for ``batch`` rows of ``dtype``, built once per thread (their scratch is the
+        thread's): building them per frame took ~0.25 ms of a 16-row float32 frame's ~12 ms."""
+        key = (batch, dtype, threading.get_ident())
+        if key not in self._frame_passes:
+            d = self.cfg.decoder
+            groups = self.num_code_groups
+            caches = [torch.empty(batch, groups, d.num_kv_heads, d.head_dim, dtype=dtype)
+                      for _ in range(2 * d.num_layers)]
+            table = cpu_kernels.decoder_table(self.pass_layers(), list(zip(caches[::2], caches[1::2])))
+            shape = (d.num_heads, d.num_kv_heads, d.head_dim, groups)
+            # The values the model uses (rounded to its dtype), in float32.
+            rope = tuple(t.to(dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
+            # Each pass ends with the final norm, its group's head and the argmax, in the same call.
+            head = (self.model.norm.weight.detach().float(), self.packed_heads.dtype, self.cfg.vocab_size)
+            first = torch.empty(batch, 2, d.hidden_size, dtype=dtype)
+            rows = torch.empty(batch, 1, d.hidden_size, dtype=dtype)  # each pass overwrites its rows
+            self._frame_passes[key] = _FramePasses(
+                first, rows, torch.empty(groups - 1, batch, dtype=torch.int64),
+                cpu_kernels.DecoderPass(first, table, shape, rope, d.rms_norm_eps, head),
+                cpu_kernels.DecoderPass(rows, table, shape, rope, d.rms_norm_eps, head), caches)
+        return self._frame_passes[key]
+
     def _kernel_frame(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``_frame``'s passes with every pass's decoder layers in one ``cpu_kernels.DecoderPass`` call (the
-        ``fast`` option on CPU): the same rows, positions, heads, picks and embedding sum."""
-        d = self.cfg.decoder
-        batch, groups = talker_hidden.shape[0], self.num_code_groups
-        key = (batch, talker_hidden.dtype)
-        if key not in self._frame_tables:
-            caches = [talker_hidden.new_empty(batch, groups, d.num_kv_heads, d.head_dim)
-                      for _ in range(2 * d.num_layers)]
-            self._frame_tables[key] = caches, cpu_kernels.decoder_table(self.pass_layers(),
-                                                                        list(zip(caches[::2], caches[1::2])))
-        table = self._frame_tables[key][1]
-        shape = (d.num_heads, d.num_kv_heads, d.head_dim, groups)
-        # The values the model uses (rounded to its dtype), in float32 once per frame.
-        rope = tuple(t.to(talker_hidden.dtype).float() for t in (self.model.rope_cos, self.model.rope_sin))
-        # Each pass ends with the final norm, its group's head and the argmax, in the same call.
-        head = (self.model.norm.weight.detach().float(), self.packed_heads.dtype, self.cfg.vocab_size)
+        ``fast`` option on CPU): the same rows, positions, heads, picks and embedding sum. The codes returned
+        ([B, Q - 1], a view of the kept buffer) are valid until the next frame of this batch size."""
+        p = self._passes(talker_hidden.shape[0], talker_hidden.dtype)
+        tables = self.model.codec_embedding.weight  # [Q - 1, V, H]
         any_sampled = bool(sampled.any())  # a greedy batch skips the draws
-        codes = torch.empty(groups - 1, batch, dtype=torch.int64)
-
-        def pick(step: cpu_kernels.DecoderPass, position: int, group: int) -> torch.Tensor:
-            logits = step.run(position, self.packed_heads[group - 1], codes[group - 1])
+        torch.stack((talker_hidden, code0_embed), dim=1, out=p.first)
+        step, rows = p.first_pass, p.rows.view(p.rows.shape[0], -1)
+        for group in range(1, self.num_code_groups):
+            codes = p.codes[group - 1]
+            logits = step.run(0 if group == 1 else group, self.packed_heads[group - 1], codes)
             if any_sampled:
-                codes[group - 1] = _draw_residual_codes(logits.float(), sampled, noise[:, group - 1], codes[group - 1])
-            return self.embed_group(codes[group - 1], group)
-
-        first = torch.stack((talker_hidden, code0_embed), dim=1)
-        embeds = [code0_embed, pick(cpu_kernels.DecoderPass(first, table, shape, rope, d.rms_norm_eps, head), 0, 1)]
-        rows = talker_hidden.new_empty(batch, 1, talker_hidden.shape[-1])  # each pass overwrites its rows
-        later = cpu_kernels.DecoderPass(rows, table, shape, rope, d.rms_norm_eps, head)
-        for group in range(2, groups):
-            rows[:, 0] = embeds[-1]
-            embeds.append(pick(later, group, group))
-        return codes.t(), embedding_sum(torch.stack(embeds, dim=1))
+                codes.copy_(_draw_residual_codes(logits.float(), sampled, noise[:, group - 1], codes))
+            if group + 1 < self.num_code_groups:  # the next pass's row: this group's code embedding
+                torch.index_select(tables[group - 1], 0, codes, out=rows)
+                step = p.later
+        # Every group's embedding at once (embed_group's rows), summed in the reference's order.
+        picked = tables[torch.arange(self.num_code_groups - 1)[:, None], p.codes]  # [Q - 1, B, H]
+        return p.codes.t(), embedding_sum(torch.cat((code0_embed[:, None], picked.transpose(0, 1)), dim=1))
 
     def new_cache(self, batch: int, like: torch.Tensor) -> _FrameCache:
         d = self.cfg.decoder
