@@ -41,6 +41,7 @@ from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.runner.outputs import OmniOutput, StepContext
 
 _NO_UPDATES = None
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # (shared: read only)
 
 
 class ThinkerStageModel:
@@ -186,6 +187,10 @@ class ThinkerStageModel:
                 continue
             s, e = ctx.spans[req_id]
             pos = torch.arange(start, start + (e - s))
+            if start >= needed.shape[0]:  # answer rows only (decode steps): all of them, none from the media
+                embed_picks.append(pos - (start - s))
+                owners.append((req_id, pos, _NO_ROWS))
+                continue
             in_prompt = pos < needed.shape[0]
             keep = ~in_prompt
             keep[in_prompt] = needed[pos[in_prompt]]
@@ -203,7 +208,7 @@ class ThinkerStageModel:
         mm = output.multimodal_outputs
         # Index-select copies: payloads own their rows, never a view of this step's buffers.
         embeds = mm["embeds"][torch.cat(embed_picks).to(mm["embeds"].device)]
-        hidden_index = torch.cat(hidden_picks)
+        hidden_index = torch.cat(hidden_picks) if hidden_picks else _NO_ROWS
         hidden = mm["accept"][hidden_index.to(mm["accept"].device)] if hidden_index.numel() else None
         out, e0, h0 = {}, 0, 0
         for req_id, pos, hpos in owners:
