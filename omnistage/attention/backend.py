@@ -98,15 +98,22 @@ def build_attention_metadata(
     for i, (t, q, c) in enumerate(zip(block_tables, query_lens, context_lens)):
         if len(t) * block_size < q + c:
             raise ValueError(f"request {i}: {len(t)} blocks cannot hold {q + c} tokens")
+    if num_reqs and num_tokens == num_reqs and all(q == 1 for q in query_lens):
+        return _decode_metadata(context_lens, block_tables, block_size, num_blocks, padded, scratch, device)
+    return _general_metadata(query_lens, context_lens, block_tables, block_size, num_blocks, padded, scratch, device)
+
+
+def _general_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                      block_size: int, num_blocks: int, padded: int, scratch: int,
+                      device: torch.device | str) -> AttentionMetadata:
+    """``build_attention_metadata`` for any query lengths (prefills, mixed steps)."""
+    num_reqs, num_tokens = len(query_lens), sum(query_lens)
     q_lens = torch.tensor(query_lens, dtype=torch.long)
     ctx = torch.tensor(context_lens, dtype=torch.long)
     seq = q_lens + ctx
     starts = torch.zeros(num_reqs + 1, dtype=torch.long)
     starts[1:] = torch.cumsum(q_lens, 0)
-    # One tensor for all block tables (padded with the scratch block's id), not one per request.
-    width = max(max((len(t) for t in block_tables), default=0), 1)
-    table = torch.tensor([list(t) + [num_blocks] * (width - len(t)) for t in block_tables],
-                         dtype=torch.long).reshape(num_reqs, width)
+    table = _block_table(block_tables, num_blocks)
 
     # Slot of every real token row: its absolute position looked up in its request's block table.
     req_of_row = torch.repeat_interleave(torch.arange(num_reqs), q_lens)
@@ -158,6 +165,37 @@ def build_attention_metadata(
         slot_mapping=slot_mapping.to(device),
         groups=groups,
     )
+
+
+def _block_table(block_tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+    """One tensor for all block tables (padded with the scratch block's id), not one per request."""
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    return torch.tensor([list(t) + [num_blocks] * (width - len(t)) for t in block_tables],
+                        dtype=torch.long).reshape(len(block_tables), width)
+
+
+def _decode_metadata(context_lens: list[int], block_tables: list[list[int]], block_size: int, num_blocks: int,
+                     padded: int, scratch: int, device: torch.device | str) -> AttentionMetadata:
+    """``build_attention_metadata`` for a step of one query per request (every decode step): the same tensors
+    from a third of the ops (its general path cost ~0.2 ms a 16-request step)."""
+    num_reqs = len(context_lens)
+    table = _block_table(block_tables, num_blocks)
+    ctx = torch.tensor(context_lens, dtype=torch.long)
+    seq = ctx + 1
+    reqs = torch.arange(num_reqs)
+    slot_mapping = torch.full((padded,), scratch, dtype=torch.long)
+    slot_mapping[:num_reqs] = table[reqs, ctx // block_size] * block_size + ctx % block_size
+    kv_pos = torch.arange(max(context_lens) + 1)
+    kv_valid = kv_pos[None, :] < seq[:, None]  # (a query sees every valid key: key 0 always)
+    kv_slots = torch.where(kv_valid, table[:, kv_pos // block_size] * block_size + kv_pos % block_size, scratch)
+    group = AttentionGroup(
+        token_rows=reqs.to(device), token_req=reqs.to(device), token_qpos=torch.zeros_like(reqs).to(device),
+        kv_slots=kv_slots.to(device), seq_lens=seq.to(device), mask=kv_valid[:, None, None].to(device), max_q=1,
+        spans=tuple((i, 1, c) for i, c in enumerate(context_lens)),
+    )
+    return AttentionMetadata(num_reqs=num_reqs, num_tokens=num_reqs, num_padded_tokens=padded,
+                             query_start_loc=torch.arange(num_reqs + 1).to(device), seq_lens=seq.to(device),
+                             slot_mapping=slot_mapping.to(device), groups=[group])
 
 
 def paged_attention(

@@ -1,9 +1,17 @@
+import dataclasses
 import math
+import random
 
 import pytest
 import torch
 
-from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata, paged_attention
+from omnistage.attention import backend
+from omnistage.attention.backend import (
+    allocate_kv_cache,
+    build_attention_metadata,
+    paged_attention,
+    scratch_slot,
+)
 from omnistage.models.layers import cpu_kernels
 
 BLOCK = 4
@@ -138,3 +146,24 @@ def test_decode_kernel_reads_the_paged_cache_in_place_and_matches(dtype, tol, he
         expect = naive_causal(q.float(), k.float(), v.float(), scale)
         assert outs[i].dtype == dtype
         assert (outs[i].float() - expect).abs().max().item() <= tol, i
+
+
+def test_decode_step_metadata_equals_the_general_path():
+    """A step of one query per request takes its own, shorter path: the same tensors as the general one (block
+    tables of different lengths, padding rows, requests at position 0)."""
+    rng = random.Random(3)
+    for _ in range(50):
+        n, block_size, num_blocks = rng.randint(1, 16), rng.choice([4, 16]), 300
+        context = [rng.choice([0, rng.randint(0, 70)]) for _ in range(n)]
+        tables = [rng.sample(range(num_blocks), (c + block_size) // block_size + rng.randint(0, 2)) for c in context]
+        padded = n + rng.randint(0, 3)
+        fast = build_attention_metadata([1] * n, context, tables, block_size, num_blocks, padded)
+        general = backend._general_metadata([1] * n, context, tables, block_size, num_blocks, padded,
+                                            scratch_slot(num_blocks, block_size), "cpu")
+        for a, b in [(fast, general), *zip(fast.groups, general.groups, strict=True)]:
+            for field in dataclasses.fields(a):
+                x, y = getattr(a, field.name), getattr(b, field.name)
+                if isinstance(x, torch.Tensor):
+                    assert x.dtype == y.dtype and torch.equal(x, y), field.name
+                elif field.name != "groups":
+                    assert x == y, field.name
