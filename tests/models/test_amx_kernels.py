@@ -182,13 +182,14 @@ def _code2wav_of_bfloat16_values(decoder_dim: int = 128) -> Code2Wav:
 
 
 def test_code2wav_stage_warms_up_what_streaming_runs(monkeypatch):
-    """The Code2Wav stage's load runs what its streamed chunks run (the convolutions' kept inputs through
-    SnakeBeta, which a one-shot decode on AMX never activates on their own), for one row and for two: their
-    graphs compile at load (~4 s), not in the first audio request."""
+    """The Code2Wav stage's load runs what its streamed chunks run (the last convolution's kept inputs through
+    SnakeBeta, which a one-shot decode never activates on their own; the AMX convolutions' kept inputs are
+    activated by their kernels' arithmetic), for one row and for two: their graphs compile at load (~4 s), not
+    in the first audio request."""
     from omnistage.models.qwen3_omni import code2wav
     from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel
 
-    model = _code2wav_of_bfloat16_values()
+    model = _code2wav_of_bfloat16_values(256)  # (the last convolution's 16 channels take cpu_kernels.snake_conv)
     model.pack_weights(16)
     rows = []
     snake = code2wav._SNAKE
@@ -283,6 +284,38 @@ def test_residual_unit_in_one_pass_gives_the_two_convolutions_bits(dtype, batch,
     assert torch.equal(got, want) and not torch.equal(got, x)
     with pytest.raises(ValueError, match="left context"):
         amx_kernels.residual_unit(x, left[:, 1:], dilation, (w1, b1, s1), (w2, b2, s2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_rows_make_a_streamed_unit_give_the_one_shot_bits(dtype):
+    """``snake_kept``: a residual unit streamed in two chunks (the second reading the first's kept rows, activated
+    by the kernels' arithmetic, as its left context) gives one-shot decoding's bits; per-item counts (0 new rows:
+    the old left rows move on) keep what each item's own count keeps."""
+    gen = torch.Generator().manual_seed(21)
+    channels, dilation = 40, 3
+    held = 6 * dilation
+    w1 = amx_kernels.pack(_bf16_valued(channels, channels, 7, seed=5, scale=0.2))
+    w2 = amx_kernels.pack(_bf16_valued(channels, channels, 1, seed=6, scale=0.2))
+    b1, b2 = _bf16_valued(channels, seed=7), _bf16_valued(channels, seed=8)
+    s1 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    s2 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    x = torch.randn(3, 90, channels, generator=gen).to(dtype)
+    zeros = x.new_zeros(3, held, channels)
+    convs = (w1, b1, s1), (w2, b2, s2)
+    whole = amx_kernels.residual_unit(x, zeros, dilation, *convs)
+    first, rest = x[:, :50].contiguous(), x[:, 50:].contiguous()
+    kept = amx_kernels.snake_kept(zeros, first, 50, s1)
+    streamed = torch.cat((amx_kernels.residual_unit(first, zeros, dilation, *convs),
+                          amx_kernels.residual_unit(rest, kept, dilation, *convs)), 1)
+    assert torch.equal(streamed, whole)
+    left = torch.randn(3, held, channels, generator=gen).to(dtype)
+    counts = [0, 7, 50]
+    each = amx_kernels.snake_kept(left, first, torch.tensor(counts), s1)
+    for b, n in enumerate(counts):
+        assert torch.equal(each[b], amx_kernels.snake_kept(left[b : b + 1], first[b : b + 1], n, s1)[0])
+    assert torch.equal(each[0], left[0]) and torch.equal(each[1, : held - 7], left[1, 7:])
+    with pytest.raises(ValueError, match="valid counts"):
+        amx_kernels.snake_kept(left, first, 51, s1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

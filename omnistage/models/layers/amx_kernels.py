@@ -54,6 +54,8 @@ def _build() -> ctypes.CDLL:
                                                 i32])
     library.amx_linear_rows.restype = None
     library.amx_linear_rows.argtypes = [p, i64, p, i32, p, i32, p, i64, i32, i32]
+    library.snake_kept.restype = None
+    library.snake_kept.argtypes = [i64] * 4 + [p, p, p, p, p, i32, p]
     library.amx_unit.restype = None
     library.amx_unit.argtypes = [i64] * 7 + [p, p, i64, p, p, i32, p, p, p, p, p, p, p, i64, p, i64, i32]
     return library
@@ -219,6 +221,29 @@ def conv(
                      int(snake_left), bf16, weight.data.data_ptr(), weight.outputs, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                      weight.outputs, bf16, int(residual is not None), chunk, planes.data_ptr(), stride, threads)
     return out
+
+
+def snake_kept(left: torch.Tensor, x: torch.Tensor, valid: int | torch.Tensor,
+               snake: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A stream's next left context [B, H, C] for a convolution whose kernel activates x (``conv``'s ``snake``,
+    ``residual_unit``): item b's rows ``valid[b]`` .. ``valid[b] + H - 1`` of [left; snake(x)] (left [B, H, C]
+    as it is, x [B, T, C], float32 or bfloat16; ``valid``: one int for all items or a [B] integer tensor), x's
+    rows activated with the kernels' arithmetic, so the next chunk reads what one-shot decoding activates."""
+    batch, length, channels = x.shape
+    if left.dim() != 3 or left.shape[::2] != (batch, channels) or left.dtype != x.dtype:
+        raise ValueError(f"left must be [{batch}, H, {channels}] {x.dtype}, got {tuple(left.shape)} {left.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"x must be float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
+    held = left.shape[1]
+    valid = torch.as_tensor(valid, dtype=torch.int64).expand(batch).contiguous()
+    if bool(((valid < 0) | (valid > length)).any()):
+        raise ValueError(f"valid counts must lie in [0, {length}]")
+    left, x = left.contiguous(), x.contiguous()
+    alpha, scale = map(_floats, snake)
+    kept = x.new_empty(batch, held, channels)
+    _lazy.require().snake_kept(batch, held, length, channels, left.data_ptr(), x.data_ptr(), valid.data_ptr(),
+                               alpha.data_ptr(), scale.data_ptr(), int(x.dtype == torch.bfloat16), kept.data_ptr())
+    return kept
 
 
 Conv = tuple[AmxWeight, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]  # weight, bias, (alpha, scale)

@@ -333,7 +333,10 @@ def _activated_left(
     if stream is None:
         return x.new_zeros((x.shape[0], context, x.shape[2]))
     left = stream.history_channels_last(conv).contiguous()
-    stream.keep_activated_channels_last(conv, left, x, None if snake is None else snake.forward_channels_last)
+    if conv.amx_weight is not None and snake is not None:  # activated as the AMX kernels activate
+        stream.keep(conv, amx_kernels.snake_kept(left, x, stream.valid, snake.kernel_parameters()))
+    else:
+        stream.keep_activated_channels_last(conv, left, x, None if snake is None else snake.forward_channels_last)
     return left
 
 

@@ -101,6 +101,10 @@ class StreamStep:
         kept = slide_window(extended, self.valid, conv.history_size, dim=1)
         self.updated[conv] = (kept.clone() if isinstance(self.valid, int) else kept).transpose(1, 2)
 
+    def keep(self, conv: CausalConv1d, kept: torch.Tensor) -> None:
+        """``conv``'s next history from its kept inputs [B, history_size, C_in] (made by the caller)."""
+        self.updated[conv] = kept.transpose(1, 2)
+
     def keep_activated_channels_last(self, conv: CausalConv1d, history: torch.Tensor, x: torch.Tensor,
                                      snake: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """``keep_channels_last`` for inputs that were never stored: the history [B, H, C_in] followed by
@@ -111,5 +115,4 @@ class StreamStep:
             size, device=x.device)  # [B, H]: the kept rows' places in history + new
         new = x.gather(1, (idx - size).clamp(min=0)[..., None].expand(-1, -1, channels))
         old = history.gather(1, idx.clamp(max=size - 1)[..., None].expand(-1, -1, channels))
-        kept = torch.where((idx >= size)[..., None], new if snake is None else snake(new), old)
-        self.updated[conv] = kept.transpose(1, 2)
+        self.keep(conv, torch.where((idx >= size)[..., None], new if snake is None else snake(new), old))

@@ -574,6 +574,37 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_phase_experts(
 #pragma omp barrier
 }
 
+/* A stream's next left context for a convolution whose kernel activates its inputs (amx_conv, amx_unit): kept
+ * [B, H, C] = rows valid[b] .. valid[b] + H - 1 of item b's [left; SnakeBeta(x)] (left [B, H, C] as it is, x [B,
+ * T, C]; x's dtype), activated by split_row's arithmetic, so the next chunk reads the values one-shot decoding's
+ * kernel activates. In Python (gathers and a compiled SnakeBeta) it was ~2% of a streamed chunk's decode. */
+void snake_kept(int64_t B, int64_t H, int64_t T, int64_t C, const void *left, const void *x, const int64_t *valid,
+                const float *alpha, const float *scale, int x_bf16, void *kept) {
+    const size_t esize = x_bf16 ? 2 : 4;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < H; r++) {
+            const int64_t e = valid[b] + r;
+            char *dst = (char *)kept + (b * H + r) * C * esize;
+            if (e < H) {
+                memcpy(dst, (const char *)left + (b * H + e) * C * esize, (size_t)C * esize);
+                continue;
+            }
+            const char *src = (const char *)x + (b * T + e - H) * C * esize;
+            for (int64_t c = 0; c < C; c += 16) {
+                const __mmask16 m = (__mmask16)(C - c >= 16 ? 0xffffu : (1u << (C - c)) - 1u);
+                __m512 v = x_bf16 ? widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)src + c)))
+                                  : _mm512_maskz_loadu_ps(m, (const float *)src + c);
+                const __m512 t = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, alpha + c));
+                const __m512 y = _mm512_mul_ps(sin_unsigned(t, !x_bf16), _mm512_maskz_loadu_ps(m, scale + c));
+                v = _mm512_fmadd_ps(y, y, v);
+                if (x_bf16) /* rounded as split_row's single part */
+                    _mm256_mask_storeu_epi16((uint16_t *)dst + c, m, (__m256i)_mm512_cvtneps_pbh(v));
+                else
+                    _mm512_mask_storeu_ps((float *)dst + c, m, v);
+            }
+        }
+}
+
 /* A linear layer over few rows (amx_kernels.linear: the decode rows of an output head) in a region of its own:
  * amx_phase_linear splits the rows once per thread, where amx_conv's jobs would each split theirs again (one
  * job per 32 outputs: 4752 splits of the same row for a 152064-word vocabulary). `scratch`: `stride` bfloat16
