@@ -329,11 +329,7 @@ class CausalConvTranspose1d(nn.Module):
                 and hidden.shape[1] > 0):
             # AMX tiles read ``last`` as the left context (activated as the new inputs are): the inputs are not
             # concatenated (at 16 x 25 frames the small preset's last block copied 65 MB a call for it)
-            batch, _, channels = hidden.shape
-            bias = self.conv.bias
-            out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride),
-                                   left=last, snake=snake, snake_left=True)
-            return out.view(batch, out.shape[1] * self.stride, self.conv.out_channels), _input_at(last, hidden, valid)
+            return self._amx_channels_last(hidden, snake, last), _input_at(last, hidden, valid)
         extended = torch.cat((last, hidden), dim)
         # A copy (``contiguous`` would not copy a one-row batch): starting rows rewrite `extended` below.
         next_last = slide_window(extended, valid, 1, dim=dim).clone()
@@ -358,9 +354,7 @@ class CausalConvTranspose1d(nn.Module):
         if (self.amx_weight is not None and hidden.device.type == "cpu" and length > self.amx_weight.taps - 1
                 and self.trim in (0, self.stride)):
             # (two taps: the pairs of consecutive inputs are read in place, not concatenated)
-            out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride),
-                                   snake=snake)
-            return out.view(batch, out.shape[1] * self.stride, self.conv.out_channels)
+            return self._amx_channels_last(hidden, snake)
         if snake is not None:
             alpha, scale = snake
             hidden = hidden + (torch.sin(hidden * alpha) * scale) ** 2
@@ -374,6 +368,15 @@ class CausalConvTranspose1d(nn.Module):
         weight = derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
         out = rows @ weight if bias is None else torch.addmm(bias.repeat(self.stride), rows, weight)
         return out.view(batch, length * self.stride, self.conv.out_channels)
+
+    def _amx_channels_last(self, hidden: torch.Tensor, snake: tuple[torch.Tensor, torch.Tensor] | None,
+                           left: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward_channels_last``'s GEMM on AMX tiles, after ``left`` [B, 1, C_in] (a stream's previous input,
+        activated with the new ones) where given."""
+        bias = self.conv.bias
+        out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride),
+                               left=left, snake=snake, snake_left=left is not None)
+        return out.view(hidden.shape[0], out.shape[1] * self.stride, self.conv.out_channels)
 
     def _gemm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """[C_in, C_out, kernel] -> [C_in * taps, stride * C_out], columns ordered (sample, channel); with two
