@@ -415,11 +415,16 @@ class TalkerStageModel:
             return kept[2]
         # One host copy of the step's frames, then per-request slices by the real spans.
         frames = output.multimodal_outputs["codes.audio"][: ctx.num_tokens_unpadded].cpu()
+        complete = (frames[:, 0] >= 0).tolist()
         out = {}
         for req_id in ctx.req_ids:
             s, e = ctx.spans[req_id]
+            if e - s == 1:  # a decode row: its frame, if it made one (a copy: owned, not a view of the step)
+                if complete[s]:
+                    out[req_id] = frames[s:e].clone()
+                continue
             mine = frames[s:e]
-            mine = mine[mine[:, 0] >= 0]  # boolean indexing copies: owned, not a view of the step
+            mine = mine[mine[:, 0] >= 0]  # boolean indexing copies
             if mine.shape[0]:
                 out[req_id] = mine
         self._step_frames = (ctx, output, out)
