@@ -64,7 +64,7 @@ def test_code2wav_bridge_with_no_frames_ends_the_input_without_a_chunk():
 
 
 class TalkerDouble:
-    """Records the prefill it is asked to build; 'projection' doubles a row."""
+    """Records the prefill it is asked to build."""
 
     def __init__(self):
         self.prefills, self.hidden = [], []
@@ -75,16 +75,15 @@ class TalkerDouble:
         self.hidden.append(({p: r.clone() for p, r in hidden_rows.items()}, media_spans))
         return torch.zeros(len(prompt_ids) + 9, 2), [7] * (len(prompt_ids) + 9), None
 
-    def project_text(self, rows):
-        return rows * 2
-
 
 def rows(positions):
     pos = torch.tensor(positions)
     return {"positions": pos, "embeds": pos[:, None].float().repeat(1, 2)}
 
 
-def test_thinker_rows_become_the_talker_prefill_and_text_rows_once_each():
+def test_thinker_rows_become_the_talker_prefill_and_answer_rows_once_each():
+    """The answer rows reach the Talker's state as the Thinker's embeddings (the Talker projects the rows a step
+    takes, all requests' at once), each once and in order."""
     model, sink = TalkerDouble(), Sink()
     bridge = ThinkerToTalker(model)
     prompt = list(range(10, 16))  # 6 prompt tokens
@@ -96,12 +95,12 @@ def test_thinker_rows_become_the_talker_prefill_and_text_rows_once_each():
     (ids, got_rows, first, speaker), = model.prefills
     assert ids == prompt and speaker == 3 and sorted(got_rows) == [0, 1, 2, 3, 5] and first[0].item() == 6
     assert sink.tokens == [("r", [7] * 15, True)]
-    assert torch.equal(sink.states["r"]["text_rows"], torch.tensor([[12.0, 12.0]]))
+    assert torch.equal(sink.states["r"]["answer_embeds"], torch.tensor([[6.0, 6.0]]))
     bridge.on_input("r", rows([7, 8]), sink)
     # A Thinker recomputing after preemption sends old rows again: the Talker must not see them twice.
     bridge.on_input("r", rows([0, 1, 2, 3, 4, 5, 6, 7, 8, 9]), sink)
-    text = sink.states["r"]["text_rows"][:, 0].tolist()
-    assert text == [12.0, 14.0, 16.0, 18.0]
+    text = sink.states["r"]["answer_embeds"][:, 0].tolist()
+    assert text == [6.0, 7.0, 8.0, 9.0]
     with pytest.raises(ValueError, match="position 12 arrived before position 10"):
         bridge.on_input("r", rows([12]), sink)
     bridge.on_end("r", sink)

@@ -45,7 +45,7 @@ class _TextState:
 
 class ThinkerToTalker:
     def __init__(self, talker_model: Any) -> None:
-        self.model = talker_model  # TalkerStageModel: builds the prefill and projects text rows
+        self.model = talker_model  # TalkerStageModel: builds the prefill
         self._states: dict[str, _TextState] = {}
 
     def __len__(self) -> int:
@@ -79,21 +79,21 @@ class ThinkerToTalker:
             # else: a row the Talker already has, sent again by a Thinker recomputing after preemption
         if not new_answers:
             return
-        if st.started:
-            projected = self.model.project_text(torch.stack(new_answers))
-            old = sink.state(req_id).get("text_rows")
-            sink.update_state(req_id, {"text_rows": projected if old is None else torch.cat([old, projected])})
+        if st.started:  # (the Talker projects the rows it takes, a step's at once)
+            new = torch.stack(new_answers)
+            old = sink.state(req_id).get("answer_embeds")
+            sink.update_state(req_id, {"answer_embeds": new if old is None else torch.cat([old, new])})
             return
         st.answer_rows.extend(new_answers)
         embeds, ids, positions = self.model.build_prefill(
             st.prompt_ids, st.prompt_rows, st.hidden_rows, st.answer_rows[0], st.speaker_id, st.media_spans
         )
-        texts = self.model.project_text(torch.stack(st.answer_rows))  # row 0 = first answer token
+        answers = torch.stack(st.answer_rows)  # row 0 = first answer token
         st.prompt_rows.clear()
         st.hidden_rows.clear()
         st.answer_rows.clear()
         st.started = True
-        sink.update_state(req_id, {"prefill_embeds": embeds, "prefill_positions": positions, "text_rows": texts})
+        sink.update_state(req_id, {"prefill_embeds": embeds, "prefill_positions": positions, "answer_embeds": answers})
         sink.append_tokens(req_id, ids, finished=True)
 
     def on_end(self, req_id: str, sink: ARStageInputs) -> None:

@@ -34,7 +34,7 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     talker_decode_input,
     talker_positions,
     talker_prompt_rows,
-    talker_text_row,
+    talker_text_special,
     text_row_ready,
 )
 from omnistage.models.qwen3_omni.thinker import Thinker
@@ -324,15 +324,31 @@ class TalkerStageModel:
         with torch.inference_mode():
             return self.talker.project_text(rows)
 
-    def _text_rows(self, state: Mapping[str, Any]) -> torch.Tensor:
-        """Projected answer rows so far (row 0 = first answer token), [n, H]."""
-        rows = state.get("text_rows")
-        return self.specials.pad.new_zeros(0, self.hidden_size) if rows is None else rows
+    @staticmethod
+    def _num_answers(state: Mapping[str, Any]) -> int:
+        """The Thinker's answer rows so far (its layer-0 embeddings, row 0 = first answer token)."""
+        rows = state.get("answer_embeds")
+        return 0 if rows is None else rows.shape[0]
+
+    def _text_rows(self, steps: list[tuple[int, Mapping[str, Any]]]) -> torch.Tensor:
+        """The text rows [len(steps), H] of decode steps (step, request state): ``talker_text_row``'s, the answer
+        rows among them projected in one call (a step's rows at once, not each request's as it arrived)."""
+        answers = [(k, state["answer_embeds"][step + 1]) for k, (step, state) in enumerate(steps)
+                   if step + 1 < self._num_answers(state)]
+        projected = self.project_text(torch.stack([row for _, row in answers])) if answers else None
+        rows: list[torch.Tensor | None] = [None] * len(steps)
+        for j, (k, _) in enumerate(answers):
+            rows[k] = projected[j]
+        for k, (step, state) in enumerate(steps):
+            if rows[k] is None:
+                rows[k] = talker_text_special(step, self._num_answers(state), bool(state.get("text_done")),
+                                              self.specials)
+        return torch.stack(rows)
 
     def input_ready(self, state: Mapping[str, Any], request: Request) -> bool:
         """Whether the next decode step's text row exists (else the stage pauses the request)."""
         step = request.num_output_tokens - 1
-        return text_row_ready(step, self._text_rows(state).shape[0], bool(state.get("text_done", False)))
+        return text_row_ready(step, self._num_answers(state), bool(state.get("text_done", False)))
 
     # ---- one step ----------------------------------------------------------------------------------
     def prepare_inputs(self, ctx: StepContext, input_ids: torch.Tensor, positions: torch.Tensor):
@@ -370,14 +386,7 @@ class TalkerStageModel:
             idx = [i for i, _, _ in new_rows]
             token_rows = torch.tensor([r for _, r, _ in new_rows], device=input_ids.device)
             hidden_prev = torch.stack([ctx.states[i]["last_hidden"] for i in idx])
-            text = torch.stack(
-                [
-                    talker_text_row(
-                        step, self._text_rows(ctx.states[i]), bool(ctx.states[i].get("text_done")), self.specials
-                    )
-                    for i, _, step in new_rows
-                ]
-            )
+            text = self._text_rows([(step, ctx.states[i]) for i, _, step in new_rows])
             # Residual codes follow the talker's greedy/sampling choice, each sampled row from its own generator.
             generators = [None if ctx.sampling_rows[i].params.greedy else ctx.sampling_rows[i].generator for i in idx]
             with torch.inference_mode():

@@ -236,13 +236,21 @@ def talker_text_row(
     """
     if step < 0:
         raise ValueError(f"decode step must be >= 0, got {step}")
+    if step + 1 < answer_rows.shape[0]:
+        return answer_rows[step + 1]
+    return talker_text_special(step, answer_rows.shape[0], answer_done, specials)
+
+
+def talker_text_special(step: int, num_answer_rows: int, answer_done: bool, specials: TextSpecials) -> torch.Tensor:
+    """``talker_text_row`` past the answer rows (step + 1 >= ``num_answer_rows``): tts_eos right after the last
+    answer row, tts_pad after that; an error while the answer is still streaming."""
     idx = step + 1
-    n = answer_rows.shape[0]
-    if idx < n:
-        return answer_rows[idx]
+    if idx < num_answer_rows:
+        raise ValueError(f"text row {idx} is an answer row, not a special one")
     if not answer_done:
-        raise ValueError(f"text row {idx} is not available yet ({n} answer rows, answer still streaming)")
-    return specials.eos if idx == n else specials.pad
+        raise ValueError(f"text row {idx} is not available yet ({num_answer_rows} answer rows, answer still "
+                         "streaming)")
+    return specials.eos if idx == num_answer_rows else specials.pad
 
 
 def talker_decode_input(embed_sum: torch.Tensor, text_rows: torch.Tensor) -> torch.Tensor:
