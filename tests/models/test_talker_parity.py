@@ -16,7 +16,7 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     TalkerTokenIds,
     build_talker_prefill,
     talker_decode_input,
-    talker_text_row,
+    talker_text_rows,
     text_row_ready,
     text_specials,
 )
@@ -57,6 +57,11 @@ def _prefill(ref):
     return embeds, input_ids, specials, talker.project_text(answer)
 
 
+def talker_text_row(step: int, rows: torch.Tensor, done: bool, specials) -> torch.Tensor:
+    """One decode step's text row from projected answer rows (``talker_text_rows`` of one step)."""
+    return talker_text_rows([(step, rows, done)], lambda x: x, specials)[0]
+
+
 def _cache(talker: Talker) -> PagedRequests:
     return PagedRequests(talker.cfg.num_layers, talker.cfg.num_kv_heads, talker.cfg.head_dim)
 
@@ -92,8 +97,14 @@ def test_text_row_streaming_rules():
     assert torch.equal(talker_text_row(0, rows, False, specials), rows[1])
     with pytest.raises(ValueError, match="not available"):
         talker_text_row(2, rows, False, specials)
-    assert talker_text_row(2, rows, True, specials) is specials.eos
-    assert talker_text_row(3, rows, True, specials) is specials.pad
+    assert torch.equal(talker_text_row(2, rows, True, specials), specials.eos)
+    assert torch.equal(talker_text_row(3, rows, True, specials), specials.pad)
+    # several steps at once: the answer rows through one projection call, the specials as they are
+    calls = []
+    both = talker_text_rows([(0, rows, False), (4, rows, True), (1, rows, False), (2, None, True)],
+                            lambda x: calls.append(x.shape[0]) or x * 2, specials)
+    assert calls == [2] and torch.equal(both[0], rows[1] * 2) and torch.equal(both[2], rows[2] * 2)
+    assert torch.equal(both[1], specials.pad) and torch.equal(both[3], specials.pad)
 
 
 @pytest.mark.parametrize("preset, stop", RUNS)

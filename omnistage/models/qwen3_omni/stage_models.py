@@ -34,7 +34,7 @@ from omnistage.models.qwen3_omni.talker_inputs import (
     talker_decode_input,
     talker_positions,
     talker_prompt_rows,
-    talker_text_special,
+    talker_text_rows,
     text_row_ready,
 )
 from omnistage.models.qwen3_omni.thinker import Thinker
@@ -330,21 +330,6 @@ class TalkerStageModel:
         rows = state.get("answer_embeds")
         return 0 if rows is None else rows.shape[0]
 
-    def _text_rows(self, steps: list[tuple[int, Mapping[str, Any]]]) -> torch.Tensor:
-        """The text rows [len(steps), H] of decode steps (step, request state): ``talker_text_row``'s, the answer
-        rows among them projected in one call (a step's rows at once, not each request's as it arrived)."""
-        answers = [(k, state["answer_embeds"][step + 1]) for k, (step, state) in enumerate(steps)
-                   if step + 1 < self._num_answers(state)]
-        projected = self.project_text(torch.stack([row for _, row in answers])) if answers else None
-        rows: list[torch.Tensor | None] = [None] * len(steps)
-        for j, (k, _) in enumerate(answers):
-            rows[k] = projected[j]
-        for k, (step, state) in enumerate(steps):
-            if rows[k] is None:
-                rows[k] = talker_text_special(step, self._num_answers(state), bool(state.get("text_done")),
-                                              self.specials)
-        return torch.stack(rows)
-
     def input_ready(self, state: Mapping[str, Any], request: Request) -> bool:
         """Whether the next decode step's text row exists (else the stage pauses the request)."""
         step = request.num_output_tokens - 1
@@ -386,7 +371,9 @@ class TalkerStageModel:
             idx = [i for i, _, _ in new_rows]
             token_rows = torch.tensor([r for _, r, _ in new_rows], device=input_ids.device)
             hidden_prev = torch.stack([ctx.states[i]["last_hidden"] for i in idx])
-            text = self._text_rows([(step, ctx.states[i]) for i, _, step in new_rows])
+            # (the Thinker's answer rows, projected here: a step's rows at once, not each request's as it arrived)
+            text = talker_text_rows([(step, ctx.states[i].get("answer_embeds"), bool(ctx.states[i].get("text_done")))
+                                     for i, _, step in new_rows], self.project_text, self.specials)
             # Residual codes follow the talker's greedy/sampling choice, each sampled row from its own generator.
             generators = [None if ctx.sampling_rows[i].params.greedy else ctx.sampling_rows[i].generator for i in idx]
             with torch.inference_mode():

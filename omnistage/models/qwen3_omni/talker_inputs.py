@@ -18,7 +18,7 @@ prompt's media spans re-indexed to it (``talker_media_spans``, ``talker_position
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,31 +226,32 @@ def text_row_ready(step: int, num_answer_rows: int, answer_done: bool) -> bool:
     return answer_done or step + 1 < num_answer_rows
 
 
-def talker_text_row(
-    step: int, answer_rows: torch.Tensor, answer_done: bool, specials: TextSpecials
+def talker_text_rows(
+    steps: Sequence[tuple[int, torch.Tensor | None, bool]], project: Callable[[torch.Tensor], torch.Tensor],
+    specials: TextSpecials,
 ) -> torch.Tensor:
-    """Text-conditioning row [H] for decode step ``step`` (0-based).
+    """Text-conditioning rows [len(steps), H] for decode steps (step (0-based), the answer rows so far [n, E] or
+    None, whether the answer is done): answer row step + 1 through ``project`` (every step's at once: one call,
+    row by row the same rows), else tts_eos right after the last answer row and tts_pad after that.
 
-    answer_rows [n, H]: the projected answer tokens available so far (row 0 = first answer token, which the
-    prefill already consumed). answer_done: the Thinker has finished, so ``n`` is final.
-    """
-    if step < 0:
-        raise ValueError(f"decode step must be >= 0, got {step}")
-    if step + 1 < answer_rows.shape[0]:
-        return answer_rows[step + 1]
-    return talker_text_special(step, answer_rows.shape[0], answer_done, specials)
-
-
-def talker_text_special(step: int, num_answer_rows: int, answer_done: bool, specials: TextSpecials) -> torch.Tensor:
-    """``talker_text_row`` past the answer rows (step + 1 >= ``num_answer_rows``): tts_eos right after the last
-    answer row, tts_pad after that; an error while the answer is still streaming."""
-    idx = step + 1
-    if idx < num_answer_rows:
-        raise ValueError(f"text row {idx} is an answer row, not a special one")
-    if not answer_done:
-        raise ValueError(f"text row {idx} is not available yet ({num_answer_rows} answer rows, answer still "
-                         "streaming)")
-    return specials.eos if idx == num_answer_rows else specials.pad
+    Row 0 of the answers is the first answer token, which the prefill already consumed; ``n`` is final once the
+    Thinker has finished (an error while the row is still streaming)."""
+    rows: list[torch.Tensor | None] = [None] * len(steps)
+    answers: list[tuple[int, torch.Tensor]] = []
+    for k, (step, answer_rows, answer_done) in enumerate(steps):
+        if step < 0:
+            raise ValueError(f"decode step must be >= 0, got {step}")
+        n = 0 if answer_rows is None else answer_rows.shape[0]
+        if step + 1 < n:
+            answers.append((k, answer_rows[step + 1]))
+        elif not answer_done:
+            raise ValueError(f"text row {step + 1} is not available yet ({n} answer rows, answer still streaming)")
+        else:
+            rows[k] = specials.eos if step + 1 == n else specials.pad
+    if answers:
+        for (k, _), row in zip(answers, project(torch.stack([row for _, row in answers])).unbind(0), strict=True):
+            rows[k] = row
+    return torch.stack(rows)
 
 
 def talker_decode_input(embed_sum: torch.Tensor, text_rows: torch.Tensor) -> torch.Tensor:
