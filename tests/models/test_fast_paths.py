@@ -615,7 +615,8 @@ def test_decoder_step_equals_the_layers_over_the_paged_cache(weights, shared, qu
         assert logits.shape == (3, 70) and torch.equal(logits, cpu_kernels.linear(hidden, panels, None, 70))
     # A request's row gives the same bits alone (its own blocks, its own experts' rows) as in the batch.
     first = [c.clone() for c in caches]
-    solo = dec.run_layers(step[:1], positions[:1], first, build_attention_metadata([1], contexts[:1], tables[:1], 4, 8))[0]
+    solo_meta = build_attention_metadata([1], contexts[:1], tables[:1], 4, 8)
+    solo = dec.run_layers(step[:1], positions[:1], first, solo_meta)[0]
     assert torch.equal(solo, got[:1])
 
 

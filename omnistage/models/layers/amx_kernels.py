@@ -50,8 +50,8 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("Linux refused this process AMX tile state")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.amx_conv.restype = None
-    library.amx_conv.argtypes = ([i64] * 7 + [p, i64, p, i64, p, p, i32, i32, p, i64, p, p, i64, i32, i32, i64, p, i64,
-                                                i32])
+    library.amx_conv.argtypes = [i64] * 7 + [p, i64, p, i64, p, p, i32, i32, p, i64, p, p, i64, i32, i32, i64, p,
+                                             i64, i32]
     library.amx_linear_rows.restype = None
     library.amx_linear_rows.argtypes = [p, i64, p, i32, p, i32, p, i64, i32, i32]
     library.snake_kept.restype = None
@@ -185,9 +185,10 @@ def conv(
 ) -> torch.Tensor:
     """Convolution at ``dilation``, stride 1, of the signal [B, H + T, C] that is ``left`` [B, H, C] (as it is,
     or through ``snake`` too where ``snake_left``; none: H = 0) followed by x [B, T, C] (through SnakeBeta ``x +
-    (sin(x alpha) scale)^2`` where ``snake`` = (alpha, scale) per channel), float32 or bfloat16 -> [B, H + T - (taps - 1) * dilation, N] in x's dtype, plus
-    ``bias`` and ``residual`` (contiguous, of the result's shape and dtype: the sum is written into it and
-    returned). The activated signal is never stored: each job activates and splits the rows it reads."""
+    (sin(x alpha) scale)^2`` where ``snake`` = (alpha, scale) per channel), float32 or bfloat16 -> [B, H + T -
+    (taps - 1) * dilation, N] in x's dtype, plus ``bias`` and ``residual`` (contiguous, of the result's shape and
+    dtype: the sum is written into it and returned). The activated signal is never stored: each job activates and
+    splits the rows it reads."""
     batch, length, channels = x.shape
     _check_rows(x, weight)
     left, held = _left_context(left, x)
@@ -218,8 +219,9 @@ def conv(
     library.amx_conv(batch, held + length, out_length, channels, cp, weight.taps, dilation, rows.data_ptr(),
                      rows.stride(0), 0 if left is None else left.data_ptr(), held,
                      0 if alpha is None else alpha.data_ptr(), 0 if scale is None else scale.data_ptr(),
-                     int(snake_left), bf16, weight.data.data_ptr(), weight.outputs, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                     weight.outputs, bf16, int(residual is not None), chunk, planes.data_ptr(), stride, threads)
+                     int(snake_left), bf16, weight.data.data_ptr(), weight.outputs,
+                     0 if bias is None else bias.data_ptr(), out.data_ptr(), weight.outputs, bf16,
+                     int(residual is not None), chunk, planes.data_ptr(), stride, threads)
     return out
 
 

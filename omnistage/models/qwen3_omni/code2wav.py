@@ -515,7 +515,10 @@ class DecoderBlock(nn.Module):
             snake = self.block[0].kernel_parameters()
         else:
             x = self.block[0].forward_channels_last(x)
-        x = up.forward_channels_last(x, snake) if stream is None else stream.conv_transpose(up, x, channels_last=True, snake=snake)
+        if stream is None:
+            x = up.forward_channels_last(x, snake)
+        else:
+            x = stream.conv_transpose(up, x, channels_last=True, snake=snake)
         for unit in self.block[2:]:
             x = unit.forward_channels_last(x, stream)
         return x

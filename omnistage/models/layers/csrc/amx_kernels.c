@@ -86,6 +86,20 @@ static inline __m512 sin_unsigned(__m512 t, const int precise) {
     return _mm512_fmadd_ps(_mm512_mul_ps(p, r2), r, r);
 }
 
+/* 16 values (of the mask's lanes; zeros past them) of a float32 or bfloat16 row, as float32. */
+static inline __m512 load16(const void *x, int x_bf16, __mmask16 m) {
+    return x_bf16 ? widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x)))
+                  : _mm512_maskz_loadu_ps(m, (const float *)x);
+}
+
+/* SnakeBeta of 16 values: v + (sin(v alpha) scale)^2 per channel (zero past the mask stays zero); `precise`:
+ * float32 rows (sin_unsigned). Every kernel that activates rows (split_row, snake_kept) takes these bits. */
+static inline __m512 snake16(__m512 v, const float *alpha, const float *scale, __mmask16 m, int precise) {
+    const __m512 t = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, alpha));
+    const __m512 y = _mm512_mul_ps(sin_unsigned(t, precise), _mm512_maskz_loadu_ps(m, scale));
+    return _mm512_fmadd_ps(y, y, v);
+}
+
 /* One row (float32 or bfloat16, C channels) -> `parts` planes' rows of CP channels (`plane` elements apart; each
  * 32 channels `kstride` elements after the previous 32: 32 for rows as they are), zero past C, through SnakeBeta
  * where `alpha` is given. Three parts: hi = the value's upper 16 bits (truncated), mid = the rest's, lo = what is
@@ -101,13 +115,8 @@ static inline void split_row(const void *x, int x_bf16, int64_t C, int64_t CP, i
         for (int h = 0; h < 2; h++) {
             const int64_t cc = c + 16 * h, n = C - cc >= 16 ? 16 : C - cc > 0 ? C - cc : 0;
             const __mmask16 m = (__mmask16)((1u << n) - 1u);
-            v[h] = x_bf16 ? widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x + cc)))
-                          : _mm512_maskz_loadu_ps(m, (const float *)x + cc);
-            if (alpha) { /* SnakeBeta: v + (sin(v alpha) scale)^2 (zero past C stays zero) */
-                const __m512 t = _mm512_mul_ps(v[h], _mm512_maskz_loadu_ps(m, alpha + cc));
-                const __m512 y = _mm512_mul_ps(sin_unsigned(t, !x_bf16), _mm512_maskz_loadu_ps(m, scale + cc));
-                v[h] = _mm512_fmadd_ps(y, y, v[h]);
-            }
+            v[h] = load16((const char *)x + cc * (x_bf16 ? 2 : 4), x_bf16, m);
+            if (alpha) v[h] = snake16(v[h], alpha + cc, scale + cc, m, !x_bf16);
         }
         uint16_t *at = p0 + (c >> 5) * kstride;
         const __m512 upper = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xffff0000u));
@@ -143,16 +152,14 @@ static inline void store_row(const float *acc, const float *bias, const void *ol
         if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + c));
         if (out_bf16) {
             uint16_t *o = (uint16_t *)out + c;
-            if (old) { /* the product rounded as stored, then the sum (as separate ops would round) */
-                const uint16_t *prev = (const uint16_t *)old + c;
-                v = _mm512_add_ps(widen_bf16(round_bf16(v)), widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, prev))));
-            }
+            if (old) /* the product rounded as stored, then the sum (as separate ops would round) */
+                v = _mm512_add_ps(widen_bf16(round_bf16(v)), load16((const uint16_t *)old + c, 1, m));
             const __m256i r = _mm512_cvtepi32_epi16(round_bf16(v));
             if (stream && n == 16) _mm256_stream_si256((__m256i *)o, r);
             else _mm256_mask_storeu_epi16(o, m, r);
         } else {
             float *o = (float *)out + c;
-            if (old) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, (const float *)old + c));
+            if (old) v = _mm512_add_ps(v, load16((const float *)old + c, 0, m));
             if (stream && n == 16) _mm512_stream_ps(o, v);
             else _mm512_mask_storeu_ps(o, m, v);
         }
@@ -269,8 +276,9 @@ static inline __attribute__((target("amx-tile,amx-bf16"))) void job_blocks(
 
 /* The convolution: out[b * TO + t][n] (+)= bias[n] + sum over taps and channels of in[b][t + tap * dil][c] *
  * w[n][tap][c], in[b] = item b's H rows of `left` then its TI - H rows of x, through SnakeBeta if `alpha` (the
- * rows of `left` too where `snake_left`; see split_rows; float32 or bfloat16 rows, C channels; three parts for float32). Each job (up to `mchunk` output
- * rows of one batch item, a multiple of 32; a share of the output blocks) first splits the input rows it reads into
+ * rows of `left` too where `snake_left`; see split_rows; float32 or bfloat16 rows, C channels; three parts for
+ * float32). Each job (up to `mchunk` output rows of one batch item, a multiple of 32; a share of the output
+ * blocks) first splits the input rows it reads into
  * this thread's planes (`scratch`, `stride` elements a thread: (mchunk + (taps - 1) dil) * CP * parts), which then
  * stay in L2 while the weights stream through: the signal is read once, no planes go through memory. */
 __attribute__((target("amx-tile,amx-bf16"))) void amx_conv(
@@ -343,7 +351,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_unit(
         for (int64_t job = 0; job < B * chunks; job++) {
             const int64_t b = job / chunks, m0 = job % chunks * mchunk;
             const int64_t m1 = m0 + mchunk < row_blocks * 32 ? m0 + mchunk : row_blocks * 32;
-            split_rows(x, C, left, H, alpha1, scale1, 0, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes, plane);
+            split_rows(x, C, left, H, alpha1, scale1, 0, x_bf16, b, TI, m0, m1 - m0 + halo, C, CP, parts, planes,
+                       plane);
             job_blocks(planes, CP, K, dil, parts, plane, w1, 0, nblocks, m0, m1, TO, C, bias1, h, C, x_bf16, 0, 0, acc);
             for (int64_t r = 0; r < m1 - m0; r++) {
                 if (m0 + r < TO) {
@@ -592,11 +601,7 @@ void snake_kept(int64_t B, int64_t H, int64_t T, int64_t C, const void *left, co
             const char *src = (const char *)x + (b * T + e - H) * C * esize;
             for (int64_t c = 0; c < C; c += 16) {
                 const __mmask16 m = (__mmask16)(C - c >= 16 ? 0xffffu : (1u << (C - c)) - 1u);
-                __m512 v = x_bf16 ? widen_bf16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)src + c)))
-                                  : _mm512_maskz_loadu_ps(m, (const float *)src + c);
-                const __m512 t = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, alpha + c));
-                const __m512 y = _mm512_mul_ps(sin_unsigned(t, !x_bf16), _mm512_maskz_loadu_ps(m, scale + c));
-                v = _mm512_fmadd_ps(y, y, v);
+                const __m512 v = snake16(load16(src + c * esize, x_bf16, m), alpha + c, scale + c, m, !x_bf16);
                 if (x_bf16) /* rounded as split_row's single part */
                     _mm256_mask_storeu_epi16((uint16_t *)dst + c, m, (__m256i)_mm512_cvtneps_pbh(v));
                 else

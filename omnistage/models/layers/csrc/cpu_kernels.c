@@ -642,8 +642,9 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
  * item b's input rows are its H rows of `left` as they are, then its TX rows of x through SnakeBeta (a = v +
  * (sin(alpha v) scale)^2, rounded to the rows' type as a stored activation would be). One pass reads x once,
  * where SnakeBeta, a GEMM to K O columns and K shifted sums made five over [B, T, C] signals (a 32-channel
- * float32 signal of 768k rows, 2 threads: ~8 ms, against ~19 ms for those passes). Threads split tiles of SNAKE_TILE output rows, whose activations (with
- * the (K - 1) dil rows before them) stay in the thread's buffer; per output row the taps' products are summed
+ * float32 signal of 768k rows, 2 threads: ~8 ms, against ~19 ms for those passes). Threads split tiles of
+ * SNAKE_TILE output rows, whose activations (with the (K - 1) dil rows before them) stay in the thread's buffer;
+ * per output row the taps' products are summed
  * in C / LANES lanes, then across them.
  *   x [B, TX, C], left [B, H, C] (H = (K - 1) dil; may be NULL for H = 0) of the type, C a multiple of LANES;
  *   alpha, scale, bias [C], [C], [O] float32; w [O, K, C] float32; out [B, H + TX - (K - 1) dil, O] of the type;
