@@ -8,19 +8,23 @@ client's ``X-Request-Id`` header as the id). ``kind``:
 - ``crash``: the stage raises a plain error when a matching request is scheduled. In a batch of several
   requests that failure cannot be attributed, so the engine (or the stage worker) dies; alone in its step,
   the request fails by itself.
+- ``slow``: the stage sleeps ``SLOW_STEP_S`` in each step that schedules a matching request, so a client can act
+  while the answer is still streaming however fast the model is (the browser test's stop button).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from omnistage.core.errors import RequestError
 
 ENV_VAR = "OMNISTAGE_FAULTS"
-KINDS = ("request", "crash")
+KINDS = ("request", "crash", "slow")
+SLOW_STEP_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,11 +65,17 @@ class FaultInjector:
         if not self.faults:
             return
         req_ids = list(req_ids)
+        slow = False
         for fault in self.faults:
             if fault.stage != stage:
                 continue
             for req_id in req_ids:
                 if fnmatch.fnmatchcase(req_id, fault.pattern):
-                    if fault.kind == "request":
+                    if fault.kind == "slow":
+                        slow = True
+                    elif fault.kind == "request":
                         raise RequestError(req_id, f"injected fault in stage {stage!r}")
-                    raise RuntimeError(f"injected crash in stage {stage!r} (batch of {len(req_ids)})")
+                    else:
+                        raise RuntimeError(f"injected crash in stage {stage!r} (batch of {len(req_ids)})")
+        if slow:
+            time.sleep(SLOW_STEP_S)

@@ -33,9 +33,10 @@ MAX_INT16_DIFF = 2
 # Greedy, this prompt runs to any token limit on the built-in model (checked against the API in the test).
 ENDLESS_PROMPT = "What is the capital of France?"
 ENDLESS_TOKENS = 400
-# Requests whose id matches fail in Code2Wav (pipeline/faults.py), after their text has streamed: the test
-# gives one page request such an id, the others are untouched.
-FAULTS = "code2wav:page-fault-*"
+# Requests whose id matches fail in Code2Wav (pipeline/faults.py), after their text has streamed; the Thinker
+# takes each step of a "page-slow-*" request 50 ms longer, so the stop button is pressed mid-answer however
+# fast the tiny model runs. The tests give one page request such an id, the others are untouched.
+FAULTS = "code2wav:page-fault-*,thinker:page-slow-*:slow"
 
 
 def _free_port() -> int:
@@ -152,6 +153,14 @@ def _answer(browser, i=0):
                 figuresShown: a.el.querySelector('.figures').textContent};""", i)
 
 
+def _request_id(browser, req_id):
+    """The page's requests from now on carry this id (see FAULTS)."""
+    browser.execute_script(
+        """const fetch0 = window.fetch, id = arguments[0];
+        window.fetch = (url, init) => fetch0(url, {...init, headers: {...init.headers, 'X-Request-Id': id}});""",
+        req_id)
+
+
 def _finished(browser, i=0, timeout=120.0):
     return _wait(lambda: (a := _answer(browser, i)) and a["state"] != "streaming" and a, timeout,
                  what="the answer to finish")
@@ -262,6 +271,7 @@ def test_stop_mid_answer_frees_every_stage(server, browser):
     aborts = _aborts(_metrics(server))
 
     _open(browser, server)
+    _request_id(browser, "page-slow-1")  # 400 steps of at least 50 ms: the stop lands mid-answer
     _set(browser, "temperature", 0)
     _set(browser, "max-tokens", ENDLESS_TOKENS)
     _ask(browser, ENDLESS_PROMPT)
@@ -313,9 +323,7 @@ def test_error_inside_the_stream_is_shown_on_the_page(server, browser):
 
     _open(browser, server)
     # The next request carries an id the server fails in its last stage (see FAULTS).
-    browser.execute_script(
-        """const fetch0 = window.fetch;
-        window.fetch = (url, init) => fetch0(url, {...init, headers: {...init.headers, 'X-Request-Id': 'page-fault-1'}});""")
+    _request_id(browser, "page-fault-1")
     _set(browser, "temperature", 0)
     browser.find_element(By.ID, "prompt").send_keys("Tell me about the sea.")
     browser.find_element(By.ID, "send").click()
