@@ -33,7 +33,9 @@ from omnistage.pipeline.omni import AsyncOmni
 MODEL = "tiny-omni"
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything."}], "stream": True,
         "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "temperature": 0,
-        "max_tokens": 200, "talker": {"temperature": 0, "max_tokens": 400, "repetition_penalty": 1.0}}
+        # Thousands of steps from its end in every stage, however fast: the tests act on it mid-answer.
+        "max_tokens": 2000, "min_tokens": 2000, "ignore_eos": True,
+        "talker": {"temperature": 0, "max_tokens": 2000, "min_tokens": 2000, "repetition_penalty": 1.0}}
 SMALL_CHUNKS = {"stages": {"code2wav": {"bridge_args": {"first_chunk_frames": 4, "chunk_frames": 4}}}}
 
 
