@@ -85,7 +85,7 @@ def test_conv_after_left_context_through_snake_equals_float64(dtype):
     assert (got.double() - expect).abs().max().item() <= tol * expect.abs().max().item()
     point = amx_kernels.pack(_bf16_valued(40, 40, seed=11, scale=0.15))
     residual = torch.randn(3, 50, 40, generator=gen).to(dtype)
-    want = _reference(snaked, _unpack(point), None, 1) + residual.double()
+    want = _reference(snaked, amx_kernels.unpack(point), None, 1) + residual.double()
     got = amx_kernels.conv(x, point, 1, None, residual.clone(), snake=(alpha, scale))
     assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
 
@@ -113,14 +113,6 @@ def test_left_context_through_snake_gives_the_bits_of_the_concatenation(dtype):
             extended = torch.cat((last, x), 1)
             assert torch.equal(out, layer.forward_channels_last(extended, (alpha, scale)))
         assert torch.equal(kept, slide_window(extended, valid, 1, dim=1))
-
-
-def _unpack(weight: amx_kernels.AmxWeight) -> torch.Tensor:
-    """An AmxWeight's values as a float32 convolution weight [N, C, taps]."""
-    n_blocks, half_k = weight.data.shape[:2]
-    k = weight.data.permute(0, 2, 1, 3).reshape(n_blocks * 32, half_k * 2).float()
-    per_tap = k.view(-1, weight.taps, weight.padded_channels)[: weight.outputs, :, : weight.channels]
-    return per_tap.permute(0, 2, 1).contiguous()
 
 
 def test_a_row_does_not_depend_on_its_batch():
@@ -160,12 +152,25 @@ def test_layers_on_amx_equal_their_other_kernels(make):
         for p in layer.parameters():
             p.copy_((torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5).to(torch.bfloat16).float())
     x = torch.randn(3, 41, layer.conv.in_channels, generator=gen)
+    weight, transposed = layer.conv.weight.detach().clone(), isinstance(layer, CausalConvTranspose1d)
     with torch.no_grad():
         other = layer.forward_channels_last(x)
+        # A transposed convolution's calls with too few inputs for the tiles (none; one too for two taps)
+        short = [layer.forward_channels_last(x[:, :n]) for n in range(1 + bool(layer.trim))] if transposed else []
         assert layer.use_amx() and layer.amx_weight is not None
         got = layer.forward_channels_last(x)
+        # One copy of the weight: the unpacked one is released (the tiles' copy gives it back exactly; packing
+        # again is a no-op), and the calls the tiles do not take read it from the tiles' copy.
+        packed = layer.amx_weight
+        assert layer.conv.weight.numel() == 0 and layer.use_amx() and layer.amx_weight is packed
+        assert all(torch.equal(layer.forward_channels_last(x[:, :n]), want) for n, want in enumerate(short))
     assert got.shape == other.shape
     assert (got - other).abs().max().item() <= 1e-5 * other.abs().max().item()
+    packed_as = weight if not transposed else layer._gemm_weight(weight).t().reshape(
+        layer.amx_weight.outputs, layer.amx_weight.taps, -1).permute(0, 2, 1)
+    assert torch.equal(amx_kernels.unpack(layer.amx_weight), packed_as)
+    with pytest.raises(RuntimeError, match="fast=False"):
+        layer.state_dict()
 
 
 def _code2wav_of_bfloat16_values(decoder_dim: int = 128) -> Code2Wav:

@@ -140,6 +140,14 @@ def pack(weight: torch.Tensor) -> AmxWeight:
     return AmxWeight(data, outputs, channels, taps)
 
 
+def unpack(weight: AmxWeight) -> torch.Tensor:
+    """``pack``'s input back, [N, C, taps] float32 (exact: the packed values are bfloat16), for the few calls a
+    packed layer serves off the tiles once its unpacked copy is released."""
+    taps, padded = weight.taps, weight.padded_channels
+    rows = weight.data.transpose(1, 2).reshape(-1, taps, padded)  # [N', taps, C']
+    return rows[: weight.outputs, :, : weight.channels].permute(0, 2, 1).float()
+
+
 def _check_rows(x: torch.Tensor, weight: AmxWeight) -> None:
     if x.shape[-1] != weight.channels or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"x must be [..., {weight.channels}] float32 or bfloat16 on the CPU, got "

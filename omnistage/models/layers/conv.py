@@ -21,7 +21,8 @@ convolutions become plain GEMMs whose outputs already have the next layer's layo
 histories are prepended with contiguous copies. Results equal the [B, C, T] path up to float rounding
 (other summation order). Weights in the layouts these calls need are derived on first use and kept until
 the weight changes; ``use_amx`` instead packs them once for ``amx_kernels`` (AMX CPUs, bfloat16-valued weights),
-which then serve the channels-last path.
+which then serve the channels-last path, and releases the unpacked weight (one copy held; a packed module's
+``state_dict()`` raises, as ``fast_linear``'s packed layers do).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers import amx_kernels
+from omnistage.models.layers.fast_linear import release_weight
 
 # Length rules accept plain ints or integer tensors (one length per request).
 LengthT = TypeVar("LengthT", int, torch.Tensor)
@@ -113,9 +115,10 @@ class CausalConv1d(nn.Module):
         1, no groups, more than ``FEW_OUTPUTS`` outputs, a bfloat16-valued weight, an AMX CPU): the weight
         is packed once, now (call after loading). Returns whether they do."""
         conv = self.conv
-        if (self.stride == 1 and conv.groups == 1 and conv.out_channels > self.FEW_OUTPUTS
+        if (self.amx_weight is None and self.stride == 1 and conv.groups == 1 and conv.out_channels > self.FEW_OUTPUTS
                 and amx_kernels.takes(conv.weight)):
             self.amx_weight = amx_kernels.pack(conv.weight)
+            release_weight(conv, "weight")  # every CPU path of a packed convolution reads the tiles
         return self.amx_weight is not None
 
     def output_length(self, length: LengthT) -> LengthT:
@@ -245,11 +248,12 @@ class CausalConvTranspose1d(nn.Module):
     def use_amx(self) -> bool:
         """Serve ``forward_channels_last``'s GEMM from AMX tiles where they take the weight (kernel == stride or
         2 * stride, a bfloat16-valued weight, an AMX CPU): packed once, now. Returns whether they do."""
-        if self.trim in (0, self.stride) and amx_kernels.takes(self.conv.weight):
+        if self.amx_weight is None and self.trim in (0, self.stride) and amx_kernels.takes(self.conv.weight):
             # The GEMM's weight as a convolution over consecutive inputs: tap 0 the earlier input's rows.
             gemm = self._gemm_weight(self.conv.weight.detach()).t()  # [stride * C_out, taps * C_in]
             taps = 2 if self.trim else 1
             self.amx_weight = amx_kernels.pack(gemm.reshape(gemm.shape[0], taps, -1).permute(0, 2, 1))
+            release_weight(self.conv, "weight")  # (inputs too short for the tiles: _packed_gemm_weight)
         return self.amx_weight is not None
 
     def output_length(self, length: LengthT) -> LengthT:
@@ -365,7 +369,8 @@ class CausalConvTranspose1d(nn.Module):
             hidden = torch.cat((hidden[:, :-1], hidden[:, 1:]), dim=2) if length else hidden[:, :0]
             channels *= 2
         rows = hidden.reshape(-1, channels)
-        weight = derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight)
+        weight = (derived(self, "_cl_gemm_weight", self.conv.weight, self._gemm_weight) if self.amx_weight is None
+                  else derived(self, "_cl_gemm_weight", self.amx_weight.data, self._packed_gemm_weight))
         out = rows @ weight if bias is None else torch.addmm(bias.repeat(self.stride), rows, weight)
         return out.view(batch, length * self.stride, self.conv.out_channels)
 
@@ -377,6 +382,12 @@ class CausalConvTranspose1d(nn.Module):
         out = amx_kernels.conv(hidden, self.amx_weight, 1, None if bias is None else bias.repeat(self.stride),
                                left=left, snake=snake, snake_left=left is not None)
         return out.view(hidden.shape[0], out.shape[1] * self.stride, self.conv.out_channels)
+
+    def _packed_gemm_weight(self, _: torch.Tensor) -> torch.Tensor:
+        """``_gemm_weight`` from the AMX copy (``use_amx`` released the weight), in the layer's dtype: for
+        inputs too short for the tiles (a stream's call without new inputs, a one-input two-tap call)."""
+        gemm = amx_kernels.unpack(self.amx_weight).permute(0, 2, 1).reshape(self.amx_weight.outputs, -1)
+        return gemm.t().to(self.conv.weight.dtype).contiguous()  # (the released weight keeps its dtype)
 
     def _gemm_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """[C_in, C_out, kernel] -> [C_in * taps, stride * C_out], columns ordered (sample, channel); with two
