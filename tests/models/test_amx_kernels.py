@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_code2wav import random_codes, randomize_
+from test_code2wav_kernels import assert_kept_rows_stream_as_one_shot
 from test_code2wav_stream import stream_interleaved
 
 from omnistage.models.layers import amx_kernels
@@ -186,21 +187,23 @@ def _code2wav_of_bfloat16_values(decoder_dim: int = 128) -> Code2Wav:
     return model
 
 
-def test_code2wav_stage_warms_up_what_streaming_runs(monkeypatch):
-    """The Code2Wav stage's load runs what its streamed chunks run (the last convolution's kept inputs through
-    SnakeBeta, which a one-shot decode never activates on their own; the AMX convolutions' kept inputs are
-    activated by their kernels' arithmetic), for one row and for two: their graphs compile at load (~4 s), not
-    in the first audio request."""
+def test_code2wav_streams_without_a_compiled_snakebeta(monkeypatch):
+    """On AMX every activation a streamed chunk needs is a kernel's own (the AMX convolutions' and the last
+    convolution's (``cpu_kernels.snake_conv``) kept inputs are activated by their kernels' arithmetic): the stage's
+    load compiles no SnakeBeta graph (on a machine without inductor's cache that was 16 s of the small preset's
+    Code2Wav load) and streamed chunks never call one."""
     from omnistage.models.qwen3_omni import code2wav
     from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel
 
     model = _code2wav_of_bfloat16_values(256)  # (the last convolution's 16 channels take cpu_kernels.snake_conv)
     model.pack_weights(16)
-    rows = []
-    snake = code2wav._SNAKE
-    monkeypatch.setattr(code2wav, "_SNAKE", lambda x, alpha, scale: rows.append(x.shape[0]) or snake(x, alpha, scale))
+    calls = []
+    for name in ("_SNAKE", "_SNAKE_AFTER"):
+        monkeypatch.setattr(code2wav, name, lambda *args, name=name: calls.append(name))
     Code2WavStageModel(model)
-    assert {1, 2} <= set(rows)
+    codes = random_codes(8, 30, seed=2, batch=2)
+    streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[1, 6, 23], [4, 25, 1]], rounds=12, seed=1)
+    assert calls == [] and all(s.abs().max() > 0 for s in streams)
 
 
 def test_code2wav_on_amx_equals_the_reference_kernels():
@@ -305,22 +308,14 @@ def test_kept_rows_make_a_streamed_unit_give_the_one_shot_bits(dtype):
     s1 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
     s2 = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
     x = torch.randn(3, 90, channels, generator=gen).to(dtype)
-    zeros = x.new_zeros(3, held, channels)
     convs = (w1, b1, s1), (w2, b2, s2)
-    whole = amx_kernels.residual_unit(x, zeros, dilation, *convs)
-    first, rest = x[:, :50].contiguous(), x[:, 50:].contiguous()
-    kept = amx_kernels.snake_kept(zeros, first, 50, s1)
-    streamed = torch.cat((amx_kernels.residual_unit(first, zeros, dilation, *convs),
-                          amx_kernels.residual_unit(rest, kept, dilation, *convs)), 1)
-    assert torch.equal(streamed, whole)
     left = torch.randn(3, held, channels, generator=gen).to(dtype)
-    counts = [0, 7, 50]
-    each = amx_kernels.snake_kept(left, first, torch.tensor(counts), s1)
-    for b, n in enumerate(counts):
-        assert torch.equal(each[b], amx_kernels.snake_kept(left[b : b + 1], first[b : b + 1], n, s1)[0])
-    assert torch.equal(each[0], left[0]) and torch.equal(each[1, : held - 7], left[1, 7:])
+    each = assert_kept_rows_stream_as_one_shot(
+        amx_kernels.snake_kept, lambda x, left: amx_kernels.residual_unit(x, left, dilation, *convs), x, left, s1,
+        [0, 7, 50])
+    assert torch.equal(each[1, : held - 7], left[1, 7:])
     with pytest.raises(ValueError, match="valid counts"):
-        amx_kernels.snake_kept(left, first, 51, s1)
+        amx_kernels.snake_kept(left, x, 91, s1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

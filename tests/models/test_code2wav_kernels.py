@@ -118,6 +118,42 @@ def test_snake_conv_equals_snake_then_conv(dtype, channels, outputs, taps, dilat
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_rows_make_a_streamed_snake_conv_give_the_one_shot_bits(dtype):
+    """``cpu_kernels.snake_kept``: the decoder's last convolution streamed in two chunks (the second reading the
+    first's kept rows, activated by ``snake_conv``'s own arithmetic, as its left context) gives one-shot
+    decoding's bits; per-item counts (0 new rows: the old left rows move on) keep what each item's count keeps."""
+    gen = torch.Generator().manual_seed(9)
+    channels, taps, dilation = 32, 7, 1
+    held = (taps - 1) * dilation
+    x = (2 * torch.randn(3, 90, channels, generator=gen)).to(dtype)
+    snake = (torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5)
+    weight = torch.randn(1, channels, taps, generator=gen) / (channels * taps) ** 0.5
+    bias = torch.randn(1, generator=gen)
+    left = torch.randn(3, held, channels, generator=gen).to(dtype)
+    assert_kept_rows_stream_as_one_shot(cpu_kernels.snake_kept, lambda x, left: cpu_kernels.snake_conv(
+        x, left, *snake, weight, bias, dilation), x, left, snake, [0, 3, 50])
+    with pytest.raises(ValueError, match="valid counts"):
+        cpu_kernels.snake_kept(left, x, 91, snake)
+
+
+def assert_kept_rows_stream_as_one_shot(kept, conv, x, left, snake, counts) -> torch.Tensor:
+    """A kernel's kept-rows function (``snake_kept``) for its convolution ``conv(x, left)`` (left: [B, H, C] left
+    context): x in two chunks, the second after the first's kept rows, gives one-shot's bits; per-item counts
+    (0 new rows: the carried rows move on) keep what each item's own count keeps. Returns the rows kept
+    after ``left`` and the first chunk at ``counts``."""
+    zeros = torch.zeros_like(left)
+    first, rest = x[:, :50].contiguous(), x[:, 50:].contiguous()
+    streamed = torch.cat((conv(first, zeros), conv(rest, kept(zeros, first, 50, snake))), 1)
+    assert torch.equal(streamed, conv(x, zeros))
+    each = kept(left, first, torch.tensor(counts), snake)
+    for b, n in enumerate(counts):
+        assert torch.equal(each[b], kept(left[b : b + 1], first[b : b + 1], n, snake)[0])
+    assert torch.equal(each[0], left[0])  # no new rows: the carried ones, as they were
+    return each
+
+
 def test_derived_weights_follow_the_weight():
     """The channels-last layouts are derived from the weight once and rebuilt when it changes; weights made
     under inference mode (no version counter) work too."""

@@ -239,21 +239,27 @@ def snake_kept(left: torch.Tensor, x: torch.Tensor, valid: int | torch.Tensor,
     ``residual_unit``): item b's rows ``valid[b]`` .. ``valid[b] + H - 1`` of [left; snake(x)] (left [B, H, C]
     as it is, x [B, T, C], float32 or bfloat16; ``valid``: one int for all items or a [B] integer tensor), x's
     rows activated with the kernels' arithmetic, so the next chunk reads what one-shot decoding activates."""
+    left, x, valid, kept = kept_arguments(left, x, valid)
+    alpha, scale = map(_floats, snake)
+    (batch, held, channels), length = kept.shape, x.shape[1]
+    _lazy.require().snake_kept(batch, held, length, channels, left.data_ptr(), x.data_ptr(), valid.data_ptr(),
+                               alpha.data_ptr(), scale.data_ptr(), int(x.dtype == torch.bfloat16), kept.data_ptr())
+    return kept
+
+
+def kept_arguments(left: torch.Tensor, x: torch.Tensor, valid: int | torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A kept-rows kernel's arguments checked (this module's ``snake_kept``, ``cpu_kernels.snake_kept``): left and
+    x contiguous, ``valid`` as a [B] int64 tensor, and the result [B, H, C] to fill."""
     batch, length, channels = x.shape
     if left.dim() != 3 or left.shape[::2] != (batch, channels) or left.dtype != x.dtype:
         raise ValueError(f"left must be [{batch}, H, {channels}] {x.dtype}, got {tuple(left.shape)} {left.dtype}")
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"x must be float32 or bfloat16 on the CPU, got {x.dtype} on {x.device}")
-    held = left.shape[1]
     valid = torch.as_tensor(valid, dtype=torch.int64).expand(batch).contiguous()
     if bool(((valid < 0) | (valid > length)).any()):
         raise ValueError(f"valid counts must lie in [0, {length}]")
-    left, x = left.contiguous(), x.contiguous()
-    alpha, scale = map(_floats, snake)
-    kept = x.new_empty(batch, held, channels)
-    _lazy.require().snake_kept(batch, held, length, channels, left.data_ptr(), x.data_ptr(), valid.data_ptr(),
-                               alpha.data_ptr(), scale.data_ptr(), int(x.dtype == torch.bfloat16), kept.data_ptr())
-    return kept
+    return left.contiguous(), x.contiguous(), valid, x.new_empty(batch, left.shape[1], channels)
 
 
 Conv = tuple[AmxWeight, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]  # weight, bias, (alpha, scale)

@@ -109,6 +109,9 @@ def _build() -> ctypes.CDLL:
         snake_conv = getattr(library, f"snake_conv_{suffix}")
         snake_conv.restype = None
         snake_conv.argtypes = [i64] * 7 + [pointer] * 8 + [i32]
+        kept = getattr(library, f"snake_kept_{suffix}")
+        kept.restype = None
+        kept.argtypes = [i64] * 4 + [pointer] * 6
     for suffix in ("f32", _DOT, _WIDE, _PAIRS):
         if hasattr(library, f"decoder_layers_{suffix}"):
             layers = getattr(library, f"decoder_layers_{suffix}")
@@ -612,6 +615,21 @@ def snake_conv(x: torch.Tensor, left: torch.Tensor | None, alpha: torch.Tensor, 
         batch, held, length, channels, taps, dilation, outputs, x.data_ptr(), 0 if left is None else left.data_ptr(),
         alpha.data_ptr(), scale.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), buf.data_ptr(), threads)
     return out
+
+
+def snake_kept(left: torch.Tensor, x: torch.Tensor, valid: int | torch.Tensor,
+               snake: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A stream's next left context [B, H, C] for ``snake_conv``: item b's rows ``valid[b]`` .. ``valid[b] + H -
+    1`` of [left; SnakeBeta(x)] (left [B, H, C] as it is, x [B, T, C]; ``valid``: one int or a [B] integer
+    tensor; ``snake`` = (alpha, scale)), x's rows activated as ``snake_conv`` activates them, so the next chunk reads
+    what one-shot decoding reads (``amx_kernels.snake_kept`` for the AMX convolutions)."""
+    _require()
+    left, x, valid, kept = amx_kernels.kept_arguments(left, x, valid)
+    (batch, held, channels), length = kept.shape, x.shape[1]
+    alpha, scale = (t.detach().float().contiguous() for t in snake)
+    _function(f"snake_kept_{_SUFFIX[x.dtype]}")(batch, held, length, channels, left.data_ptr(), x.data_ptr(),
+                                               valid.data_ptr(), alpha.data_ptr(), scale.data_ptr(), kept.data_ptr())
+    return kept
 
 
 # -- Qwen3 decoder layers in one call: the code predictor's passes, the paged decoders' decode steps ----------

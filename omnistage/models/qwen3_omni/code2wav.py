@@ -322,21 +322,26 @@ def _conv_transpose(conv: CausalConvTranspose1d, x: torch.Tensor, stream: Stream
     return conv(x) if stream is None else stream.conv_transpose(conv, x)
 
 
+KeptRows = Callable[[torch.Tensor, torch.Tensor, Any, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+
+
 def _activated_left(
-    conv: CausalConv1d, x: torch.Tensor, stream: StreamStep | None, snake: SnakeBeta | None
+    conv: CausalConv1d, x: torch.Tensor, stream: StreamStep | None, snake: SnakeBeta | None, kept: KeptRows
 ) -> torch.Tensor | None:
     """The left context a kernel that activates its rows (AMX, ``cpu_kernels.snake_conv``) reads as it is ([B, H,
-    C], None for none): zeros, or a stream's carried inputs, whose next history (activated) is kept here."""
+    C], None for none): zeros, or a stream's carried inputs, whose next history is kept here, activated by the
+    kernel's ``kept`` function (``amx_kernels.snake_kept``, ``cpu_kernels.snake_kept``: the kernel's arithmetic,
+    so the next chunk reads what one-shot decoding does)."""
     context = conv.history_size
     if not context:
         return None
     if stream is None:
         return x.new_zeros((x.shape[0], context, x.shape[2]))
     left = stream.history_channels_last(conv).contiguous()
-    if conv.amx_weight is not None and snake is not None:  # activated as the AMX kernels activate
-        stream.keep(conv, amx_kernels.snake_kept(left, x, stream.valid, snake.kernel_parameters()))
+    if snake is not None:
+        stream.keep(conv, kept(left, x, stream.valid, snake.kernel_parameters()))
     else:
-        stream.keep_activated_channels_last(conv, left, x, None if snake is None else snake.forward_channels_last)
+        stream.keep_activated_channels_last(conv, left, x, None)
     return left
 
 
@@ -355,14 +360,14 @@ def _conv_channels_last(
     context = conv.history_size
     if conv.amx_weight is not None and x.device.type == "cpu" and (context or snake is not None):
         # AMX tiles: the kernel activates and splits the rows it reads; only the next history is kept
-        return conv.amx_channels_last(x, _activated_left(conv, x, stream, snake),
+        return conv.amx_channels_last(x, _activated_left(conv, x, stream, snake, amx_kernels.snake_kept),
                                       None if snake is None else snake.kernel_parameters(), residual)
     c = conv.conv
     if (snake is not None and residual is None and conv.stride == 1 and c.groups == 1
             and cpu_kernels.supports_snake_conv(x, c.out_channels)):
         # A few outputs (the decoder's last convolution): SnakeBeta and the convolution in one pass over x
-        return cpu_kernels.snake_conv(x, _activated_left(conv, x, stream, snake), *snake.kernel_parameters(),
-                                      c.weight, c.bias, c.dilation[0])
+        left = _activated_left(conv, x, stream, snake, cpu_kernels.snake_kept)
+        return cpu_kernels.snake_conv(x, left, *snake.kernel_parameters(), c.weight, c.bias, c.dilation[0])
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
@@ -484,7 +489,8 @@ class ResidualUnit(nn.Module):
         if (first is not None and second is not None and x.device.type == "cpu"
                 and x.shape[0] * -(-x.shape[1] // amx_kernels.ROW_CHUNK) >= torch.get_num_threads()):
             return amx_kernels.residual_unit(
-                x, _activated_left(self.conv1, x, stream, self.act1), self.conv1.conv.dilation[0],
+                x, _activated_left(self.conv1, x, stream, self.act1, amx_kernels.snake_kept),
+                self.conv1.conv.dilation[0],
                 (first, self.conv1.conv.bias, self.act1.kernel_parameters()),
                 (second, self.conv2.conv.bias, self.act2.kernel_parameters()))
         h = _conv_channels_last(self.conv1, x, stream, self.act1)

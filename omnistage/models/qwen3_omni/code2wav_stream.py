@@ -161,9 +161,9 @@ class Code2WavStreamer:
 
     def warm_up(self) -> None:
         """Compile what streamed decoding runs beyond a one-shot decode (``Code2Wav.warm_up``) now rather than in
-        the first audio request, where it took ~4 s of the first chunk (the SnakeBeta of the convolutions' kept
-        inputs): a first and a next chunk of one row and of two, under inference mode as the generation runner
-        calls."""
+        the first audio request, where it took ~4 s of the first chunk (the SnakeBeta of the kept inputs of the
+        convolutions whose kernels do not activate them: none on AMX CPUs): a first and a next chunk of one row
+        and of two, under inference mode as the generation runner calls."""
         weight = self._weight
         if not self.model.uses_fast_kernels(weight.device):
             return

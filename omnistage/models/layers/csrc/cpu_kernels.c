@@ -702,6 +702,30 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
 DEFINE_SNAKE_CONV(f32, f32, float)
 DEFINE_SNAKE_CONV(bf16, bf16, uint16_t)
 
+/* A stream's next left context for snake_conv: kept [B, H, C] = rows valid[b] .. valid[b] + H - 1 of item b's
+ * [left; SnakeBeta(x)] (left [B, H, C] as it is, x [B, TX, C]), x's rows activated by snake_conv's own loop
+ * (the same vector sine and rounding), so the next chunk reads the values one-shot decoding's kernel computes. */
+#define DEFINE_SNAKE_KEPT(SUFFIX, TS, T)                                                                      \
+    void snake_kept_##SUFFIX(int64_t B, int64_t H, int64_t TX, int64_t C, const T *left, const T *x,            \
+                             const int64_t *valid, const float *alpha, const float *scale, T *kept) {          \
+        for (int64_t b = 0; b < B; b++)                                                                        \
+            for (int64_t r = 0; r < H; r++) {                                                                  \
+                const int64_t e = valid[b] + r;                                                                \
+                T *dst = kept + (b * H + r) * C;                                                               \
+                if (e < H) {                                                                                   \
+                    memcpy(dst, left + (b * H + e) * C, (size_t)C * sizeof(T));                                \
+                    continue;                                                                                  \
+                }                                                                                              \
+                const T *v = x + (b * TX + e - H) * C;                                                         \
+                _Pragma("omp simd") for (int64_t c = 0; c < C; c++) {                                          \
+                    const float u = get_##TS(v + c), y = sinf(u * alpha[c]) * scale[c];                        \
+                    put_##TS(dst + c, round_##TS(u + y * y));                                                  \
+                }                                                                                              \
+            }                                                                                                  \
+    }
+DEFINE_SNAKE_KEPT(f32, f32, float)
+DEFINE_SNAKE_KEPT(bf16, bf16, uint16_t)
+
 DECLARE_SIMD
 extern float expf(float);
 /* silu_times with a vector clone at the build's width (libmvec's expf), for the pass's SwiGLU loop; silu_times
