@@ -187,23 +187,22 @@ def _code2wav_of_bfloat16_values(decoder_dim: int = 128) -> Code2Wav:
     return model
 
 
-def test_code2wav_streams_without_a_compiled_snakebeta(monkeypatch):
-    """On AMX every activation a streamed chunk needs is a kernel's own (the AMX convolutions' and the last
-    convolution's (``cpu_kernels.snake_conv``) kept inputs are activated by their kernels' arithmetic): the stage's
-    load compiles no SnakeBeta graph (on a machine without inductor's cache that was 16 s of the small preset's
-    Code2Wav load) and streamed chunks never call one."""
-    from omnistage.models.qwen3_omni import code2wav
-    from omnistage.models.qwen3_omni.stage_models import Code2WavStageModel
+def test_code2wav_on_amx_activates_every_row_inside_its_kernels(monkeypatch):
+    """On AMX every SnakeBeta of the decoder, one-shot and streamed, is applied by the kernel that reads the rows
+    (the AMX convolutions', the last convolution's ``cpu_kernels.snake_conv``, and their kept inputs through the
+    same arithmetic): no pass of its own over the signal."""
+    from omnistage.models.qwen3_omni.code2wav import SnakeBeta
 
     model = _code2wav_of_bfloat16_values(256)  # (the last convolution's 16 channels take cpu_kernels.snake_conv)
     model.pack_weights(16)
     calls = []
-    for name in ("_SNAKE", "_SNAKE_AFTER"):
-        monkeypatch.setattr(code2wav, name, lambda *args, name=name: calls.append(name))
-    Code2WavStageModel(model)
+    monkeypatch.setattr(SnakeBeta, "forward_channels_last", lambda *args: calls.append(args))
     codes = random_codes(8, 30, seed=2, batch=2)
+    with torch.no_grad():
+        whole = model(codes)[:, 0]
     streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[1, 6, 23], [4, 25, 1]], rounds=12, seed=1)
-    assert calls == [] and all(s.abs().max() > 0 for s in streams)
+    assert calls == [] and whole.abs().max() > 0
+    assert max((s - w).abs().max().item() for s, w in zip(streams, whole)) <= 1e-4
 
 
 def test_code2wav_on_amx_equals_the_reference_kernels():

@@ -1,6 +1,7 @@
 """Code2Wav's fast decoder kernels (channels-last convolutions, GEMM pointwise and transposed convolutions,
 fused SnakeBeta) equal the reference kernels (torch's [B, C, T] convolutions, as in transformers): layer by
-layer, one-shot and streamed, float32 and bfloat16; the compiled SnakeBeta equals its eager fallback."""
+layer, one-shot and streamed, float32 and bfloat16; SnakeBeta's own pass (CPU kernels or eager) equals the
+reference's."""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ from test_code2wav import random_codes, randomize_
 from test_code2wav_stream import stream_interleaved
 
 from omnistage.models.layers import cpu_kernels
-from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
 from omnistage.models.qwen3_omni.code2wav import (
     Code2Wav,
     Code2WavConfig,
     ResidualUnit,
     SnakeBeta,
-    _snake_after,
-    _snake_after_eager,
     _snake_eager,
 )
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
@@ -138,6 +136,27 @@ def test_kept_rows_make_a_streamed_snake_conv_give_the_one_shot_bits(dtype):
         cpu_kernels.snake_kept(left, x, 91, snake)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_snake_rows_follow_their_context_and_do_not_depend_on_their_neighbours(dtype):
+    """``cpu_kernels.snake`` (SnakeBeta where no kernel applies it as it reads): the context rows as they are,
+    then x's rows activated within float32 rounding of float64 (bfloat16: the result's rounding), each row's
+    bits its own, so a stream's few kept rows activated alone match the chunk's (keep_activated_channels_last)."""
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(2, 70, 40, generator=gen)).to(dtype)
+    context = torch.randn(2, 6, 40, generator=gen).to(dtype)
+    alpha, scale = torch.rand(40, generator=gen) + 0.5, torch.rand(40, generator=gen) + 0.5
+    got = cpu_kernels.snake(x, alpha, scale, context)
+    want = _snake_eager(x.double(), alpha.double(), scale.double())
+    assert got.dtype == dtype and got.shape == (2, 76, 40) and torch.equal(got[:, :6], context)
+    tol = 4e-6 if dtype == torch.float32 else 2**-8
+    assert (got[:, 6:].double() - want).abs().max().item() <= tol * want.abs().max().item()
+    alone = cpu_kernels.snake(x[:, 33:38], alpha, scale)
+    assert torch.equal(alone, got[:, 39:44]) and torch.equal(cpu_kernels.snake(x, alpha, scale), got[:, 6:])
+    with pytest.raises(ValueError, match="context must be"):
+        cpu_kernels.snake(x, alpha, scale, context[:, :, :8])
+
+
 def assert_kept_rows_stream_as_one_shot(kept, conv, x, left, snake, counts) -> torch.Tensor:
     """A kernel's kept-rows function (``snake_kept``) for its convolution ``conv(x, left)`` (left: [B, H, C] left
     context): x in two chunks, the second after the first's kept rows, gives one-shot's bits; per-item counts
@@ -233,26 +252,24 @@ def test_fast_decoder_bfloat16_is_as_close_to_float32_as_the_reference(decoder_d
     assert max(fast_err, stream_err) <= 2 * reference_err + 0.02
 
 
-def test_compiled_snake_equals_eager():
-    compiled = LazyCompiled(_snake_after, "test.snake_after", enabled=True, dynamic_shapes=True)
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "eager"])
+def test_channels_last_snake_equals_the_reference(kernels, monkeypatch):
+    """``SnakeBeta.forward_channels_last`` (the CPU kernels' pass, else eager torch) after a strided history
+    (a stream's carried inputs): the history as it is, then the reference SnakeBeta's values."""
+    if kernels and not cpu_kernels.available():
+        pytest.skip("no C compiler to build omnistage's CPU kernels")
+    monkeypatch.setattr(cpu_kernels, "supports_snake", lambda x, real=cpu_kernels.supports_snake: kernels and real(x))
     snake = SnakeBeta(24)
     gen = torch.Generator().manual_seed(5)
     snake.alpha.copy_(0.3 * torch.randn(24, generator=gen))  # log-scale, as trained vocoders have them
     snake.beta.copy_(0.3 * torch.randn(24, generator=gen))
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for length, context in ((50, 6), (123, 18)):  # another shape: the same dynamic graph
+        for length, context in ((50, 6), (123, 18)):
             x = (2 * torch.randn(2, length, 24, generator=gen)).to(dtype)
             left = torch.randn(2, 24, context, generator=gen).to(dtype).transpose(1, 2)  # a strided history
-            alpha = snake.alpha.exp().to(dtype)
-            scale = (snake.beta.exp() + 1e-9).rsqrt().to(dtype)
-            got = compiled(left, x, alpha, scale)
-            assert compiled.failure is None, compiled.failure
-            expect = _snake_after_eager(left.float(), x.float(), alpha.float(), scale.float())
+            got = snake.forward_channels_last(x, left)
+            reference = snake(x.float().transpose(1, 2)).transpose(1, 2)
             assert got.dtype == dtype and got.shape == (2, context + length, 24)
             assert torch.equal(got[:, :context], left)
-            assert (got.float() - expect).abs().max().item() <= tol * expect.abs().max().item()
-            # The eager fallback computes the same function as the reference SnakeBeta.
-            reference = snake(x.float().transpose(1, 2)).transpose(1, 2)
-            eager = _snake_after_eager(left, x, alpha, scale)
-            assert torch.equal(eager[:, :context], left)
-            assert (eager[:, context:].float() - reference).abs().max().item() <= tol * 4 * reference.abs().max().item()
+            assert (got[:, context:].float() - reference).abs().max().item() <= tol * reference.abs().max().item()
+            assert torch.equal(snake.forward_channels_last(x), got[:, context:])

@@ -112,6 +112,9 @@ def _build() -> ctypes.CDLL:
         kept = getattr(library, f"snake_kept_{suffix}")
         kept.restype = None
         kept.argtypes = [i64] * 4 + [pointer] * 6
+        rows = getattr(library, f"snake_rows_{suffix}")
+        rows.restype = None
+        rows.argtypes = [i64] * 4 + [pointer] * 5 + [i32]
     for suffix in ("f32", _DOT, _WIDE, _PAIRS):
         if hasattr(library, f"decoder_layers_{suffix}"):
             layers = getattr(library, f"decoder_layers_{suffix}")
@@ -614,6 +617,33 @@ def snake_conv(x: torch.Tensor, left: torch.Tensor | None, alpha: torch.Tensor, 
     _function(f"snake_conv_{_SUFFIX[x.dtype]}")(
         batch, held, length, channels, taps, dilation, outputs, x.data_ptr(), 0 if left is None else left.data_ptr(),
         alpha.data_ptr(), scale.data_ptr(), w.data_ptr(), bias.data_ptr(), out.data_ptr(), buf.data_ptr(), threads)
+    return out
+
+
+def supports_snake(x: torch.Tensor) -> bool:
+    """Whether ``snake`` serves these [B, T, C] rows (CPU, float32 or bfloat16, the kernels built here)."""
+    return x.device.type == "cpu" and x.dtype in _SUFFIX and x.dim() == 3 and available()
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor, context: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """SnakeBeta ``x + (sin(x alpha) scale)^2`` over [B, T, C] rows (rounded to x's dtype) with ``snake_conv``'s
+    arithmetic, after ``context`` [B, H, C] (as it is) where given: [B, H + T, C] in one pass."""
+    _require()
+    batch, length, channels = x.shape
+    held = 0 if context is None else context.shape[1]
+    if context is not None and (context.dim() != 3 or context.shape[::2] != (batch, channels)
+                                or context.dtype != x.dtype):
+        raise ValueError(f"context must be [{batch}, H, {channels}] {x.dtype}, got {tuple(context.shape)} "
+                         f"{context.dtype}")
+    x = x.contiguous()
+    context = None if context is None else context.contiguous()
+    alpha, scale = alpha.detach().float().contiguous(), scale.detach().float().contiguous()
+    out = x.new_empty(batch, held + length, channels)
+    _function(f"snake_rows_{_SUFFIX[x.dtype]}")(batch, held, length, channels,
+                                               0 if context is None else context.data_ptr(), x.data_ptr(),
+                                               alpha.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                                               torch.get_num_threads())
     return out
 
 

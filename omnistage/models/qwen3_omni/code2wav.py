@@ -18,7 +18,8 @@ new frames only.
 
 Kernels: on CPU the decoder (most of the FLOPs) runs on [B, T, C] signals by default: oneDNN channels-last
 convolutions, pointwise and transposed convolutions as GEMMs whose outputs already have the next layer's
-layout, SnakeBeta as one compiled pass that also prepends the next convolution's left context. Measured on
+layout, SnakeBeta as one pass of the CPU kernels that also prepends the next convolution's left context (on AMX
+CPUs each convolution's kernel activates the rows it reads instead). Measured on
 the small preset (batch 16, 25-frame chunks, 1 thread, AMD EPYC): 1.44x float32, 1.8x bfloat16 over
 ``reference_kernels`` (torch's [B, C, T] convolutions, transformers' layout), which stays as the reference
 the fast path is tested against; outputs differ by float rounding only (~5e-6 in float32).
@@ -38,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers import amx_kernels, cpu_kernels
-from omnistage.models.layers.compiled import LazyCompiled
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
 
@@ -371,8 +371,8 @@ def _conv_channels_last(
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
-    if stream is None:  # zeros laid out as a stream's carried inputs, so both take the same compiled graph
-        left = x.new_zeros((batch, channels, context)).transpose(1, 2)
+    if stream is None:
+        left = x.new_zeros((batch, context, channels))
     else:
         left = stream.history_channels_last(conv)
     extended = torch.cat((left, x), 1) if snake is None else snake.forward_channels_last(x, left)
@@ -419,31 +419,23 @@ class SnakeBeta(nn.Module):
         return self.alpha.exp(), (self.beta.exp() + 1e-9).rsqrt()
 
     def forward_channels_last(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        """The same function on [B, T, C] as one compiled pass: ``(sin(x * alpha) / sqrt(beta))^2 + x``.
-        With ``context`` [B, H, C]: returns [B, H + T, C], the context followed by the result (a causal
-        convolution's input, made without a separate concatenation pass)."""
-        alpha = self.alpha.exp()
-        scale = (self.beta.exp() + 1e-9).rsqrt()
-        # detach(): same memory, but no view base for the compiled graph to guard on (a view's base shape
-        # would otherwise recompile it for every layer).
+        """The same function on [B, T, C] in one pass (``cpu_kernels.snake``: the CPU kernels' arithmetic, nothing
+        to compile; else eager torch): ``(sin(x * alpha) / sqrt(beta))^2 + x``. With ``context`` [B, H, C]:
+        returns [B, H + T, C], the context followed by the result (a causal convolution's input, made without
+        a separate concatenation pass)."""
+        alpha, scale = self.kernel_parameters()
+        if cpu_kernels.supports_snake(x):
+            return cpu_kernels.snake(x, alpha, scale, context)
         if context is None:
-            return _SNAKE(x.detach(), alpha, scale)
-        return _SNAKE_AFTER(context.detach(), x.detach(), alpha, scale)
-
-
-def _snake(x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    y = torch.sin(x * alpha) * scale
-    return x + y * y
-
-
-def _snake_after(context: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.cat((context, _snake(x, alpha, scale)), 1)
+            return _snake_eager(x, alpha, scale, out=torch.empty_like(x))  # (x's dtype, whatever the parameters')
+        return _snake_after_eager(context, x, alpha, scale)
 
 
 def _snake_eager(
     x: torch.Tensor, alpha: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``_snake`` uncompiled, in four passes and no temporary beyond the result (written to ``out``)."""
+    """SnakeBeta in torch (no CPU kernels here), in four passes and no temporary beyond the result (written to
+    ``out``)."""
     y = torch.mul(x, alpha, out=out) if out is not None else x * alpha
     torch.sin(y, out=y)
     y.mul_(scale)
@@ -458,12 +450,6 @@ def _snake_after_eager(
     out[:, : context.shape[1]] = context
     _snake_eager(x, alpha, scale, out=out[:, context.shape[1] :])
     return out
-
-
-# One fused pass each (inductor's vectorised sin is also ~2.5x faster than eager torch.sin on this CPU); the
-# eager fallbacks (OMNISTAGE_COMPILE=0, no compiler) compute the same function.
-_SNAKE = LazyCompiled(_snake, "code2wav.snake", dynamic_shapes=True, eager=_snake_eager)
-_SNAKE_AFTER = LazyCompiled(_snake_after, "code2wav.snake_after", dynamic_shapes=True, eager=_snake_after_eager)
 
 
 class ResidualUnit(nn.Module):
@@ -658,18 +644,6 @@ class Code2Wav(nn.Module):
         """The channels-last kernels are CPU kernels (oneDNN, inductor's C++); other devices keep the reference
         kernels, whose results the CUDA tests check."""
         return not self.reference_kernels and device.type == "cpu"
-
-    def warm_up(self) -> None:
-        """Compile the fast decoder's fused SnakeBeta kernels now rather than on the first request (seconds
-        per dtype): short decodes of one and of two rows (torch specialises size-1 batches), under inference
-        mode as the generation runner calls (its tensors would not match a graph traced under no_grad)."""
-        weight = self.code_embedding.weight
-        if not self.uses_fast_kernels(weight.device):
-            return
-        for rows in (1, 2):
-            codes = torch.zeros((rows, self.config.num_quantizers, 2), dtype=torch.long, device=weight.device)
-            with torch.inference_mode():
-                self.decode(codes, torch.full((rows,), 2, device=weight.device))
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, Q, T] (all T frames valid) -> wave [B, 1, samples_for_frames(T)]."""

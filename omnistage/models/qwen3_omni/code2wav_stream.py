@@ -159,20 +159,6 @@ class Code2WavStreamer:
             raise ValueError(f"state buffer is on {buffer.device}, the model on {self._weight.device}")
         return state
 
-    def warm_up(self) -> None:
-        """Compile what streamed decoding runs beyond a one-shot decode (``Code2Wav.warm_up``) now rather than in
-        the first audio request, where it took ~4 s of the first chunk (the SnakeBeta of the kept inputs of the
-        convolutions whose kernels do not activate them: none on AMX CPUs): a first and a next chunk of one row
-        and of two, under inference mode as the generation runner calls."""
-        weight = self._weight
-        if not self.model.uses_fast_kernels(weight.device):
-            return
-        for rows in (1, 2):
-            codes = torch.zeros((rows, self.model.config.num_quantizers, 2), dtype=torch.long, device=weight.device)
-            with torch.inference_mode():
-                first = self.decode(codes, [2] * rows, [None] * rows)
-                self.decode(codes, [2] * rows, list(first.states))
-
     def decode(
         self,
         codes: torch.Tensor,

@@ -453,8 +453,6 @@ class Code2WavStageModel:
     def __init__(self, code2wav: Code2Wav) -> None:
         self.code2wav = code2wav
         self.streamer = Code2WavStreamer(code2wav)
-        code2wav.warm_up()
-        self.streamer.warm_up()
 
     def forward_batch(self, payloads: list[torch.Tensor], states: list[Mapping[str, Any]]):
         width = max(p.shape[1] for p in payloads)

@@ -92,7 +92,7 @@ class StreamStep:
 
     def history_channels_last(self, conv: CausalConv1d) -> torch.Tensor:
         """[B, history_size, C_in]: ``conv``'s carried inputs, copied out of the state rows (a few numbers per
-        channel) so they have the strides of one-shot decoding's zeros (one compiled SnakeBeta graph)."""
+        channel; a transposed view of that copy)."""
         return self.histories[conv].contiguous().transpose(1, 2)
 
     def keep_channels_last(self, conv: CausalConv1d, extended: torch.Tensor) -> None:

@@ -702,29 +702,48 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
 DEFINE_SNAKE_CONV(f32, f32, float)
 DEFINE_SNAKE_CONV(bf16, bf16, uint16_t)
 
+/* Row e of item b's [left; SnakeBeta(x)] (left's H rows as they are, then x's TX rows activated by snake_conv's
+ * loop: the same vector sine and rounding) into dst: snake_rows' and snake_kept's rows. */
+#define DEFINE_SNAKE_ROW(SUFFIX, TS, T)                                                                       \
+    static inline void snake_row_##SUFFIX(int64_t b, int64_t e, int64_t H, int64_t TX, int64_t C, const T *left, \
+                                          const T *x, const float *alpha, const float *scale, T *dst) {       \
+        if (e < H) {                                                                                           \
+            memcpy(dst, left + (b * H + e) * C, (size_t)C * sizeof(T));                                        \
+            return;                                                                                            \
+        }                                                                                                      \
+        const T *v = x + (b * TX + e - H) * C;                                                                 \
+        _Pragma("omp simd") for (int64_t c = 0; c < C; c++) {                                                  \
+            const float u = get_##TS(v + c), y = sinf(u * alpha[c]) * scale[c];                                \
+            put_##TS(dst + c, round_##TS(u + y * y));                                                          \
+        }                                                                                                      \
+    }
+
+/* SnakeBeta over [B, TX, C] rows after their left context (H rows a item, may be NULL for H = 0): out [B, H + TX,
+ * C], one pass over the rows (threads split them), where a separate concatenation made another over the
+ * output. */
+#define DEFINE_SNAKE_ROWS(SUFFIX, T)                                                                          \
+    void snake_rows_##SUFFIX(int64_t B, int64_t H, int64_t TX, int64_t C, const T *context, const T *x,         \
+                             const float *alpha, const float *scale, T *out, int threads) {                   \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
+        for (int64_t row = 0; row < B * (H + TX); row++)                                                       \
+            snake_row_##SUFFIX(row / (H + TX), row % (H + TX), H, TX, C, context, x, alpha, scale, out + row * C); \
+    }
+
 /* A stream's next left context for snake_conv: kept [B, H, C] = rows valid[b] .. valid[b] + H - 1 of item b's
- * [left; SnakeBeta(x)] (left [B, H, C] as it is, x [B, TX, C]), x's rows activated by snake_conv's own loop
- * (the same vector sine and rounding), so the next chunk reads the values one-shot decoding's kernel computes. */
-#define DEFINE_SNAKE_KEPT(SUFFIX, TS, T)                                                                      \
+ * [left; SnakeBeta(x)], so the next chunk reads the values one-shot decoding's kernel computes. */
+#define DEFINE_SNAKE_KEPT(SUFFIX, T)                                                                          \
     void snake_kept_##SUFFIX(int64_t B, int64_t H, int64_t TX, int64_t C, const T *left, const T *x,            \
                              const int64_t *valid, const float *alpha, const float *scale, T *kept) {          \
         for (int64_t b = 0; b < B; b++)                                                                        \
-            for (int64_t r = 0; r < H; r++) {                                                                  \
-                const int64_t e = valid[b] + r;                                                                \
-                T *dst = kept + (b * H + r) * C;                                                               \
-                if (e < H) {                                                                                   \
-                    memcpy(dst, left + (b * H + e) * C, (size_t)C * sizeof(T));                                \
-                    continue;                                                                                  \
-                }                                                                                              \
-                const T *v = x + (b * TX + e - H) * C;                                                         \
-                _Pragma("omp simd") for (int64_t c = 0; c < C; c++) {                                          \
-                    const float u = get_##TS(v + c), y = sinf(u * alpha[c]) * scale[c];                        \
-                    put_##TS(dst + c, round_##TS(u + y * y));                                                  \
-                }                                                                                              \
-            }                                                                                                  \
+            for (int64_t r = 0; r < H; r++)                                                                    \
+                snake_row_##SUFFIX(b, valid[b] + r, H, TX, C, left, x, alpha, scale, kept + (b * H + r) * C);  \
     }
-DEFINE_SNAKE_KEPT(f32, f32, float)
-DEFINE_SNAKE_KEPT(bf16, bf16, uint16_t)
+DEFINE_SNAKE_ROW(f32, f32, float)
+DEFINE_SNAKE_ROW(bf16, bf16, uint16_t)
+DEFINE_SNAKE_ROWS(f32, float)
+DEFINE_SNAKE_ROWS(bf16, uint16_t)
+DEFINE_SNAKE_KEPT(f32, float)
+DEFINE_SNAKE_KEPT(bf16, uint16_t)
 
 DECLARE_SIMD
 extern float expf(float);
