@@ -113,7 +113,7 @@ class CausalConv1d(nn.Module):
     def use_amx(self) -> bool:
         """Serve the channels-last path from AMX tiles (``amx_kernels``) where they take this convolution (stride
         1, no groups, more than ``FEW_OUTPUTS`` outputs, a bfloat16-valued weight, an AMX CPU): the weight
-        is packed once, now (call after loading). Returns whether they do."""
+        is packed once, now (call after loading), and its unpacked copy released. Returns whether they do."""
         conv = self.conv
         if (self.amx_weight is None and self.stride == 1 and conv.groups == 1 and conv.out_channels > self.FEW_OUTPUTS
                 and amx_kernels.takes(conv.weight)):
@@ -247,7 +247,8 @@ class CausalConvTranspose1d(nn.Module):
 
     def use_amx(self) -> bool:
         """Serve ``forward_channels_last``'s GEMM from AMX tiles where they take the weight (kernel == stride or
-        2 * stride, a bfloat16-valued weight, an AMX CPU): packed once, now. Returns whether they do."""
+        2 * stride, a bfloat16-valued weight, an AMX CPU): packed once, now, the unpacked weight released. Returns
+        whether they do."""
         if self.amx_weight is None and self.trim in (0, self.stride) and amx_kernels.takes(self.conv.weight):
             # The GEMM's weight as a convolution over consecutive inputs: tap 0 the earlier input's rows.
             gemm = self._gemm_weight(self.conv.weight.detach()).t()  # [stride * C_out, taps * C_in]
