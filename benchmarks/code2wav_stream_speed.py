@@ -134,7 +134,6 @@ def main() -> None:
                     flops[name] = count_flops(model, streamer, codes, chunk)
                 for kernels in args.kernels:
                     model.reference_kernels = kernels == "reference"
-                    model.warm_up()
                     for name, chunk in modes:
                         decode(model, streamer, codes[..., : min(args.frames, 2 * (chunk or 25))], chunk)  # warm-up
                         results[kernels, name] = decode(model, streamer, codes, chunk)

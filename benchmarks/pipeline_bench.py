@@ -220,16 +220,23 @@ _FRAME_FLOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (weak: 
 
 
 def code2wav_frame_flops(c2w) -> float:
-    """Counted matmul/conv flops of one Code2Wav frame (a 50-frame probe on the reference kernels, whose torch
-    convolutions the counter sees, unlike omnistage's own kernels; once per loaded model)."""
+    """Counted matmul/conv flops of one Code2Wav frame (once per loaded model): a 50-frame probe through a model
+    of the same config on the reference kernels, whose torch convolutions the counter sees, unlike omnistage's
+    own kernels (the served model's packed layers no longer hold their unpacked weights); its weights are left
+    uninitialised (their values do not change the count; its buffers are the served model's) and freed after."""
     if c2w not in _FRAME_FLOPS:
-        probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long,
-                            device=c2w.code_embedding.weight.device)
-        fast, c2w.reference_kernels = c2w.reference_kernels, True
-        try:
-            _FRAME_FLOPS[c2w] = count_flops(c2w, probe) / 50
-        finally:
-            c2w.reference_kernels = fast
+        from omnistage.models.qwen3_omni.code2wav import Code2Wav
+
+        with torch.device("meta"):
+            reference = Code2Wav(c2w.config, reference_kernels=True)
+        reference = reference.to_empty(device="cpu").eval()
+        with torch.no_grad():
+            for name, buffer in c2w.named_buffers():  # (positions, code offsets: the served model's)
+                reference.get_buffer(name).copy_(buffer)
+        probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long)
+        _FRAME_FLOPS[c2w] = count_flops(reference, probe) / 50
+        del reference
+        release_free_heap()
     return _FRAME_FLOPS[c2w]
 
 
