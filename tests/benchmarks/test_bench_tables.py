@@ -8,10 +8,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.pipeline_bench import OVERHEAD, component_table, output_difference, stage_table
+from benchmarks.pipeline_bench import (
+    OVERHEAD,
+    code2wav_frame_flops,
+    component_table,
+    output_difference,
+    stage_table,
+)
 from benchmarks.roofline import (
     DecoderShape,
     Peaks,
+    count_flops,
     decoder_forward_work,
     largest_cache_bytes,
     largest_tensor_bytes,
@@ -22,6 +29,8 @@ from benchmarks.roofline import (
 )
 from benchmarks.stage_timers import Component, StageTimers
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
+from omnistage.models.loader import load_into
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 
 
 class Counter:
@@ -164,3 +173,19 @@ def test_media_bench_ceiling_is_the_vocoder_alone_against_transformers():
     ref = {"audio_s": 4.0, "wall": 20.0}  # transformers: 0.2 audio seconds per second
     assert throughput_ceiling({"audio_s": 8.0, "vocoder": 10.0}, ref) == pytest.approx(4.0)  # 0.8 / 0.2
     assert throughput_ceiling({"audio_s": 8.0, "vocoder": 0.0}, ref) == float("inf")
+
+
+def test_code2wav_frame_flops_of_a_served_model_are_the_reference_count(tiny_ckpt):
+    """The work model's Code2Wav frame on the served model (packed for ``fast``: on AMX its convolutions no longer
+    hold their unpacked weights) counts what the reference kernels' torch convolutions do."""
+    config = Code2WavConfig.from_checkpoint(tiny_ckpt)
+    reference = Code2Wav(config, reference_kernels=True).eval()
+    load_into(reference, tiny_ckpt, "code2wav.")
+    want = count_flops(reference, torch.zeros(1, config.num_quantizers, 50, dtype=torch.long)) / 50
+    served = Code2Wav(config).eval()
+    load_into(served, tiny_ckpt, "code2wav.")
+    with torch.no_grad():
+        for p in served.parameters():  # bfloat16 values, as a checkpoint stored in bfloat16 loads: AMX takes them
+            p.copy_(p.to(torch.bfloat16).float())
+    served.pack_weights(16)
+    assert want > 0 and code2wav_frame_flops(served) == want
