@@ -26,6 +26,7 @@ from omnistage.models.layers.fast_linear import (
     can_pack,
     fast_kernels,
     onednn_available,
+    pack_embedding,
 )
 from omnistage.models.layers.mlp import GatedMLP
 from omnistage.models.layers.moe import WIDENED_BF16_MAX_ROWS_PER_EXPERT, SparseMoE
@@ -753,3 +754,30 @@ def test_a_float32_decoder_of_bfloat16_values_decodes_on_pairs_with_the_same_bit
         meta = build_attention_metadata([1, 1, 1], contexts, tables, 4, 8)
         outs.append(dec.run_layers(step, torch.tensor(contexts), caches, meta)[0])
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_float32_embedding_of_bfloat16_values_is_kept_as_them():
+    """``pack_embedding`` (a float32 model's Thinker vocabulary, stored in bfloat16): half the bytes, the same
+    float32 rows; the unpacked weight released (state_dict refuses); untouched where the head shares the weight or
+    the values are not bfloat16's."""
+    gen = torch.Generator().manual_seed(3)
+    embedding = torch.nn.Embedding(300, 64)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(300, 64, generator=gen).to(torch.bfloat16))
+    head = torch.nn.Linear(64, 300, bias=False)
+    ids = torch.tensor([[0, 7, 299], [5, 5, 1]])
+    want = embedding(ids)
+    assert pack_embedding(embedding, head) == 1
+    assert embedding.weight.numel() == 0 and embedding.weight.dtype == torch.float32
+    assert embedding.stored_weight.dtype == torch.bfloat16 and embedding.stored_weight.shape == (300, 64)
+    got = embedding(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="fast=False"):
+        embedding.state_dict()
+    tied = torch.nn.Embedding(300, 64)
+    with torch.no_grad():
+        tied.weight.copy_(torch.randn(300, 64, generator=gen).to(torch.bfloat16))
+    head.weight = tied.weight
+    other = torch.nn.Embedding(300, 64)  # float32 values
+    assert pack_embedding(tied, head) == 0 and pack_embedding(other, torch.nn.Linear(64, 300)) == 0
+    assert type(tied) is type(other) is torch.nn.Embedding and tied.weight.numel() == other.weight.numel() == 300 * 64

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers import amx_kernels, cpu_kernels, quant_kernels
@@ -225,6 +226,28 @@ def pack_output_head(head: nn.Module, embedding: nn.Module) -> int:
     if type(head) is not nn.Linear or head.bias is not None or head.weight is embedding.weight:
         return 0
     return pack_amx(head, part_rows=True)
+
+
+class Bf16StoredEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose float32 weight holds bfloat16 values, kept as those values (``pack_embedding``):
+    half the bytes, the same float32 rows (widened exactly as they are looked up)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.stored_weight, self.padding_idx).float()
+
+
+def pack_embedding(embedding: nn.Module, head: nn.Module) -> int:
+    """A float32 ``nn.Embedding`` whose weight holds bfloat16 values (a checkpoint stored in bfloat16, served in
+    float32) kept as bfloat16 (``Bf16StoredEmbedding``; the float32 weight released), for ``pack_weights`` of the
+    models that own one; not where ``head`` shares the weight (call after ``pack_output_head``). 1, or 0 where it
+    stays. The released Thinker's vocabulary (152064 x 2048): 1.25 -> 0.62 GB."""
+    if (type(embedding) is not nn.Embedding or embedding.weight.dtype != torch.float32 or embedding.max_norm is not None
+            or getattr(head, "weight", None) is embedding.weight or not amx_kernels.bf16_exact(embedding.weight)):
+        return 0
+    embedding.register_buffer("stored_weight", embedding.weight.detach().to(torch.bfloat16), persistent=False)
+    embedding.__class__ = Bf16StoredEmbedding
+    release_weight(embedding, "weight")
+    return 1
 
 
 M = TypeVar("M", bound=nn.Module)

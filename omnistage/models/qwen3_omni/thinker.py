@@ -21,7 +21,7 @@ from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
-from omnistage.models.layers.fast_linear import pack_output_head
+from omnistage.models.layers.fast_linear import pack_embedding, pack_output_head
 from omnistage.models.qwen3_omni.mrope import mrope_axis_of_frequency, mrope_cos_sin, mrope_sections
 
 
@@ -112,6 +112,8 @@ class Thinker(nn.Module):
         return self.lm_head(hidden)
 
     def pack_weights(self, batch_hint: int) -> int:
-        """The ``fast`` option's part here: the output head on AMX tiles (``pack_output_head``); the
-        other layers are packed after this call."""
-        return pack_output_head(self.lm_head, self.model.embed_tokens)
+        """The ``fast`` option's part here: the output head on AMX tiles (``pack_output_head``), a float32 model's
+        bfloat16-valued embedding kept in bfloat16 (``pack_embedding``); the other layers are packed after this
+        call."""
+        return (pack_output_head(self.lm_head, self.model.embed_tokens)
+                + pack_embedding(self.model.embed_tokens, self.lm_head))
