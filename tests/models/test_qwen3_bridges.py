@@ -107,6 +107,23 @@ def test_thinker_rows_become_the_talker_prefill_and_answer_rows_once_each():
     assert sink.states["r"]["text_done"] is True and not sink.finished and len(bridge) == 0
 
 
+def test_a_long_answer_grows_its_rows_without_copying_them_per_token():
+    """Each token's hand-over is a view of a buffer that doubles as it fills: the rows equal the Thinker's in order,
+    views handed earlier keep theirs, and a 300-token answer reallocates a few times, not once a token."""
+    model, sink = TalkerDouble(), Sink()
+    bridge = ThinkerToTalker(model)
+    bridge.add_request("r", {"prompt_ids": [1, 2], "speaker_id": 0})
+    bridge.on_input("r", rows([0, 1]), sink)
+    handed, buffers = [], set()
+    for pos in range(2, 302):
+        bridge.on_input("r", rows([pos]), sink)
+        handed.append(sink.states["r"]["answer_embeds"])
+        buffers.add(handed[-1].untyped_storage().data_ptr())
+    assert handed[-1][:, 0].tolist() == [float(p) for p in range(2, 302)]
+    assert all(view[:, 1].tolist() == [float(p) for p in range(2, 3 + i)] for i, view in enumerate(handed))
+    assert len(buffers) <= 4
+
+
 def test_a_thinker_that_feeds_back_no_answer_token_leaves_nothing_to_speak():
     sink = Sink()
     bridge = ThinkerToTalker(TalkerDouble())

@@ -41,6 +41,21 @@ class _TextState:
     answer_rows: list[torch.Tensor] = field(default_factory=list)  # thinker embeds of fed answer tokens
     num_answers: int = 0  # answer rows received so far (a recomputing Thinker sends old rows again)
     started: bool = False  # talker prefill handed over
+    answer_buffer: torch.Tensor | None = None  # the rows handed over, [capacity, E] (the Talker holds a view)
+
+    def handed_answers(self, new: list[torch.Tensor]) -> torch.Tensor:
+        """Every answer row so far, [num_answers, E], after the ``new`` ones (the last of them): a view of a buffer
+        that doubles as it fills, so a long answer's rows are copied O(n) times in all (a concatenation per
+        token copied O(n^2) rows: ~4 GB for a 1000-token answer at the released width). Views handed earlier
+        keep their rows: later rows go past them, or into a new buffer."""
+        held, buffer = self.num_answers - len(new), self.answer_buffer
+        if buffer is None or self.num_answers > buffer.shape[0]:
+            grown = new[0].new_empty(max(2 * self.num_answers, 64), new[0].shape[-1])
+            if held:
+                grown[:held] = buffer[:held]
+            buffer = self.answer_buffer = grown
+        torch.stack(new, out=buffer[held : self.num_answers])
+        return buffer[: self.num_answers]
 
 
 class ThinkerToTalker:
@@ -80,15 +95,13 @@ class ThinkerToTalker:
         if not new_answers:
             return
         if st.started:  # (the Talker projects the rows it takes, a step's at once)
-            new = torch.stack(new_answers)
-            old = sink.state(req_id).get("answer_embeds")
-            sink.update_state(req_id, {"answer_embeds": new if old is None else torch.cat([old, new])})
+            sink.update_state(req_id, {"answer_embeds": st.handed_answers(new_answers)})
             return
         st.answer_rows.extend(new_answers)
         embeds, ids, positions = self.model.build_prefill(
             st.prompt_ids, st.prompt_rows, st.hidden_rows, st.answer_rows[0], st.speaker_id, st.media_spans
         )
-        answers = torch.stack(st.answer_rows)  # row 0 = first answer token
+        answers = st.handed_answers(st.answer_rows)  # row 0 = first answer token
         st.prompt_rows.clear()
         st.hidden_rows.clear()
         st.answer_rows.clear()
