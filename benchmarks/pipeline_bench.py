@@ -231,8 +231,10 @@ def code2wav_frame_flops(c2w) -> float:
             reference = Code2Wav(c2w.config, reference_kernels=True)
         reference = reference.to_empty(device="cpu").eval()
         with torch.no_grad():
-            for name, buffer in c2w.named_buffers():  # (positions, code offsets: the served model's)
-                reference.get_buffer(name).copy_(buffer)
+            # (positions, code offsets: the served model's; its packed layers' buffers are not the reference's)
+            served = dict(c2w.named_buffers())
+            for name, buffer in reference.named_buffers():
+                buffer.copy_(served[name])
         probe = torch.zeros(1, c2w.config.num_quantizers, 50, dtype=torch.long)
         _FRAME_FLOPS[c2w] = count_flops(reference, probe) / 50
         del reference

@@ -20,10 +20,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from omnistage.models.layers import amx_kernels
 
 # work(args, kwargs, result) -> (flops, bytes) of one call (see stage_timers.StageTimers.attach)
 WorkFn = Callable[[tuple, dict, Any], tuple[float, float]]
@@ -41,14 +44,36 @@ class Peaks:
         return max(flops / (self.gemm_gflops * 1e9), bytes_ / (self.read_gbps * 1e9))
 
 
-def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def _best_seconds(fn: Callable[[], Any], repeats: int, budget_s: float = math.inf) -> float:
+    """The best of ``repeats`` timed calls, fewer (at least 2) where they would take more than ``budget_s``."""
     fn()  # first call: allocation, thread pool start
     best = math.inf
-    for _ in range(repeats):
+    spent = 0.0
+    for i in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+        if i >= 1 and spent > budget_s:
+            break
     return best
+
+
+def gemm_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 30, budget_s: float = 4.0) -> float:
+    """torch's square-matmul rate in ``dtype``: the best of ``repeats`` at ``size``, or of as many as fit
+    ``budget_s`` at the largest power-of-two size (from 256) whose call fits a tenth of it. A dtype the CPU has
+    no arithmetic for runs orders of magnitude slower (bfloat16 on AVX2: 1.3 GFLOP/s against float32's 95, 2
+    Zen 3 cores); at 2048 its 30 calls would take 7 minutes."""
+    n = min(256, size)
+    while True:
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        once = time.perf_counter() - start
+        if n >= size or once * 8 > budget_s / 10:
+            return 2 * n**3 / _best_seconds(partial(torch.mm, a, b), repeats, budget_s) / 1e9
+        n *= 2
 
 
 def measure_peaks(dtype: torch.dtype, repeats: int = 30, gemm_size: int = 2048, read_mib: int | None = None,
@@ -58,16 +83,18 @@ def measure_peaks(dtype: torch.dtype, repeats: int = 30, gemm_size: int = 2048, 
     process, Xeon with AMX, 2 threads; 10 repeats often saw only the low mode). The read buffer (default
     ``read_probe_mib()``) outsizes the last-level cache. ``bf16_weights`` (float32 only): the weights are bfloat16
     values, so AMX's three-part products count where the CPU has them: a third of the bfloat16 GEMM rate."""
-    a = torch.randn(gemm_size, gemm_size).to(dtype)
-    b = torch.randn(gemm_size, gemm_size).to(dtype)
-    gemm = 2 * gemm_size**3 / _best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+    gemm = gemm_gflops(dtype, gemm_size, repeats)
+    if dtype == torch.bfloat16:
+        # A CPU without bfloat16 arithmetic (AVX2) is fastest widening the values to float32, as omnistage's
+        # kernels do there: that rate bounds bfloat16 serving too.
+        gemm = max(gemm, gemm_gflops(torch.float32, gemm_size, repeats))
     mib = read_probe_mib() if read_mib is None else read_mib
     buf = torch.ones(mib * 1024 * 1024 // 4)  # float32: the read rate does not depend on the dtype
     read = buf.numel() * 4 / _best_seconds(buf.sum, repeats) / 1e9
     del buf
     peaks = Peaks(gemm_gflops=gemm, read_gbps=read)
-    if dtype == torch.float32 and bf16_weights:
-        peaks = with_three_parts(peaks, measure_peaks(torch.bfloat16, repeats, gemm_size, read_mib=1))
+    if dtype == torch.float32 and bf16_weights and amx_kernels.available():
+        peaks = with_three_parts(peaks, Peaks(gemm_gflops(torch.bfloat16, gemm_size, repeats), read))
     return peaks
 
 
@@ -96,8 +123,6 @@ def largest_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache"
 def with_three_parts(float32: Peaks, bfloat16: Peaks) -> Peaks:
     """float32's peaks for weights that are bfloat16 values: its GEMM the better of its own and a third of the
     bfloat16 rate where the AMX kernels serve (three exact bfloat16 products per float32 one)."""
-    from omnistage.models.layers import amx_kernels
-
     if not amx_kernels.available():
         return float32
     return Peaks(max(float32.gemm_gflops, bfloat16.gemm_gflops / 3), float32.read_gbps)
