@@ -16,7 +16,7 @@ bfloat16 takes AVX512-BF16 dot products where the CPU has them (``vdpbf16ps``: w
 indices; rows and the SwiGLU intermediate in bfloat16). Without them the expert kernel widens bfloat16 weights
 to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 linear layers keep oneDNN (or, where
 oneDNN has no bfloat16, quant_kernels' dense kernel); the decoder kernels then take bfloat16 rows on widened
-panels (``bf16x``) and serve quantized decoders (``widened_bf16_decoders``).
+panels (``bf16x``) and serve quantized decoders and the code predictor (``widened_bf16_decoders``).
 
 The C code's vectors have the build's native width (16 lanes with AVX-512, 8 with AVX2: GCC lowers wider generic
 vectors through the stack); row tiles are 8 rows (AVX-512) or 6 rows over half a panel at a time (AVX2).
@@ -34,9 +34,9 @@ path.
 
 Packed weights of 2 MB or more live in memory advised for 2 MB pages (``in_large_pages``).
 
-A float32 model's weights that are bfloat16 values (checkpoints stored in bfloat16) are kept as bfloat16 in
-pairs of inputs (``keeps_float32_as_pairs``; the ``f32p`` tiles, AVX-512 builds): half the bytes, and exactly
-the float32 panels' bits, each product being the same.
+A float32 model's weights that are bfloat16 values (checkpoints stored in bfloat16) are kept as bfloat16
+(``keeps_float32_as_pairs``; the ``f32p`` tiles): in pairs of inputs with AVX-512 (AMX's layout), plainly with
+AVX2; half the bytes, and exactly the float32 panels' bits, each product being the same.
 
 ``DecoderPass`` and ``decoder_step`` run every layer of a Qwen3(-MoE) decoder in one call: the code
 predictor's passes (15 per frame, on a few rows each) and the paged Thinker's and Talker's decode steps under
@@ -78,7 +78,7 @@ _LIBS = ["-lmvec", "-lm"]  # glibc's vector math (the vocoder's sin)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _DOT = "bf16dp"
 _WIDE = "bf16x"  # bfloat16 rows on widened bfloat16 weights (linear layers, decoder layers without dot products)
-# float32 rows on bfloat16 weights in pairs (AVX-512 builds): a float32 model's weights that are bfloat16 values
+# float32 rows on bfloat16 weights (in pairs with AVX-512): a float32 model's weights that are bfloat16 values
 _PAIRS = "f32p"
 _ROWS_MAX = 8  # the C tiles' row count is at most this (8 with AVX-512, 6 otherwise)
 # Panel widths the layout needs: gate/up panels of 16 intermediate columns, down (and linear) panels of 32
@@ -246,7 +246,7 @@ def _has_pairs() -> bool:
 def keeps_float32_as_pairs(weight: torch.Tensor) -> bool:
     """Whether ``pack_linear`` / ``pack_experts`` (asked to) keep this float32 weight as bfloat16 pairs: all its
     values are bfloat16 values (a checkpoint stored in bfloat16), its inputs are even and this build has the
-    pair tiles (AVX-512). Half the bytes to hold and to stream, and the float32 panels' bits: each product of a
+    ``f32p`` tiles (in pairs with AVX-512, plain [K][32] panels with AVX2). Half the bytes to hold and to stream, and the float32 panels' bits: each product of a
     float32 row and such a weight is the same, summed in the same order."""
     _require()
     return (weight.dtype == torch.float32 and weight.shape[-1] % 2 == 0 and _has_pairs()
@@ -262,8 +262,9 @@ def rows_take(rows: torch.dtype, weights: torch.dtype) -> bool:
 def widened_bf16_decoders() -> bool:
     """Whether bfloat16 decoder kernels here read widened bfloat16 panels (the panel kernels serve, the CPU has no
     AVX512-BF16 dot products). They then serve quantized decoders, whose only bfloat16 panels are the routers,
-    shared-expert gates and output heads: plain bfloat16 linear layers keep quant_kernels' dense kernel, which
-    reads bfloat16 faster at decode rows (AMD EPYC Zen 3, 2 threads, 1-4 rows: 1.2-1.8x)."""
+    shared-expert gates and output heads, and the code predictor (its passes on widened panels); other plain
+    bfloat16 linear layers keep quant_kernels' dense kernel, which reads bfloat16 faster at decode rows (AMD EPYC
+    Zen 3, 2 threads, 1-4 rows: 1.2-1.8x)."""
     return panels_preferred() and not _has_dot()
 
 
@@ -281,7 +282,7 @@ def _packed_layout(weight: torch.Tensor, float32_pairs: bool) -> tuple[torch.dty
     """(the packed tensor's dtype, whether its inputs go in pairs) for ``weight`` [..., K]: float32 kept as
     bfloat16 pairs (cast as it is copied in), or the weight's dtype, in pairs for the bfloat16 dot products."""
     if float32_pairs:
-        return torch.bfloat16, True
+        return torch.bfloat16, bool(_lazy.library.f32p_in_pairs())  # (AVX2 builds: the plain layout)
     return weight.dtype, _dot_bf16(weight.dtype, weight.shape[-1])
 
 

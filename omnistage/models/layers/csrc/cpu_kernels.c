@@ -280,7 +280,18 @@ static inline __attribute__((always_inline)) void panel_dots_f32p(
     }
 }
 DEFINE_TILES(f32p, uint16_t, float, f32)
+#else
+/* AVX2: float32 rows on bfloat16 weights in the plain [K][32] layout, each widened exactly as it is read (the
+ * `bf16` tiles); pairs would need 17 of the 16 registers at 6 rows. The same products in the same order: the
+ * float32 panels' bits, from half the bytes. */
+static inline __attribute__((always_inline)) void panel_dots_f32p(
+    const int rows, int64_t K, const float *const *x, const uint16_t *w, vf (*acc)[PV], const uint16_t *pf) {
+    panel_dots_bf16(rows, K, x, w, acc, pf);
+}
+DEFINE_TILES(f32p, uint16_t, float, f32)
 #endif
+/* Whether the f32p panels hold their inputs in pairs ([K/2][32][2]: AVX-512 builds) or plainly ([K][32]). */
+int f32p_in_pairs(void) { return LANES == 16; }
 
 #if defined(__AVX512BF16__)
 /* bfloat16 with AVX512-BF16 dot products (two products per float32 lane and instruction, no widening): rows
@@ -443,10 +454,8 @@ static inline int64_t next_chunk(const int64_t *starts, int64_t E, int64_t e, in
 
 DEFINE_LAYER(f32, float, float, float)
 DEFINE_LAYER(bf16, uint16_t, float, float)
-#if LANES == 16
-/* float32 rows on bfloat16 pairs: a float32 model's experts where its weights are bfloat16 values */
+/* float32 rows on bfloat16 panels: a float32 model's experts where its weights are bfloat16 values */
 DEFINE_LAYER(f32p, uint16_t, float, float)
-#endif
 DEFINE_MOE_PHASES(bf16x, uint16_t, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
 DEFINE_LAYER(bf16dp, uint16_t, uint16_t, uint16_t)
@@ -512,15 +521,7 @@ static inline vf load_columns(const void *out, int out_bf16, int64_t offset) {
 
 DEFINE_LINEAR(f32, float, float)
 DEFINE_LINEAR(bf16x, uint16_t, uint16_t)
-#if LANES == 16
 DEFINE_LINEAR(f32p, uint16_t, float)
-#else /* (no AMX without AVX-512: AMX weights never reach an AVX2 build's decoder kernels) */
-static void linear_panels_f32p(int64_t T, int64_t K, int64_t N, const float *const *rows_in, const uint16_t *w,
-                               const float *bias, void *out, int out_bf16, int add, const float *ys,
-                               float *const *rows_out, const float *ones) {
-    __builtin_trap();
-}
-#endif
 #if defined(__AVX512BF16__)
 DEFINE_LINEAR(bf16dp, uint16_t, uint16_t)
 #endif
@@ -1095,10 +1096,8 @@ static void row_geometry(const int64_t *dims, const int64_t *bufs) {
     }
 
 DEFINE_DECODER_LAYERS(f32, f32, float, float)
-#if LANES == 16
-/* a float32 model whose panels are bfloat16 pairs (its weights bfloat16 values): half the bytes, the same bits */
+/* a float32 model whose panels are bfloat16 (its weights bfloat16 values): half the bytes, the same bits */
 DEFINE_DECODER_LAYERS(f32p, f32, uint16_t, float)
-#endif
 /* (AMX CPUs have AVX512-BF16: bfloat16 decoders with AMX weights take the dot-product variant, never this one) */
 DEFINE_DECODER_LAYERS(bf16x, bf16, uint16_t, uint16_t)
 #if defined(__AVX512BF16__)
