@@ -385,8 +385,6 @@ def test_decoder_pass_equals_the_layers_over_the_frame_cache(dtype, head_dim, qu
     alone and in passes of 40 and 20 rows: groups of 16, 16 and 8 rows, 1 to 3 tiles a group)."""
     if not cpu_kernels.supports_decoder_layers(dtype, 64, head_dim):
         pytest.skip("the panel kernels are off")
-    if dtype == torch.bfloat16 and quant is None and cpu_kernels.widened_bf16_decoders():
-        pytest.skip("without AVX512-BF16 dot products the decoder kernels serve quantized bfloat16 decoders only")
     amx = quant == "bf16-valued"
     if amx and not amx_kernels.available():
         pytest.skip("no AMX on this CPU")
