@@ -59,6 +59,7 @@ from benchmarks.roofline import (
 from benchmarks.stage_timers import Component, StageTimers
 from benchmarks.stage_trace import StageTrace, cpu_seconds, snapshot, transport_report
 from benchmarks.thinker_throughput import hf_inputs, prompts, resolve_model
+from omnistage.models.layers import amx_kernels
 from omnistage.runner.memory_use import weight_bytes_by_component
 from omnistage.runtime_env import freeze_loaded_objects, release_free_heap, resident_bytes
 from omnistage.testing.reference import captured_codes
@@ -723,10 +724,11 @@ def main() -> None:
         lines.append(f"peaks ({dtype_name}, {args.threads} threads, better of before/after the runs): GEMM "
                      f"{peaks.gemm_gflops:.0f} GFLOP/s, read {peaks.read_gbps:.1f} GB/s; "
                      f"bound = max(GFLOP / GEMM peak, GB / read peak)"
-                     + ("; the checkpoint stores bfloat16: weights counted at 2 bytes, float32's GEMM peak the "
-                        "better of torch's float32 matmul and a third of its bfloat16 one (AMX's exact three-part "
-                        "products)"
-                        if bf16_weights and dtype_name == "float32" else ""))
+                     + ("; the checkpoint stores bfloat16: weights counted at 2 bytes"
+                        if bf16_weights and dtype_name == "float32" else "")
+                     + (", float32's GEMM peak the better of torch's float32 matmul and a third of its bfloat16 "
+                        "one (AMX's exact three-part products)"
+                        if bf16_weights and dtype_name == "float32" and amx_kernels.available() else ""))
         for config, n, ours, comps, steps, depth in measured:
             if config.dtype != dtype_name or comps is None:
                 continue

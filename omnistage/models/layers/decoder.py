@@ -204,15 +204,24 @@ def quantized(layer: DecoderLayer) -> bool:
     return isinstance(layer.self_attn.qkv_proj, QuantLinear)
 
 
-def pack_quantized_routers(layers: nn.ModuleList) -> int:
-    """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), quantized
-    layers' routers and shared-expert gates (kept in bfloat16) go to panels, the one layout the kernels read
-    them in; returns how many."""
+def pack_widened_panels(layers: nn.ModuleList) -> int:
+    """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), the bfloat16
+    linear layers they read go to panels, the one layout they read them in: quantized layers' routers and
+    shared-expert gates (kept in bfloat16), and every linear layer of a plain bfloat16 layer the kernels take (q/k norms,
+    no biases). Returns how many."""
     if not cpu_kernels.widened_bf16_decoders():
         return 0
-    gates = [gate for layer in layers if quantized(layer) and isinstance(layer.mlp, SparseMoE)
-             for gate in (layer.mlp.gate, layer.mlp.shared_expert_gate)]
-    return sum(pack_panels(gate) for gate in gates if gate is not None and gate.weight.dtype == torch.bfloat16)
+    linears = []
+    for layer in layers:
+        mlp = layer.mlp
+        gates = (mlp.gate, mlp.shared_expert_gate) if isinstance(mlp, SparseMoE) else ()
+        attn = layer.self_attn
+        if not quantized(layer) and attn.q_norm is not None and getattr(attn.qkv_proj, "bias", None) is None:
+            dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
+            gates += (attn.qkv_proj, attn.o_proj, getattr(dense, "gate_up_proj", None),
+                      getattr(dense, "down_proj", None))
+        linears += [g for g in gates if g is not None and g.weight.dtype == torch.bfloat16]
+    return sum(pack_panels(linear) for linear in linears)
 
 
 def pack_dense_amx(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> int:
@@ -282,7 +291,7 @@ class PagedDecoder(nn.Module):
 
     def pack_weights(self, batch_hint: int) -> int:
         """The ``fast`` option's part here (``fast_linear.pack_linear_weights`` calls it before the layers; it
-        packs what ``pack_quantized_routers`` and ``pack_dense_amx`` pack): a bfloat16 decoder on CPU attends in
+        packs what ``pack_widened_panels`` and ``pack_dense_amx`` pack): a bfloat16 decoder on CPU attends in
         float32. torch's CPU attention kernel is several times slower in bfloat16 than in float32 at decode shapes
         (measured 16 requests, 8 heads, 64-200 keys: 2-7x), and the float32 result is the more precise one. Decode
         rows on CPU take ``cpu_kernels.decode_attention`` (float32 arithmetic too), which reads the paged cache in
@@ -293,7 +302,7 @@ class PagedDecoder(nn.Module):
         if cpu_kernels.supports_decode_attention(weight.dtype, self.cfg.head_dim, weight.device):
             self.decode_kernel = cpu_kernels.decode_attention
             self._kernel_layers = None  # looked at on first use: the layers below are packed after this call
-        return pack_quantized_routers(self.layers) + pack_dense_amx(self.layers, self.cfg, weight.dtype)
+        return pack_widened_panels(self.layers) + pack_dense_amx(self.layers, self.cfg, weight.dtype)
 
     def kernel_layers(self) -> list[cpu_kernels.LayerWeights]:
         """Every layer's weights for ``cpu_kernels.decoder_step`` (the ``fast`` option on CPU), or [] where it
