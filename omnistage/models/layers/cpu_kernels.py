@@ -246,8 +246,9 @@ def _has_pairs() -> bool:
 def keeps_float32_as_pairs(weight: torch.Tensor) -> bool:
     """Whether ``pack_linear`` / ``pack_experts`` (asked to) keep this float32 weight as bfloat16 pairs: all its
     values are bfloat16 values (a checkpoint stored in bfloat16), its inputs are even and this build has the
-    ``f32p`` tiles (in pairs with AVX-512, plain [K][32] panels with AVX2). Half the bytes to hold and to stream, and the float32 panels' bits: each product of a
-    float32 row and such a weight is the same, summed in the same order."""
+    ``f32p`` tiles (in pairs with AVX-512, plain [K][32] panels with AVX2). Half the bytes to hold and to stream,
+    and the float32 panels' bits: each product of a float32 row and such a weight is the same, summed in the same
+    order."""
     _require()
     return (weight.dtype == torch.float32 and weight.shape[-1] % 2 == 0 and _has_pairs()
             and amx_kernels.bf16_exact(weight.detach()))
@@ -282,7 +283,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 def _packed_layout(weight: torch.Tensor, float32_pairs: bool) -> tuple[torch.dtype, bool]:
     """(the packed tensor's dtype, whether its inputs go in pairs) for ``weight`` [..., K]: float32 kept as
-    bfloat16 pairs (cast as it is copied in), or the weight's dtype, in pairs for the bfloat16 dot products."""
+    bfloat16 (cast as it is copied in; in pairs where the build's f32p tiles read them so), or the weight's dtype,
+    in pairs for the bfloat16 dot products."""
     if float32_pairs:
         return torch.bfloat16, bool(_lazy.library.f32p_in_pairs())  # (AVX2 builds: the plain layout)
     return weight.dtype, _dot_bf16(weight.dtype, weight.shape[-1])

@@ -12,7 +12,7 @@ from torch import nn
 from omnistage.attention.backend import AttentionMetadata, DecodeKernel, paged_attention
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn, SelfAttention
-from omnistage.models.layers.fast_linear import pack_amx, pack_panels
+from omnistage.models.layers.fast_linear import can_pack, pack_amx, pack_panels
 from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
@@ -204,24 +204,40 @@ def quantized(layer: DecoderLayer) -> bool:
     return isinstance(layer.self_attn.qkv_proj, QuantLinear)
 
 
+def dense_linears(layer: DecoderLayer) -> list[nn.Module]:
+    """``layer``'s dense linear layers as the decoder kernels read them: q/k/v, o, and its dense MLP's (or shared
+    expert's) gate/up and down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
+    found = [attn.qkv_proj, attn.o_proj, getattr(dense, "gate_up_proj", None), getattr(dense, "down_proj", None)]
+    return [linear for linear in found if linear is not None]
+
+
+def _kernels_take(layer: DecoderLayer) -> bool:
+    """Whether the decoder kernels could take ``layer``'s dense layers (q/k norms, no q/k/v bias)."""
+    return layer.self_attn.q_norm is not None and getattr(layer.self_attn.qkv_proj, "bias", None) is None
+
+
 def pack_widened_panels(layers: nn.ModuleList) -> int:
     """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), the bfloat16
     linear layers they read go to panels, the one layout they read them in: quantized layers' routers and
-    shared-expert gates (kept in bfloat16), and every linear layer of a plain bfloat16 layer the kernels take (q/k norms,
-    no biases). Returns how many."""
+    shared-expert gates (kept in bfloat16), and a plain bfloat16 layer's dense layers too where oneDNN has no
+    bfloat16 (AVX2: their alternative is quant_kernels' dense kernel one layer at a time, slower than the
+    decode-step kernel on these panels; where oneDNN packs bfloat16, its routed experts keep per-expert oneDNN
+    copies, which the decode-step kernel does not take, so they keep oneDNN's GEMMs). Returns how many."""
     if not cpu_kernels.widened_bf16_decoders():
         return 0
     linears = []
     for layer in layers:
-        mlp = layer.mlp
-        gates = (mlp.gate, mlp.shared_expert_gate) if isinstance(mlp, SparseMoE) else ()
-        attn = layer.self_attn
-        if not quantized(layer) and attn.q_norm is not None and getattr(attn.qkv_proj, "bias", None) is None:
-            dense = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
-            gates += (attn.qkv_proj, attn.o_proj, getattr(dense, "gate_up_proj", None),
-                      getattr(dense, "down_proj", None))
-        linears += [g for g in gates if g is not None and g.weight.dtype == torch.bfloat16]
-    return sum(pack_panels(linear) for linear in linears)
+        plain = not quantized(layer)
+        if plain and not (_kernels_take(layer) and not can_pack(layer.self_attn.qkv_proj.weight)):
+            continue
+        if isinstance(layer.mlp, SparseMoE):
+            linears += [layer.mlp.gate, layer.mlp.shared_expert_gate]
+        if plain:
+            linears += dense_linears(layer)
+    return sum(pack_panels(linear) for linear in linears
+               if linear is not None and linear.weight.dtype == torch.bfloat16)
 
 
 def pack_dense_amx(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> int:
@@ -233,17 +249,10 @@ def pack_dense_amx(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype
     included): bfloat16 Talker 0.83x, Thinker 0.84x; float32 0.96x, 0.93x; 1 request: bfloat16 1.03x, float32
     1.00x. Returns how many."""
     if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim) or not all(
-            layer.self_attn.q_norm is not None and getattr(layer.self_attn.qkv_proj, "bias", None) is None
-            for layer in layers):  # (layers the kernels would not take keep their panels)
+            _kernels_take(layer) for layer in layers):  # (layers the kernels would not take keep their panels)
         return 0
-    count = 0
-    for layer in layers:
-        dense = layer.mlp.shared_expert if isinstance(layer.mlp, SparseMoE) else layer.mlp
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(dense, "gate_up_proj", None),
-                       getattr(dense, "down_proj", None)):
-            if type(linear) is nn.Linear and linear.bias is None and linear.in_features % 32 == 0:
-                count += pack_amx(linear)
-    return count
+    return sum(pack_amx(linear) for layer in layers for linear in dense_linears(layer)
+               if type(linear) is nn.Linear and linear.bias is None and linear.in_features % 32 == 0)
 
 
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:

@@ -34,7 +34,7 @@ from torch._higher_order_ops.scan import scan
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn
 from omnistage.models.layers.compiled import LazyCompiled, eager_in_graphs
-from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, kernel_layers
+from omnistage.models.layers.decoder import DecoderConfig, DecoderLayer, dense_linears, kernel_layers
 from omnistage.models.layers.fast_linear import (
     can_pack,
     pack_amx,
@@ -283,9 +283,7 @@ class CodePredictor(nn.Module):
         widened = weight.dtype == torch.bfloat16 and cpu_kernels.widened_bf16_decoders()
         if cpu_kernels.supports_linear(weight[0]) or widened:
             d = self.cfg.decoder
-            linears = [linear for layer in self.model.layers
-                       for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                      getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None))
+            linears = [linear for layer in self.model.layers for linear in dense_linears(layer)
                        if type(linear) is nn.Linear]
             # The pass kernel reads the head and the layers' panels in one dtype: float32 weights kept as bfloat16
             # pairs (cpu_kernels.keeps_float32_as_pairs) for all of them or for none.
