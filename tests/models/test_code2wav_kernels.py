@@ -157,6 +157,29 @@ def test_snake_rows_follow_their_context_and_do_not_depend_on_their_neighbours(d
         cpu_kernels.snake(x, alpha, scale, context[:, :, :8])
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("channels", [3, 20, 37])
+def test_snake_sine_holds_for_any_width_and_far_arguments(channels):
+    """The kernels' sine (a reduction by pi and a polynomial, libm's sinf for a vector with arguments past its
+    reduction's range): float32 SnakeBeta within float32 rounding of float64 for channel counts that leave a
+    part vector, with far arguments (|alpha x| up to 1e5) next to ordinary ones in the same vector; every value's
+    bits its own (a row alone, or a far value's neighbours without it, give the same values)."""
+    gen = torch.Generator().manual_seed(11)
+    x = 3 * torch.randn(2, 9, channels, generator=gen)
+    far = torch.tensor([1e5, -3e4, 9000.5, 8192.25, -2e4, 7e4, 1e4, -8193.0, 5e4, 2e5, 3e3, 9e3, 1e5, -1e5, 4e4,
+                        6e4, 8e3, 1.5e4, 2.5e4])
+    x[0, 2, ::2] = far[: (channels + 1) // 2]
+    alpha, scale = torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5
+    got = cpu_kernels.snake(x, alpha, scale)
+    want = _snake_eager(x.double(), alpha.double(), scale.double())
+    # relative to each value (far values are large: a sine's error there is far below their rounding)
+    assert ((got.double() - want).abs() <= 4e-6 * want.abs().clamp_min(1.0)).all()
+    assert torch.equal(cpu_kernels.snake(x[:, 2:3], alpha, scale), got[:, 2:3])
+    near = x.clone()
+    near[0, 2, ::2] = 0.5
+    assert torch.equal(cpu_kernels.snake(near, alpha, scale)[0, 2, 1::2], got[0, 2, 1::2])
+
+
 def assert_kept_rows_stream_as_one_shot(kept, conv, x, left, snake, counts) -> torch.Tensor:
     """A kernel's kept-rows function (``snake_kept``) for its convolution ``conv(x, left)`` (left: [B, H, C] left
     context): x in two chunks, the second after the first's kept rows, gives one-shot's bits; per-item counts

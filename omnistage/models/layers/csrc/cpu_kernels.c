@@ -601,11 +601,6 @@ DEFINE_ATTEND_HEAD(bf16, uint16_t)
 DEFINE_DECODE_ATTENTION(f32, float)
 DEFINE_DECODE_ATTENTION(bf16, uint16_t)
 
-/* A vocoder residual unit's tail, in place: x += bias + W snake(h) per row, snake(h) = h + (sin(alpha h) scale)^2
- * per channel (SnakeBeta), W a kernel-1 convolution as panels [C/32, C, 32]. One pass reads h and x and
- * writes x, where separate calls make three more passes over these [samples, channels] signals. Threads split
- * the row tiles; a tile's activations stay in a [ROWS, C] float32 buffer per thread (buf [threads, ROWS * C]).
- *   h, x [T, C] float32; alpha, scale, bias [C] float32. */
 DECLARE_SIMD
 extern float sinf(float);
 
@@ -618,28 +613,27 @@ extern float sinf(float);
  * Explicit FMAs: every kernel inlining it gets the same bits. */
 #if LANES == 16
 typedef __m512 vn;
+typedef __mmask16 lanes_mask;
 #define V_(op) _mm512_##op
 __m512 _ZGVeN16v_sinf(__m512 x);
-static inline vn sinf_lanes(vn t) { return _ZGVeN16v_sinf(t); }
-static inline vn round_lanes(vn x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vn keep_in_range(vn poly, vn t) {
-    const __mmask16 far = _mm512_cmp_ps_mask(_mm512_abs_ps(t), _mm512_set1_ps(8192.0f), _CMP_NLE_UQ);
-    return far ? _mm512_mask_blend_ps(far, poly, sinf_lanes(t)) : poly;
-}
+#define SINF_LANES _ZGVeN16v_sinf
+#define ROUND_LANES(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define FAR_LANES(t) _mm512_cmp_ps_mask(_mm512_abs_ps(t), _mm512_set1_ps(8192.0f), _CMP_NLE_UQ)
+#define ANY_LANE(m) (m)
+#define BLEND_LANES(m, a, b) _mm512_mask_blend_ps(m, a, b)
 #else
 typedef __m256 vn;
+typedef __m256 lanes_mask;
 #define V_(op) _mm256_##op
 __m256 _ZGVdN8v_sinf(__m256 x);
-static inline vn sinf_lanes(vn t) { return _ZGVdN8v_sinf(t); }
-static inline vn round_lanes(vn x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vn keep_in_range(vn poly, vn t) {
-    const vn abs_t = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t);
-    const vn far = _mm256_cmp_ps(abs_t, _mm256_set1_ps(8192.0f), _CMP_NLE_UQ);
-    return _mm256_movemask_ps(far) ? _mm256_blendv_ps(poly, sinf_lanes(t), far) : poly;
-}
+#define SINF_LANES _ZGVdN8v_sinf
+#define ROUND_LANES(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define FAR_LANES(t) _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), t), _mm256_set1_ps(8192.0f), _CMP_NLE_UQ)
+#define ANY_LANE(m) _mm256_movemask_ps(m)
+#define BLEND_LANES(m, a, b) _mm256_blendv_ps(a, b, m)
 #endif
 static inline vn sin_unsigned(vn t) {
-    const vn k = round_lanes(V_(mul_ps)(t, V_(set1_ps)(0.318309886183790672f)));
+    const vn k = ROUND_LANES(V_(mul_ps)(t, V_(set1_ps)(0.318309886183790672f)));
     vn r = V_(fnmadd_ps)(k, V_(set1_ps)(3.140625f), t);
     r = V_(fnmadd_ps)(k, V_(set1_ps)(9.677410125732422e-4f), r);
     r = V_(fnmadd_ps)(k, V_(set1_ps)(-8.742277657347586e-8f), r);
@@ -647,7 +641,9 @@ static inline vn sin_unsigned(vn t) {
     vn p = V_(fmadd_ps)(V_(set1_ps)(2.6000548132e-6f), r2, V_(set1_ps)(-1.9806614728e-4f));
     p = V_(fmadd_ps)(p, r2, V_(set1_ps)(8.3330171183e-3f));
     p = V_(fmadd_ps)(p, r2, V_(set1_ps)(-1.6666656733e-1f));
-    return keep_in_range(V_(fmadd_ps)(V_(mul_ps)(p, r2), r, r), t);
+    const vn poly = V_(fmadd_ps)(V_(mul_ps)(p, r2), r, r);
+    const lanes_mask far = FAR_LANES(t);
+    return ANY_LANE(far) ? BLEND_LANES(far, poly, SINF_LANES(t)) : poly;
 }
 
 /* SnakeBeta of LANES float32 values: u + (sin(u alpha) scale)^2. */
@@ -671,7 +667,6 @@ static void snake_f32(int64_t n, const float *src, const float *alpha, const flo
         memcpy(dst + c, part[0], (size_t)(n - c) * sizeof(float));
     }
 }
-#undef V_
 #else
 /* SnakeBeta of n float32 values (src may be dst), with libm's (or a vector clone's) sinf. */
 static void snake_f32(int64_t n, const float *src, const float *alpha, const float *scale, float *dst) {
@@ -697,6 +692,11 @@ static void snake_f32(int64_t n, const float *src, const float *alpha, const flo
 DEFINE_SNAKE_SPAN(f32, f32, float)
 DEFINE_SNAKE_SPAN(bf16, bf16, uint16_t)
 
+/* A vocoder residual unit's tail, in place: x += bias + W snake(h) per row, snake(h) = h + (sin(alpha h) scale)^2
+ * per channel (SnakeBeta), W a kernel-1 convolution as panels [C/32, C, 32]. One pass reads h and x and
+ * writes x, where separate calls make three more passes over these [samples, channels] signals. Threads split
+ * the row tiles; a tile's activations stay in a [ROWS, C] float32 buffer per thread (buf [threads, ROWS * C]).
+ *   h, x [T, C] float32; alpha, scale, bias [C] float32. */
 void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alpha, const float *scale,
                          const float *w, const float *bias, float *x, float *buf, int threads) {
     const int64_t tiles = (T + ROWS - 1) / ROWS;
