@@ -34,9 +34,12 @@ from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_kernels import KernelWeight
 from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 from omnistage.models.qwen3_omni.code_predictor import (
+    RESIDUAL_TOP_K,
+    RESIDUAL_TOP_P,
     CodePredictor,
     CodePredictorConfig,
     _math_attention,
+    _torch_draws,
     draw_residual_noise,
 )
 
@@ -161,6 +164,42 @@ def test_residual_noise_draws_a_fixed_amount_per_sampled_request_and_none_for_gr
     replay = torch.Generator().manual_seed(5)
     assert torch.equal(noise[1], torch.empty(3, 7).exponential_(generator=replay))
     assert torch.equal(g.get_state(), replay.get_state()) and not torch.equal(g.get_state(), state)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("vocab, scale", [(2048, 3.0), (2048, 0.3), (64, 2.0), (9000, 5.0)])
+def test_residual_draw_kernel_equals_torchs_ops(vocab, scale):
+    """``cpu_kernels.residual_draws`` (the CPU frames' top-k / top-p race in one call) picks the codes torch's
+    ops pick, greedy rows their argmax; the block-maximum bound (2048 values), the insertion path (64 values:
+    fewer blocks than candidates; 9000: more blocks than it keeps) alike."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = scale * torch.randn(96, vocab, generator=g)
+    noise = torch.empty(96, RESIDUAL_TOP_K).exponential_(generator=g)
+    sampled = torch.rand(96, generator=g) < 0.75
+    best = logits.argmax(-1)
+    got = cpu_kernels.residual_draws(logits, sampled, noise, best, RESIDUAL_TOP_P)
+    assert torch.equal(got, _torch_draws(logits, sampled, noise, best))
+    assert torch.equal(got[~sampled], best[~sampled]) and not torch.equal(got[sampled], best[sampled])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("vocab", [2048, 64])
+def test_residual_draw_kernel_orders_equal_logits_by_index_and_keeps_the_top_p_prefix(vocab):
+    """Equal logits rank in index order; a candidate with near-zero noise wins where the top-p prefix keeps it
+    (uniform over 50: the first 40 reach 0.8), not past it; NaN logits give an index in range."""
+    k = RESIDUAL_TOP_K
+    logits = torch.zeros(4, vocab)
+    logits[3, 7] = float("nan")
+    noise = torch.ones(4, k)
+    noise[0, 5] = 1e-30  # kept: the 6th candidate, index 5
+    noise[1, 45] = 1e-30  # past the prefix: the race's first maximum, index 0
+    noise[2, 39] = 1e-30  # the prefix's last
+    codes = cpu_kernels.residual_draws(logits, torch.ones(4, dtype=torch.bool), noise, torch.zeros(4, dtype=torch.long),
+                                       RESIDUAL_TOP_P)
+    assert codes[:3].tolist() == [5, 0, 39] and 0 <= codes[3].item() < vocab
+    with pytest.raises(ValueError, match="residual_draws needs"):
+        cpu_kernels.residual_draws(logits, torch.ones(4, dtype=torch.bool), torch.ones(4, vocab + 1),
+                                   torch.zeros(4, dtype=torch.long), RESIDUAL_TOP_P)
 
 
 @torch.inference_mode()

@@ -103,6 +103,9 @@ def _build() -> ctypes.CDLL:
             linear = getattr(library, f"linear_{suffix}")
             linear.restype = None
             linear.argtypes = [i64] * 3 + [pointer] * 4 + [i32] + [pointer] * 3 + [i32]
+    library.residual_draws.restype = None
+    library.residual_draws.argtypes = [i64] * 3 + [pointer, i64, pointer, i64] + [pointer] * 2 + [ctypes.c_float,
+                                                                                                  pointer, i32]
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
     for suffix in _SUFFIX.values():
@@ -504,6 +507,35 @@ def panel_linear_at(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, 
 @panel_linear_at.register_fake
 def _(x: torch.Tensor, panels: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
     return _linear_output(x, panels.shape[1] * DOWN_PANEL, out_features)[1]
+
+
+# -- the code predictor's residual draws ---------------------------------------------------------------------
+
+MAX_DRAW = 256  # residual_draws' candidate bound (MAX_DRAW in cpu_kernels.c)
+
+
+def residual_draws(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor, best: torch.Tensor,
+                   top_p: float) -> torch.Tensor:
+    """One code per row [B] int64: where ``sampled`` [B] (bool), a draw among the top k = ``noise.shape[-1]`` of
+    ``logits`` [B, V] (larger first, equal ones in index order) cut to the smallest prefix whose softmax mass
+    reaches ``top_p``, by the race ``argmax(p / noise)`` (``noise`` [B, k] exponential draws); elsewhere ``best``
+    [B]. ``code_predictor.draw_residual_codes`` on CPU."""
+    _require()
+    batch, vocab = logits.shape
+    k = noise.shape[-1]
+    if not (noise.shape == (batch, k) and 0 < k <= min(vocab, MAX_DRAW) and sampled.shape == best.shape == (batch,)):
+        raise ValueError(f"residual_draws needs logits [B, V], noise [B, k <= {MAX_DRAW}], sampled and best [B]; "
+                         f"got {tuple(logits.shape)}, {tuple(noise.shape)}, {tuple(sampled.shape)}, "
+                         f"{tuple(best.shape)}")
+    logits, noise = (t if t.dtype == torch.float32 and t.stride(-1) == 1 else t.float().contiguous()
+                     for t in (logits, noise))
+    sampled = sampled.to(torch.bool).contiguous()
+    best = best.to(torch.int64).contiguous()
+    codes = torch.empty_like(best)
+    _function("residual_draws")(batch, vocab, k, logits.data_ptr(), logits.stride(0), noise.data_ptr(),
+                                noise.stride(0), sampled.data_ptr(), best.data_ptr(), top_p, codes.data_ptr(),
+                                torch.get_num_threads())
+    return codes
 
 
 # -- paged decode attention ---------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Two entry points share that loop:
 - ``complete_frames``: the serving path. Each row is greedy (argmax) or sampled with transformers' residual
   settings (top-k 50, top-p 0.8, temperature 1) from exponential noise drawn up front from the request's own
   generator — the same number of draws per frame whatever the batch, so a request's random stream never
-  depends on its batch mates. With the noise fixed, the whole frame (all Q-1 passes and picks) is one pure
+  depends on its batch mates. On CPU each group's draws for the batch are one ``cpu_kernels.residual_draws``
+  call in every kind of frame (equal logits rank in index order; torch's topk leaves their order to its
+  selection), elsewhere torch's ops. With the noise fixed, the whole frame (all Q-1 passes and picks) is one pure
   function of tensors, which ``frame_compiler`` compiles into one graph for every batch size (the batch
   dimension is symbolic); norms, activations and sums keep their eager bits in it (``eager_in_graphs``).
   Under ``fast`` on a CPU where omnistage's kernels build, each pass's decoder layers run as one
@@ -189,6 +191,36 @@ def pick_residual_codes(
 
 def _draw_residual_codes(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor,
                          best: torch.Tensor) -> torch.Tensor:
+    """On CPU one kernel call for the batch (an opaque op inside a graph, so every frame draws alike), else
+    torch's ops."""
+    if logits.device.type != "cpu":
+        return _torch_draws(logits, sampled, noise, best)
+    if torch.compiler.is_compiling():
+        return residual_draws_op(logits, sampled, noise, best)
+    return _cpu_draws(logits, sampled, noise, best)
+
+
+def _cpu_draws(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    # (torch's ops took ~0.6 ms per 16-row group, most of it in topk; the kernel ~0.05 ms)
+    if cpu_kernels.available():
+        return cpu_kernels.residual_draws(logits, sampled, noise, best, RESIDUAL_TOP_P)
+    return _torch_draws(logits, sampled, noise, best)
+
+
+@torch.library.custom_op("omnistage::residual_draws", mutates_args=())
+def residual_draws_op(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor,
+                      best: torch.Tensor) -> torch.Tensor:
+    """``_cpu_draws`` as one opaque op to ``torch.compile``."""
+    return _cpu_draws(logits, sampled, noise, best)
+
+
+@residual_draws_op.register_fake
+def _(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(best)
+
+
+def _torch_draws(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor,
+                 best: torch.Tensor) -> torch.Tensor:
     top, ids = logits.topk(noise.shape[-1], dim=-1)  # sorted, descending
     drawn = ids.gather(-1, (top_p_probs(top) / noise).argmax(-1, keepdim=True))[:, 0]
     return torch.where(sampled, drawn, best)
