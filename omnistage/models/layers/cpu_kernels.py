@@ -519,7 +519,7 @@ def residual_draws(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Ten
     """One code per row [B] int64: where ``sampled`` [B] (bool), a draw among the top k = ``noise.shape[-1]`` of
     ``logits`` [B, V] (larger first, equal ones in index order) cut to the smallest prefix whose softmax mass
     reaches ``top_p``, by the race ``argmax(p / noise)`` (``noise`` [B, k] exponential draws); elsewhere ``best``
-    [B]. ``code_predictor.draw_residual_codes`` on CPU."""
+    [B]. ``code_predictor._draw_residual_codes`` on CPU."""
     _require()
     batch, vocab = logits.shape
     k = noise.shape[-1]

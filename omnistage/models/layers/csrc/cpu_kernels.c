@@ -706,7 +706,7 @@ static void snake_f32(int64_t n, const float *src, const float *alpha, const flo
 DEFINE_SNAKE_SPAN(f32, f32, float)
 DEFINE_SNAKE_SPAN(bf16, bf16, uint16_t)
 
-/* The code predictor's residual draws (code_predictor.draw_residual_codes), one call per code group for the whole
+/* The code predictor's residual draws (code_predictor._draw_residual_codes), one call per code group for the whole
  * batch: where sampled[b], row b's k largest logits (NaN first, then larger first; equal ones in index order),
  * their softmax, the smallest prefix of them whose mass reaches top_p (the first always kept), and the race
  * argmax(p / noise[b]) over that prefix (its first maximum): codes[b] = the winner's index; else best[b]. The
