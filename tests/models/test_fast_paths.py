@@ -180,6 +180,9 @@ def test_residual_draw_kernel_equals_torchs_ops(vocab, scale):
     got = cpu_kernels.residual_draws(logits, sampled, noise, best, RESIDUAL_TOP_P)
     assert torch.equal(got, _torch_draws(logits, sampled, noise, best))
     assert torch.equal(got[~sampled], best[~sampled]) and not torch.equal(got[sampled], best[sampled])
+    in_place = best.clone()  # the kernel frame's call: its argmax row in, its code out
+    assert cpu_kernels.residual_draws(logits, sampled, noise, in_place, RESIDUAL_TOP_P, out=in_place) is in_place
+    assert torch.equal(in_place, got)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")

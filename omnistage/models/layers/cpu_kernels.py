@@ -515,11 +515,12 @@ MAX_DRAW = 256  # residual_draws' candidate bound (MAX_DRAW in cpu_kernels.c)
 
 
 def residual_draws(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Tensor, best: torch.Tensor,
-                   top_p: float) -> torch.Tensor:
+                   top_p: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One code per row [B] int64: where ``sampled`` [B] (bool), a draw among the top k = ``noise.shape[-1]`` of
     ``logits`` [B, V] (larger first, equal ones in index order) cut to the smallest prefix whose softmax mass
     reaches ``top_p``, by the race ``argmax(p / noise)`` (``noise`` [B, k] exponential draws); elsewhere ``best``
-    [B]. ``code_predictor._draw_residual_codes`` on CPU."""
+    [B]. Into ``out`` where given (contiguous int64 [B]; may be ``best`` itself). ``code_predictor``'s draws on
+    CPU."""
     _require()
     batch, vocab = logits.shape
     k = noise.shape[-1]
@@ -531,7 +532,10 @@ def residual_draws(logits: torch.Tensor, sampled: torch.Tensor, noise: torch.Ten
                      for t in (logits, noise))
     sampled = sampled.to(torch.bool).contiguous()
     best = best.to(torch.int64).contiguous()
-    codes = torch.empty_like(best)
+    codes = torch.empty_like(best) if out is None else out
+    if not (codes.dtype == torch.int64 and codes.shape == (batch,) and codes.is_contiguous()):
+        raise ValueError(f"residual_draws writes a contiguous int64 [{batch}] out, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
     _function("residual_draws")(batch, vocab, k, logits.data_ptr(), logits.stride(0), noise.data_ptr(),
                                 noise.stride(0), sampled.data_ptr(), best.data_ptr(), top_p, codes.data_ptr(),
                                 torch.get_num_threads())

@@ -396,7 +396,8 @@ class CodePredictor(nn.Module):
             codes = p.codes[group - 1]
             logits = step.run(0 if group == 1 else group, self.packed_heads[group - 1], codes)
             if any_sampled:
-                codes.copy_(_draw_residual_codes(logits.float(), sampled, noise[:, group - 1], codes))
+                # (in place: the kernel reads each row's argmax before it writes that row's code)
+                cpu_kernels.residual_draws(logits, sampled, noise[:, group - 1], codes, RESIDUAL_TOP_P, out=codes)
             if group + 1 < self.num_code_groups:  # the next pass's row: this group's code embedding
                 torch.index_select(tables[group - 1], 0, codes, out=rows)
                 step = p.later
