@@ -357,6 +357,8 @@ def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype,
     assert got.shape == (2, 20, 37) and got.dtype == dtype
     assert (got.float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
     assert all(torch.equal(got[1, i : i + 1], linear(x[1, i : i + 1])) for i in (0, 7, 19))
+    # tiles of 2, 3 and 5 rows (AVX2's whole-panel 3-row tile orders its loads its own way) against 6-row ones
+    assert all(torch.equal(got[1, :n], linear(x[1, :n])) for n in (2, 3, 5, 9))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -738,7 +740,7 @@ def test_float32_weights_of_bfloat16_values_are_kept_as_pairs_with_the_same_bits
     pairs, plain = cpu_kernels.pack_linear(weight, float32_pairs=True), cpu_kernels.pack_linear(weight)
     assert pairs.dtype == torch.bfloat16 and plain.dtype == torch.float32
     assert pairs.numel() * pairs.element_size() * 2 == plain.numel() * plain.element_size()
-    for rows in (1, 5, 17, 64):
+    for rows in (1, 3, 5, 9, 17, 64):
         x = torch.randn(rows, 96, generator=g)
         assert torch.equal(cpu_kernels.linear(x, pairs, None, 70), cpu_kernels.linear(x, plain, None, 70))
     not_exact = weight.clone()
