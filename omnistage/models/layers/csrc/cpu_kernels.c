@@ -142,7 +142,13 @@ static void sort_selections(int64_t n, int64_t E, const int64_t *ids, int64_t *o
     for (int64_t s = 0; s < n; s++) order[next[ids[s]]++] = s;
 }
 
-static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+DECLARE_SIMD
+extern float expf(float);
+/* SwiGLU's silu(g) * u with a vector clone at the build's width (libmvec's expf) for loops over lanes: the experts'
+ * gate/up tiles and the decoder pass's MLP. (glibc's scalar expf, called per intermediate, was ~10% of a
+ * small-preset MoE layer at ~4 rows an expert.) */
+DECLARE_SIMD
+static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* panel_dots' inner loop over inputs k0 .. k1 for columns i0 .. i0 + part, PF the prefetch each k issues. A
  * whole AVX2 panel on 3 rows (12 accumulators) broadcasts its rows first, then widens one weight vector at a time:
@@ -227,7 +233,9 @@ static inline float silu_times(float g, float u) { return g / (1.0f + expf(-g)) 
         for (int r = 0; r < rows; r++) {                                                                    \
             float gu[32];                                                                                   \
             for (int i = 0; i < PV; i++) store_f32(gu + i * LANES, acc[r][i]);                              \
-            for (int c = 0; c < 16; c++) put_##XS(h[r] + c, silu_times(gu[c], gu[16 + c]));                 \
+            float hs[16];                                                                                   \
+            _Pragma("omp simd") for (int c = 0; c < 16; c++) hs[c] = swiglu_lane(gu[c], gu[16 + c]);        \
+            for (int c = 0; c < 16; c++) put_##XS(h[r] + c, hs[c]);                                         \
         }                                                                                                   \
     }                                                                                                       \
     /* down over one panel of 32 hidden columns: y[r] = weight[r] * sums. */                                 \
@@ -361,7 +369,7 @@ static inline __attribute__((always_inline)) void gate_up_tile_bf16dp(
         float gs[16], us[16];
         _mm512_storeu_ps(gs, g[r]);
         _mm512_storeu_ps(us, u[r]);
-        for (int c = 0; c < 16; c++) gs[c] = silu_times(gs[c], us[c]);
+        _Pragma("omp simd") for (int c = 0; c < 16; c++) gs[c] = swiglu_lane(gs[c], us[c]);
         store_bf16(h[r], load_f32(gs));
     }
 }
@@ -982,12 +990,6 @@ DEFINE_SNAKE_ROWS(bf16, uint16_t)
 DEFINE_SNAKE_KEPT(f32, float)
 DEFINE_SNAKE_KEPT(bf16, uint16_t)
 
-DECLARE_SIMD
-extern float expf(float);
-/* silu_times with a vector clone at the build's width (libmvec's expf), for the pass's SwiGLU loop; silu_times
- * itself stays scalar (glibc's expf): the expert kernel's results keep their bits. */
-DECLARE_SIMD
-static inline float swiglu_lane(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* weight * (x / rms(x)), the normalised row rounded to the model's type before the weight (Qwen3), into
  * float32 `out` (rounded as stored) or the model's type `stored`. */
