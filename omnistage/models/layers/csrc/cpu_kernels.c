@@ -990,7 +990,6 @@ DEFINE_SNAKE_ROWS(bf16, uint16_t)
 DEFINE_SNAKE_KEPT(f32, float)
 DEFINE_SNAKE_KEPT(bf16, uint16_t)
 
-
 /* weight * (x / rms(x)), the normalised row rounded to the model's type before the weight (Qwen3), into
  * float32 `out` (rounded as stored) or the model's type `stored`. */
 #define DEFINE_ROW_NORM(TS, T)                                                                               \
