@@ -842,10 +842,23 @@ void residual_draws(int64_t B, int64_t V, int64_t k, const float *logits, int64_
     }
 }
 
+/* One row tile of snake_pointwise over panel p's 32 columns: x[r] += bias + the dots, added from the accumulators
+ * (x and bias at the panel's first column; x's rows C apart). */
+static inline __attribute__((always_inline)) void residual_tile_f32(const int rows, int64_t C, const float *const *in,
+                                                                    const float *w, const float *bias, float *x) {
+    vf acc[ROWS][PV];
+    panel_dots_f32(rows, C, in, w, acc, (const float *)0);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < PV; i++)
+            store_f32(x + r * C + i * LANES, load_f32(x + r * C + i * LANES) + load_f32(bias + i * LANES) + acc[r][i]);
+}
+
 /* A vocoder residual unit's tail, in place: x += bias + W snake(h) per row, snake(h) = h + (sin(alpha h) scale)^2
  * per channel (SnakeBeta), W a kernel-1 convolution as panels [C/32, C, 32]. One pass reads h and x and
  * writes x, where separate calls make three more passes over these [samples, channels] signals. Threads split
  * the row tiles; a tile's activations stay in a [ROWS, C] float32 buffer per thread (buf [threads, ROWS * C]).
+ * (Adding into x from the accumulators, not through a stored copy of the sums: 1.03-1.09x at 16 x T rows of 32-768
+ * channels, 2 Zen 3 threads; the same bits.)
  *   h, x [T, C] float32; alpha, scale, bias [C] float32. */
 void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alpha, const float *scale,
                          const float *w, const float *bias, float *x, float *buf, int threads) {
@@ -855,25 +868,12 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
         IF_OPENMP(tid = omp_get_thread_num();)
         float *act = buf + (int64_t)tid * ROWS * C;
         const float *rows_in[ROWS];
-        float *rows_out[ROWS];
-        float ys[ROWS * 32], ones[ROWS];
-        for (int r = 0; r < ROWS; r++) {
-            rows_in[r] = act + r * C;
-            rows_out[r] = ys + r * 32;
-            ones[r] = 1.0f;
-        }
+        for (int r = 0; r < ROWS; r++) rows_in[r] = act + r * C;
         _Pragma("omp for schedule(static)") for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t t0 = tile * ROWS, m = T - t0 < ROWS ? T - t0 : ROWS;
             for (int64_t r = 0; r < m; r++) snake_f32(C, h + (t0 + r) * C, alpha, scale, act + r * C);
-            for (int64_t p = 0; p < C / 32; p++) {
-                down_panel_f32(m, C, rows_in, w + p * C * 32, ones, rows_out, (const float *)0);
-                for (int64_t r = 0; r < m; r++) {
-                    float *xr = x + (t0 + r) * C + p * 32;
-                    for (int i = 0; i < PV; i++)
-                        store_f32(xr + i * LANES, load_f32(xr + i * LANES) + load_f32(bias + p * 32 + i * LANES) +
-                                                      load_f32(ys + r * 32 + i * LANES));
-                }
-            }
+            for (int64_t p = 0; p < C / 32; p++)
+                ROW_TILES(m, residual_tile_f32, (C, rows_in, w + p * C * 32, bias + p * 32, x + t0 * C + p * 32))
         }
     }
 }
