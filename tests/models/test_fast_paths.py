@@ -339,18 +339,21 @@ def test_expert_kernel_equals_the_sparse_path_and_rows_ignore_their_batch_mates(
 def test_panel_linear_equals_the_linear_and_rows_ignore_their_batch_mates(dtype, tol):
     """``fast`` linear layers on panels: the products of ``F.linear`` (bias included, output widths off the
     panel width padded, any leading dims) in float32, and in bfloat16 where the CPU has its dot products (else
-    oneDNN's packed layout, or where oneDNN cannot pack bfloat16 omnistage's dense bfloat16 kernel); a row's bits
-    do not depend on its batch mates or the thread count."""
+    oneDNN's packed layout, or where oneDNN cannot pack bfloat16 widened bfloat16 panels); a row's bits do not
+    depend on its batch mates or the thread count."""
     linear = _seeded(torch.nn.Linear(48, 37), std=0.2).to(dtype)
     x = torch.randn(2, 20, 48, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = linear(x).float()
     fast_kernels(linear, True)
-    if dtype == torch.bfloat16 and not cpu_kernels.supports_linear(torch.empty(1, 48, dtype=dtype)):
-        if can_pack(torch.empty(1, 48, dtype=dtype)):
+    probe = torch.empty(1, 48, dtype=dtype)
+    if dtype == torch.bfloat16 and not cpu_kernels.supports_linear(probe):
+        if can_pack(probe):
             assert linear.panels is None and linear.packed_weight is not None
             return
-        # no oneDNN bfloat16 on this CPU either: omnistage's dense bfloat16 kernel, the weight kept
-        assert type(linear) is DenseBf16Linear and linear.weight.numel() == 48 * 37
+        if cpu_kernels.takes_widened(probe):  # no oneDNN bfloat16 on this CPU: widened bfloat16 panels
+            assert linear.panels is not None and linear.panels.dtype == dtype and linear.weight.numel() == 0
+        else:  # nor the panel kernels: omnistage's dense bfloat16 kernel, the weight kept
+            assert type(linear) is DenseBf16Linear and linear.weight.numel() == 48 * 37
     else:
         assert linear.panels is not None and linear.packed_weight is None and linear.weight.numel() == 0
     got = linear(x)

@@ -15,8 +15,8 @@ against oneDNN's packed GEMMs in ``benchmarks/moe_kernels.py``).
 bfloat16 takes AVX512-BF16 dot products where the CPU has them (``vdpbf16ps``: weights in pairs of input
 indices; rows and the SwiGLU intermediate in bfloat16). Without them the expert kernel widens bfloat16 weights
 to float32 (slower than oneDNN from about 16 rows per expert), and bfloat16 linear layers keep oneDNN (or, where
-oneDNN has no bfloat16, quant_kernels' dense kernel); the decoder kernels then take bfloat16 rows on widened
-panels (``bf16x``) and serve every decoder they take (``widened_bf16_decoders``).
+oneDNN has no bfloat16, take widened panels: ``takes_widened``); the decoder kernels then take bfloat16 rows on
+widened panels (``bf16x``) and serve every decoder they take (``widened_bf16_decoders``).
 
 The C code's vectors have the build's native width (16 lanes with AVX-512, 8 with AVX2: GCC lowers wider generic
 vectors through the stack); row tiles are 8 rows (AVX-512) or 6 rows over half a panel at a time (AVX2).
@@ -267,10 +267,10 @@ def widened_bf16_decoders() -> bool:
     """Whether bfloat16 decoder kernels here read widened bfloat16 panels (the panel kernels serve, the CPU has no
     AVX512-BF16 dot products). The decoders they take then hold their bfloat16 linear layers as such panels
     (``decoder.pack_widened_panels``, the code predictor's ``pack_weights``): quantized ones their routers,
-    shared-expert gates and output heads. Other bfloat16 linear layers keep quant_kernels' dense kernel, which
-    reads bfloat16 faster at decode rows, one layer at a time (AMD EPYC Zen 3, 2 threads, 1-64 rows: 1.2-1.5x;
-    from 256 rows the panels are faster). In one call per step the panels win: small preset, 16 requests, the
-    Talker's decode 3.63 -> 2.30 s, the Thinker's 2.07 -> 1.81 s (2 Zen 3 cores)."""
+    shared-expert gates and output heads. Other bfloat16 linear layers take these panels too where oneDNN has no
+    bfloat16 (``takes_widened``). In one call per step the panels win: small preset, 16 requests, the Talker's
+    decode 3.63 -> 2.30 s, the Thinker's 2.07 -> 1.81 s (2 Zen 3 cores), against quant_kernels' dense kernel layer
+    by layer."""
     return panels_preferred() and not _has_dot()
 
 
@@ -365,6 +365,14 @@ def moe_experts(
 
 
 # -- linear layers -----------------------------------------------------------------------------------------
+
+
+def takes_widened(weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 linear weight [out, in] takes ``panel_linear`` on widened panels (``bf16x``: the panel
+    kernels serve, the CPU has no AVX512-BF16 dot products) where ``supports_linear`` leaves it to oneDNN, for
+    ``fast_linear`` to choose where oneDNN cannot pack bfloat16."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and widened_bf16_decoders())
 
 
 def supports_linear(weight: torch.Tensor) -> bool:

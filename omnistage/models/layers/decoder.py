@@ -222,9 +222,9 @@ def pack_widened_panels(layers: nn.ModuleList) -> int:
     """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), the bfloat16
     linear layers they read go to panels, the one layout they read them in: quantized layers' routers and
     shared-expert gates (kept in bfloat16), and a plain bfloat16 layer's dense layers too where oneDNN has no
-    bfloat16 (AVX2: their alternative is quant_kernels' dense kernel one layer at a time, slower than the
-    decode-step kernel on these panels; where oneDNN packs bfloat16, its routed experts keep per-expert oneDNN
-    copies, which the decode-step kernel does not take, so they keep oneDNN's GEMMs). Returns how many."""
+    bfloat16 (AVX2, where ``fast_linear`` packs them so anyway; where oneDNN packs bfloat16, its routed experts keep
+    per-expert oneDNN copies, which the decode-step kernel does not take, so they keep oneDNN's GEMMs). Returns how
+    many."""
     if not cpu_kernels.widened_bf16_decoders():
         return 0
     linears = []

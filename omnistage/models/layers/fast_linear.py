@@ -4,9 +4,9 @@ At decode batch sizes (a few to a few dozen rows) the default CPU GEMM re-packs 
 call. A weight packed once streams faster: in omnistage's panel layout (``cpu_kernels``: float32, and
 bfloat16 on CPUs with AVX512-BF16 dot products; 1.2-2x faster than oneDNN at 1-16 rows, within a few percent at
 prefill sizes, measured on this machine's AMD EPYC at 2 threads), else in oneDNN's blocked layout (up to ~2x
-faster than the default GEMM); bfloat16 weights where oneDNN cannot pack them (AVX2 alone) through
-``quant_kernels.dense_linear`` (the released Thinker's output head at 1 / 4 / 16 rows, 2 threads: 48 / 75 / 175
-ms against torch's emulated bfloat16 GEMM's 53 / 152 / 558). The price in float32 is a different summation order than the default GEMM's
+faster than the default GEMM); bfloat16 weights where oneDNN cannot pack them (AVX2 alone) on widened panels
+(the released Thinker's output head at 1 / 16 rows, 2 threads: 18 / 87 ms, against torch's emulated bfloat16
+GEMM's 53 / 558 and ``quant_kernels.dense_linear``'s 25 / 144, which serves where the panels do not build). The price in float32 is a different summation order than the default GEMM's
 (and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a different
 greedy token than the reference (the parity tests hold with it on every test checkpoint). In bfloat16 the
 default CPU GEMM already is oneDNN, and oneDNN-packed weights give the same bits.
@@ -169,14 +169,19 @@ class DenseBf16Linear(nn.Linear):
 
 def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
     """Turn ``linear`` into a PackedLinear (its weight released), or a DenseBf16Linear; False where no kernel
-    takes the weight."""
+    takes the weight. A bfloat16 weight that oneDNN cannot pack (AVX2 alone) goes to widened panels
+    (``cpu_kernels.takes_widened``): 1.4-3.4x faster than ``quant_kernels.dense_linear`` from 4 to 2048 rows (AMD
+    EPYC Zen 3, 2 threads; the released Thinker's output head, 16 rows: 144 -> 87 ms), about even at 1 row."""
     weight = linear.weight.detach()
     panels = pack_linear(weight, float32_pairs=True) if cpu_kernels.supports_linear(weight) else None
     if panels is None and not can_pack(weight):
-        if quant_kernels.takes_dense(weight) and not cpu_computes_bf16():
+        if cpu_kernels.takes_widened(weight):
+            panels = pack_linear(weight)
+        elif quant_kernels.takes_dense(weight) and not cpu_computes_bf16():
             linear.__class__ = DenseBf16Linear
             return True
-        return False
+        else:
+            return False
     _to_packed(linear, panels, None if panels is not None else pack_weight(weight, batch_hint))
     return True
 
