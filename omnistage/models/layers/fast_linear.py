@@ -6,10 +6,11 @@ bfloat16 on CPUs with AVX512-BF16 dot products; 1.2-2x faster than oneDNN at 1-1
 prefill sizes, measured on this machine's AMD EPYC at 2 threads), else in oneDNN's blocked layout (up to ~2x
 faster than the default GEMM); bfloat16 weights where oneDNN cannot pack them (AVX2 alone) on widened panels
 (the released Thinker's output head at 1 / 16 rows, 2 threads: 18 / 87 ms, against torch's emulated bfloat16
-GEMM's 53 / 558 and ``quant_kernels.dense_linear``'s 25 / 144, which serves where the panels do not build). The price in float32 is a different summation order than the default GEMM's
-(and transformers'): outputs differ in the last bits, so a near-tie between two logits can pick a different
-greedy token than the reference (the parity tests hold with it on every test checkpoint). In bfloat16 the
-default CPU GEMM already is oneDNN, and oneDNN-packed weights give the same bits.
+GEMM's 53 / 558 and ``quant_kernels.dense_linear``'s 25 / 144, which serves where the panels do not build). The
+price in float32 is a different summation order than the default GEMM's (and transformers'): outputs differ in
+the last bits, so a near-tie between two logits can pick a different greedy token than the reference (the parity
+tests hold with it on every test checkpoint). In bfloat16 the default CPU GEMM already is oneDNN, and
+oneDNN-packed weights give the same bits.
 
 ``pack_linear_weights(module)`` switches every ``nn.Linear`` (and every module with a ``pack_weights``
 method: stacked experts, the code predictor's heads) under ``module`` in place, for serving: each packed
@@ -171,7 +172,8 @@ def _pack_linear(linear: nn.Linear, batch_hint: int) -> bool:
     """Turn ``linear`` into a PackedLinear (its weight released), or a DenseBf16Linear; False where no kernel
     takes the weight. A bfloat16 weight that oneDNN cannot pack (AVX2 alone) goes to widened panels
     (``cpu_kernels.takes_widened``): 1.4-3.4x faster than ``quant_kernels.dense_linear`` from 4 to 2048 rows (AMD
-    EPYC Zen 3, 2 threads; the released Thinker's output head, 16 rows: 144 -> 87 ms), about even at 1 row."""
+    EPYC Zen 3, 2 threads; the released Thinker's output head, 16 rows: 144 -> 87 ms); at 1 row faster on large
+    layers (that head: 25 -> 18 ms), slower on small ones (2048 x 2048: 0.25 -> 0.27 ms)."""
     weight = linear.weight.detach()
     panels = pack_linear(weight, float32_pairs=True) if cpu_kernels.supports_linear(weight) else None
     if panels is None and not can_pack(weight):
