@@ -12,7 +12,7 @@ from torch import nn
 from omnistage.attention.backend import AttentionMetadata, DecodeKernel, paged_attention
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.attention import AttendFn, SelfAttention
-from omnistage.models.layers.fast_linear import can_pack, pack_amx, pack_panels
+from omnistage.models.layers.fast_linear import pack_amx, pack_panels
 from omnistage.models.layers.mlp import GatedMLP, check_activation
 from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
@@ -219,24 +219,15 @@ def _kernels_take(layer: DecoderLayer) -> bool:
 
 
 def pack_widened_panels(layers: nn.ModuleList) -> int:
-    """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), the bfloat16
-    linear layers they read go to panels, the one layout they read them in: quantized layers' routers and
-    shared-expert gates (kept in bfloat16), and a plain bfloat16 layer's dense layers too where oneDNN has no
-    bfloat16 (AVX2, where ``fast_linear`` packs them so anyway; where oneDNN packs bfloat16, its routed experts keep
-    per-expert oneDNN copies, which the decode-step kernel does not take, so they keep oneDNN's GEMMs). Returns how
-    many."""
+    """Where bfloat16 decoder kernels read widened panels (``cpu_kernels.widened_bf16_decoders``), a quantized layer's
+    bfloat16 router and shared-expert gate go to panels, the one layout the kernels read them in, even where oneDNN
+    packs bfloat16. (A plain bfloat16 layer's linear layers: ``fast_linear`` gives them these panels where oneDNN
+    has no bfloat16; where it has, its routed experts keep per-expert oneDNN copies, which the decode-step kernel
+    does not take, so they keep oneDNN's GEMMs.) Returns how many."""
     if not cpu_kernels.widened_bf16_decoders():
         return 0
-    linears = []
-    for layer in layers:
-        plain = not quantized(layer)
-        if plain and not (_kernels_take(layer) and not can_pack(layer.self_attn.qkv_proj.weight)):
-            continue
-        if isinstance(layer.mlp, SparseMoE):
-            linears += [layer.mlp.gate, layer.mlp.shared_expert_gate]
-        if plain:
-            linears += dense_linears(layer)
-    return sum(pack_panels(linear) for linear in linears
+    return sum(pack_panels(linear) for layer in layers if quantized(layer) and isinstance(layer.mlp, SparseMoE)
+               for linear in (layer.mlp.gate, layer.mlp.shared_expert_gate)
                if linear is not None and linear.weight.dtype == torch.bfloat16)
 
 

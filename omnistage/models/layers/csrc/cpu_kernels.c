@@ -875,7 +875,8 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
             const int64_t t0 = tile * ROWS, m = T - t0 < ROWS ? T - t0 : ROWS;
             for (int64_t r = 0; r < m; r++) snake_f32(C, h + (t0 + r) * C, alpha, scale, act + r * C);
             for (int64_t p = 0; p < C / 32; p++)
-                ROW_TILES(m, residual_tile_f32, (C, rows_in, w + p * C * 32, bias + p * 32, x + t0 * C + p * 32))
+                ROW_TILES(m, residual_tile_f32,
+                          (C, rows_in + r0, w + p * C * 32, bias + p * 32, x + (t0 + r0) * C + p * 32))
         }
     }
 }
