@@ -52,8 +52,9 @@ def _cl(x: torch.Tensor) -> torch.Tensor:
         lambda: CausalConv1d(32, 1, 7, dilation=2),  # few outputs: taps GEMM + shifted sums
         lambda: CausalConvTranspose1d(32, 16, 10, 5),
         lambda: CausalConvTranspose1d(32, 16, 4, 4),
+        lambda: CausalConvTranspose1d(32, 32, 8, 4),  # stride x outputs a multiple of 32: conv_pairs in float32
     ],
-    ids=["k7-d3", "k7-48to16", "k1", "k7-to1", "transposed-2x", "transposed-1x"],
+    ids=["k7-d3", "k7-48to16", "k1", "k7-to1", "transposed-2x", "transposed-1x", "transposed-2x-pairs"],
 )
 def test_channels_last_layers_equal_torch(make):
     gen = torch.Generator().manual_seed(1)
@@ -114,6 +115,40 @@ def test_snake_conv_equals_snake_then_conv(dtype, channels, outputs, taps, dilat
     assert got.dtype == dtype and got.shape == want.shape == (2, held + length - (taps - 1) * dilation, outputs)
     tol = F32_TOL if dtype == torch.float32 else 2**-7
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
+@pytest.mark.parametrize("batch, length, channels, stride, outputs", [
+    (3, 7, 64, 3, 32),  # fewer rows than a tile
+    (2, 230, 96, 4, 24),  # several jobs per item (96 channels: 240 rows a job), a last short one
+    (1, 5, 16, 8, 4),
+])
+def test_conv_pairs_equals_snake_concatenation_and_the_pairs_gemm(batch, length, channels, stride, outputs):
+    """``cpu_kernels.conv_pairs``: each item's [left; SnakeBeta(x)] (a starting item: x, its last row repeated; no
+    left: x) read as consecutive pairs times the weight plus bias equals making the pairs and one GEMM."""
+    gen = torch.Generator().manual_seed(9)
+    x = 2 * torch.randn(batch, length, channels, generator=gen)
+    left = torch.randn(batch, 1, channels, generator=gen)
+    alpha, scale = torch.rand(channels, generator=gen) + 0.5, torch.rand(channels, generator=gen) + 0.5
+    weight = torch.randn(2 * channels, stride * outputs, generator=gen) / (2 * channels) ** 0.5
+    bias = torch.randn(stride * outputs, generator=gen)
+    panels = cpu_kernels.pack_linear(weight.t())
+    start = torch.arange(batch) % 2 == 0
+    activated = _snake_eager(x, alpha, scale)
+    for case_left, case_start, rows in ((left, start, length), (left, None, length), (None, None, length - 1)):
+        for snake in ((alpha, scale), None):
+            inputs = activated if snake else x
+            items = []
+            for b in range(batch):
+                if case_left is None or (case_start is not None and case_start[b]):
+                    seq = torch.cat((inputs[b], inputs[b, -1:]))
+                else:
+                    seq = torch.cat((_snake_eager(left[b], alpha, scale) if snake else left[b], inputs[b]))
+                items.append(torch.cat((seq[:rows], seq[1 : rows + 1]), 1))
+            want = torch.stack(items) @ weight + bias
+            got = cpu_kernels.conv_pairs(x, case_left, case_start, snake, panels, bias, rows)
+            assert got.shape == want.shape == (batch, rows, stride * outputs)
+            assert (got - want).abs().max().item() <= F32_TOL * want.abs().max().item()
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler to build omnistage's CPU kernels")
@@ -245,8 +280,12 @@ def test_fast_decoder_equals_reference_kernels_float32(decoder_dim, monkeypatch)
     codes = random_codes(8, 30, seed=5, batch=2)
     reference = _decode(model, codes, reference=True)
     calls = _counting_snake_conv(monkeypatch)
+    pairs = []  # conv_pairs' calls: the upsampling blocks whose stride x outputs fill panels (64: 2 of 4; 256: 3)
+    real_pairs = cpu_kernels.conv_pairs
+    monkeypatch.setattr(cpu_kernels, "conv_pairs", lambda *a: pairs.append(1) or real_pairs(*a))
     fast = _decode(model, codes, reference=False)
     assert len(calls) == (decoder_dim == 256 and cpu_kernels.available())
+    assert len(pairs) == ({64: 2, 256: 3}[decoder_dim] if cpu_kernels.available() else 0)
     diff = (fast - reference).abs().max().item()
     print(f"float32 fast vs reference kernels: {diff:.2e} (signal std {reference.std():.2f})")
     assert reference.std() > 0.02 and diff <= F32_TOL

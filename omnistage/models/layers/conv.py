@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers import amx_kernels
+from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.fast_linear import release_weight
 
 # Length rules accept plain ints or integer tensors (one length per request).
@@ -257,6 +257,43 @@ class CausalConvTranspose1d(nn.Module):
             release_weight(self.conv, "weight")  # (inputs too short for the tiles: _packed_gemm_weight)
         return self.amx_weight is not None
 
+    # Above this many bytes of float32 weight a GEMM library's blocking beats conv_pairs' jobs, which each read the
+    # whole weight (2 Zen 3 threads, 16 x 25 frames: 0.97x at 11.8 MB, 0.65x at 75 MB; 1.07-1.65x at up to 8 MB).
+    PAIRS_WEIGHT_BYTES = 8 << 20
+
+    def takes_pairs_kernel(self, hidden: torch.Tensor) -> bool:
+        """Whether ``cpu_kernels.conv_pairs`` serves this layer's channels-last path for ``hidden``: kernel
+        2 * stride without AMX, float32 on the CPU, the weight at most ``PAIRS_WEIGHT_BYTES``. It activates the
+        inputs it reads (SnakeBeta) and reads their pairs in place: no concatenations, and the bias added from its
+        sums."""
+        weight = self.conv.weight
+        return (self.amx_weight is None and self.trim == self.stride and hidden.device.type == "cpu"
+                and hidden.dtype == torch.float32 and weight.numel() * 4 <= self.PAIRS_WEIGHT_BYTES
+                and cpu_kernels.supports_conv_pairs(weight, self.stride))
+
+    def activates_inputs(self, hidden: torch.Tensor) -> bool:
+        """Whether the channels-last path applies a preceding SnakeBeta itself (``snake=``: AMX tiles or
+        ``conv_pairs``); a stream's kept input is then the one that came, not activated."""
+        return (self.amx_weight is not None and hidden.device.type == "cpu") or self.takes_pairs_kernel(hidden)
+
+    def _pairs_channels_last(self, hidden: torch.Tensor, last: torch.Tensor | None, starting: torch.Tensor | None,
+                             snake: tuple[torch.Tensor, torch.Tensor] | None, outputs: int) -> torch.Tensor:
+        """``conv_pairs``: [B, outputs * stride, C_out] from ``hidden`` after ``last`` (rows in ``starting``: none)."""
+        panels, bias = derived(self, "_cl_pair_panels", self.conv.weight, self._pair_panels)
+        start = None
+        if starting is not None:
+            start = torch.zeros(hidden.shape[0], dtype=torch.bool)
+            start[starting] = True
+        out = cpu_kernels.conv_pairs(hidden, last, start, snake, panels, bias, outputs)
+        return out.view(hidden.shape[0], outputs * self.stride, self.conv.out_channels)
+
+    def _pair_panels(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(panels of the pairs GEMM's weight, its bias per column (zeros without one))."""
+        bias = self.conv.bias
+        columns = self.stride * self.conv.out_channels
+        bias = torch.zeros(columns) if bias is None else bias.detach().float().repeat(self.stride)
+        return cpu_kernels.pack_linear(self._gemm_weight(weight).t()), bias.contiguous()
+
     def output_length(self, length: LengthT) -> LengthT:
         kept = (length - 1) * self.stride + self.conv.kernel_size[0] - 2 * self.trim
         return kept.clamp(min=0) if isinstance(kept, torch.Tensor) else max(kept, 0)
@@ -330,6 +367,9 @@ class CausalConvTranspose1d(nn.Module):
         ``snake`` activates the inputs as ``forward_channels_last`` does (``last`` and the next one as they came).
         """
         dim = 1 if channels_last else -1
+        if channels_last and self.takes_pairs_kernel(hidden):
+            return (self._pairs_channels_last(hidden, last, starting, snake, hidden.shape[1]),
+                    _input_at(last, hidden, valid))
         if (channels_last and starting is None and self.amx_weight is not None and hidden.device.type == "cpu"
                 and hidden.shape[1] > 0):
             # AMX tiles read ``last`` as the left context (activated as the new inputs are): the inputs are not
@@ -360,6 +400,8 @@ class CausalConvTranspose1d(nn.Module):
                 and self.trim in (0, self.stride)):
             # (two taps: the pairs of consecutive inputs are read in place, not concatenated)
             return self._amx_channels_last(hidden, snake)
+        if self.takes_pairs_kernel(hidden):
+            return self._pairs_channels_last(hidden, None, None, snake, max(length - 1, 0))
         if snake is not None:
             alpha, scale = snake
             hidden = hidden + (torch.sin(hidden * alpha) * scale) ** 2

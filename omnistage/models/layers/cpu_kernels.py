@@ -108,6 +108,8 @@ def _build() -> ctypes.CDLL:
                                                                                                   pointer, i32]
     library.snake_pointwise_f32.restype = None
     library.snake_pointwise_f32.argtypes = [i64] * 2 + [pointer] * 7 + [i32]
+    library.conv_pairs_f32.restype = None
+    library.conv_pairs_f32.argtypes = [i64] * 6 + [pointer] * 9 + [i32]
     for suffix in _SUFFIX.values():
         snake_conv = getattr(library, f"snake_conv_{suffix}")
         snake_conv.restype = None
@@ -626,6 +628,52 @@ def snake_pointwise(
         args[2].data_ptr(), x.data_ptr(), buf.data_ptr(), threads,
     )
     return x
+
+
+def supports_conv_pairs(weight: torch.Tensor, stride: int) -> bool:
+    """Whether ``conv_pairs`` serves a transposed convolution with this [C_in, C_out, 2 * stride] weight: CPU,
+    float32, ``stride * C_out`` a multiple of 32 (whole panels), the kernels built here."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 3
+            and weight.shape[-1] == 2 * stride and (stride * weight.shape[1]) % DOWN_PANEL == 0 and available())
+
+
+_PAIRS_ROWS_MAX = 96  # PAIRS_ROWS_MAX in cpu_kernels.c
+_PAIRS_JOB_BYTES = 96 << 10  # a job's activated inputs: with the panel they read, within a core's L2
+
+
+def conv_pairs(x: torch.Tensor, left: torch.Tensor | None, start: torch.Tensor | None,
+               snake: tuple[torch.Tensor, torch.Tensor] | None, panels: torch.Tensor, bias: torch.Tensor,
+               outputs: int) -> torch.Tensor:
+    """A transposed convolution with kernel 2 * stride as one GEMM over consecutive input pairs, in one pass:
+    [B, outputs, N] float32 rows ``bias + [a_j, a_{j+1}] W`` (N = stride * C_out, columns (sample, channel)),
+    where item b's inputs ``a`` are its ``left`` [B, 1, C] row then its ``x`` [B, TX, C] rows (items with
+    ``start[b]``, or all without ``left``: x's rows from the first, the last one repeated past the end), each
+    through SnakeBeta ``v + (sin(v alpha) scale)^2`` where ``snake`` = (alpha, scale) is given.
+    ``panels``: ``pack_linear`` of the pairs GEMM's [N, 2C] weight; ``bias`` [N] float32."""
+    _require()
+    batch, length, channels = x.shape
+    if not (x.dtype == torch.float32 and panels.shape == (panels.shape[0], 2 * channels, DOWN_PANEL)
+            and panels.dtype == torch.float32 and bias.shape == (panels.shape[0] * DOWN_PANEL,)
+            and (left is None or left.shape == (batch, 1, channels)) and 0 <= outputs <= length + (left is not None)):
+        raise ValueError("conv_pairs needs float32 [B, T, C] rows, [N/32, 2C, 32] panels, a [N] bias and a "
+                         "[B, 1, C] left row")
+    out = x.new_empty(batch, outputs, bias.shape[0])
+    if outputs == 0 or batch == 0:
+        return out
+    threads = torch.get_num_threads()
+    job = max(_ROWS_MAX, min(_PAIRS_ROWS_MAX, _PAIRS_JOB_BYTES // (4 * channels) // 24 * 24))
+    buf = _scratch("pairs", threads * (job + 1) * channels, torch.float32)
+    x = x.contiguous()
+    left = None if left is None else left.contiguous()
+    start = None if start is None or left is None else start.to(torch.uint8).contiguous()
+    alpha, scale = (None, None) if snake is None else (t.detach().float().contiguous() for t in snake)
+    _function("conv_pairs_f32")(
+        batch, length, outputs, channels, bias.shape[0], job, x.data_ptr(), 0 if left is None else left.data_ptr(),
+        0 if start is None else start.data_ptr(), 0 if alpha is None else alpha.data_ptr(),
+        0 if scale is None else scale.data_ptr(), panels.data_ptr(), bias.data_ptr(), out.data_ptr(),
+        buf.data_ptr(), threads,
+    )
+    return out
 
 
 _LANES_MAX = 16  # the C kernels' vector width is at most this (16 lanes with AVX-512, 8 otherwise)

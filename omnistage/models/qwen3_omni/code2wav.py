@@ -503,7 +503,7 @@ class DecoderBlock(nn.Module):
 
     def forward_channels_last(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
         up, snake = self.block[1], None
-        if up.amx_weight is not None and x.device.type == "cpu":  # the AMX kernel activates the rows it reads
+        if up.activates_inputs(x):  # the kernel activates the rows it reads
             snake = self.block[0].kernel_parameters()
         else:
             x = self.block[0].forward_channels_last(x)

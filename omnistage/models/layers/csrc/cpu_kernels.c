@@ -881,6 +881,55 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
     }
 }
 
+/* One row tile of conv_pairs over panel p's 32 columns: out[r] = bias + the dots (bias and out at the panel's first
+ * column; out's rows N apart). */
+static inline __attribute__((always_inline)) void bias_tile_f32(const int rows, int64_t K, const float *const *in,
+                                                                const float *w, const float *bias, float *out,
+                                                                int64_t N) {
+    vf acc[ROWS][PV];
+    panel_dots_f32(rows, K, in, w, acc, (const float *)0);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < PV; i++) store_f32(out + r * N + i * LANES, load_f32(bias + i * LANES) + acc[r][i]);
+}
+
+/* A vocoder's transposed convolution with kernel 2 * stride (CausalConvTranspose1d's channels-last GEMM) in one pass,
+ * without AMX: out[b][j] = bias + [a_j, a_{j+1}] W for j < R, where item b's inputs a_0 .. a_R are its `left` row
+ * then its TX rows of x (items flagged in `start`, or all where left is NULL: x's rows from the first, its last row
+ * repeated past the end), each through SnakeBeta a = v + (sin(alpha v) scale)^2 (none where alpha is NULL). A job's
+ * inputs are activated once into the thread's buffer, where consecutive rows are the pairs the panels read (K = 2C
+ * in place), so neither the concatenation after `left` nor the pairs are made in memory, and the bias is added from
+ * the accumulators. Threads split jobs of up to `rows` outputs of an item; a job runs panel by panel (the panel
+ * stays in L2 across its row tiles).
+ *   x [B, TX, C], left [B, 1, C] or NULL, start [B] bytes or NULL, alpha / scale [C] or NULL, float32;
+ *   w [N/32, 2C, 32] float32 panels (the pairs GEMM's columns: stride samples x output channels), bias [N];
+ *   out [B, R, N]; buf [threads, (rows + 1) C] float32; rows <= PAIRS_ROWS_MAX. */
+#define PAIRS_ROWS_MAX 96
+void conv_pairs_f32(int64_t B, int64_t TX, int64_t R, int64_t C, int64_t N, int64_t rows, const float *x,
+                    const float *left, const uint8_t *start, const float *alpha, const float *scale, const float *w,
+                    const float *bias, float *out, float *buf, int threads) {
+    const int64_t tiles = (R + rows - 1) / rows;
+    _Pragma("omp parallel num_threads(threads)") {
+        int tid = 0;
+        IF_OPENMP(tid = omp_get_thread_num();)
+        float *act = buf + (int64_t)tid * (rows + 1) * C;
+        const float *rows_in[PAIRS_ROWS_MAX];
+        for (int64_t r = 0; r < rows; r++) rows_in[r] = act + r * C;
+        _Pragma("omp for schedule(static)") for (int64_t job = 0; job < B * tiles; job++) {
+            const int64_t b = job / tiles, j0 = job % tiles * rows, m = R - j0 < rows ? R - j0 : rows;
+            const int after_left = left && !(start && start[b]);
+            for (int64_t i = 0; i <= m; i++) { /* input j0 + i */
+                const int64_t e = j0 + i - after_left;
+                const float *v = e < 0 ? left + b * C : x + (b * TX + (e < TX ? e : TX - 1)) * C;
+                if (alpha) snake_f32(C, v, alpha, scale, act + i * C);
+                else memcpy(act + i * C, v, (size_t)C * sizeof(float));
+            }
+            for (int64_t p = 0; p < N / 32; p++)
+                ROW_TILES(m, bias_tile_f32,
+                          (2 * C, rows_in + r0, w + p * 2 * C * 32, bias + p * 32, out + (b * R + j0 + r0) * N + p * 32, N))
+        }
+    }
+}
+
 /* A few-output convolution of SnakeBeta'd rows (the vocoder's last layer: C channels -> O outputs, K taps at
  * dilation `dil`), plus bias: out[b][t][o] = bias[o] + sum over k, c of w[o][k][c] * a[b][t + k dil][c], where
  * item b's input rows are its H rows of `left` as they are, then its TX rows of x through SnakeBeta (a = v +
