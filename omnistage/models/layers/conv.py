@@ -279,20 +279,17 @@ class CausalConvTranspose1d(nn.Module):
     def _pairs_channels_last(self, hidden: torch.Tensor, last: torch.Tensor | None, starting: torch.Tensor | None,
                              snake: tuple[torch.Tensor, torch.Tensor] | None, outputs: int) -> torch.Tensor:
         """``conv_pairs``: [B, outputs * stride, C_out] from ``hidden`` after ``last`` (rows in ``starting``: none)."""
-        panels, bias = derived(self, "_cl_pair_panels", self.conv.weight, self._pair_panels)
+        panels = derived(self, "_cl_pair_panels", self.conv.weight,
+                         lambda w: cpu_kernels.pack_linear(self._gemm_weight(w).t()))
+        bias = self.conv.bias  # per output sample: repeated for the stride samples of a column block
+        bias = (torch.zeros(panels.shape[0] * panels.shape[2]) if bias is None
+                else bias.detach().float().repeat(self.stride))
         start = None
         if starting is not None:
             start = torch.zeros(hidden.shape[0], dtype=torch.bool)
             start[starting] = True
         out = cpu_kernels.conv_pairs(hidden, last, start, snake, panels, bias, outputs)
         return out.view(hidden.shape[0], outputs * self.stride, self.conv.out_channels)
-
-    def _pair_panels(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(panels of the pairs GEMM's weight, its bias per column (zeros without one))."""
-        bias = self.conv.bias
-        columns = self.stride * self.conv.out_channels
-        bias = torch.zeros(columns) if bias is None else bias.detach().float().repeat(self.stride)
-        return cpu_kernels.pack_linear(self._gemm_weight(weight).t()), bias.contiguous()
 
     def output_length(self, length: LengthT) -> LengthT:
         kept = (length - 1) * self.stride + self.conv.kernel_size[0] - 2 * self.trim
