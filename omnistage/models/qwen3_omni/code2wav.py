@@ -19,7 +19,8 @@ new frames only.
 Kernels: on CPU the decoder (most of the FLOPs) runs on [B, T, C] signals by default: oneDNN channels-last
 convolutions, pointwise and transposed convolutions as GEMMs whose outputs already have the next layer's
 layout, SnakeBeta as one pass of the CPU kernels that also prepends the next convolution's left context (on AMX
-CPUs each convolution's kernel activates the rows it reads instead). Measured on
+CPUs each convolution's kernel activates the rows it reads instead; elsewhere, in float32, the transposed
+convolutions' ``cpu_kernels.conv_pairs`` does). Measured on
 the small preset (batch 16, 25-frame chunks, 1 thread, AMD EPYC): 1.44x float32, 1.8x bfloat16 over
 ``reference_kernels`` (torch's [B, C, T] convolutions, transformers' layout), which stays as the reference
 the fast path is tested against; outputs differ by float rounding only (~5e-6 in float32).
