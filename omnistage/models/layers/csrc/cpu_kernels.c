@@ -844,15 +844,19 @@ void residual_draws(int64_t B, int64_t V, int64_t k, const float *logits, int64_
     }
 }
 
-/* One row tile of snake_pointwise over panel p's 32 columns: x[r] += bias + the dots, added from the accumulators
- * (x and bias at the panel's first column; x's rows C apart). */
-static inline __attribute__((always_inline)) void residual_tile_f32(const int rows, int64_t C, const float *const *in,
-                                                                    const float *w, const float *bias, float *x) {
+/* One row tile over a panel's 32 columns, the bias added from the accumulators: out[r] = bias + the dots, or with
+ * `add` out[r] += bias + the dots (snake_pointwise's residual); bias and out at the panel's first column, out's rows
+ * `ld` apart. */
+static inline __attribute__((always_inline)) void bias_tile_f32(const int rows, int64_t K, const float *const *in,
+                                                                const float *w, const float *bias, float *out,
+                                                                int64_t ld, const int add) {
     vf acc[ROWS][PV];
-    panel_dots_f32(rows, C, in, w, acc, (const float *)0);
+    panel_dots_f32(rows, K, in, w, acc, (const float *)0);
     for (int r = 0; r < rows; r++)
-        for (int i = 0; i < PV; i++)
-            store_f32(x + r * C + i * LANES, load_f32(x + r * C + i * LANES) + load_f32(bias + i * LANES) + acc[r][i]);
+        for (int i = 0; i < PV; i++) {
+            const vf b = load_f32(bias + i * LANES);
+            store_f32(out + r * ld + i * LANES, (add ? load_f32(out + r * ld + i * LANES) + b : b) + acc[r][i]);
+        }
 }
 
 /* A vocoder residual unit's tail, in place: x += bias + W snake(h) per row, snake(h) = h + (sin(alpha h) scale)^2
@@ -875,21 +879,10 @@ void snake_pointwise_f32(int64_t T, int64_t C, const float *h, const float *alph
             const int64_t t0 = tile * ROWS, m = T - t0 < ROWS ? T - t0 : ROWS;
             for (int64_t r = 0; r < m; r++) snake_f32(C, h + (t0 + r) * C, alpha, scale, act + r * C);
             for (int64_t p = 0; p < C / 32; p++)
-                ROW_TILES(m, residual_tile_f32,
-                          (C, rows_in + r0, w + p * C * 32, bias + p * 32, x + (t0 + r0) * C + p * 32))
+                ROW_TILES(m, bias_tile_f32,
+                          (C, rows_in + r0, w + p * C * 32, bias + p * 32, x + (t0 + r0) * C + p * 32, C, 1))
         }
     }
-}
-
-/* One row tile of conv_pairs over panel p's 32 columns: out[r] = bias + the dots (bias and out at the panel's first
- * column; out's rows N apart). */
-static inline __attribute__((always_inline)) void bias_tile_f32(const int rows, int64_t K, const float *const *in,
-                                                                const float *w, const float *bias, float *out,
-                                                                int64_t N) {
-    vf acc[ROWS][PV];
-    panel_dots_f32(rows, K, in, w, acc, (const float *)0);
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < PV; i++) store_f32(out + r * N + i * LANES, load_f32(bias + i * LANES) + acc[r][i]);
 }
 
 /* A vocoder's transposed convolution with kernel 2 * stride (CausalConvTranspose1d's channels-last GEMM) in one pass,
@@ -925,7 +918,8 @@ void conv_pairs_f32(int64_t B, int64_t TX, int64_t R, int64_t C, int64_t N, int6
             }
             for (int64_t p = 0; p < N / 32; p++)
                 ROW_TILES(m, bias_tile_f32,
-                          (2 * C, rows_in + r0, w + p * 2 * C * 32, bias + p * 32, out + (b * R + j0 + r0) * N + p * 32, N))
+                          (2 * C, rows_in + r0, w + p * 2 * C * 32, bias + p * 32, out + (b * R + j0 + r0) * N + p * 32, N,
+                           0))
         }
     }
 }
