@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
-from test_code2wav import build_pair, random_codes
+from test_code2wav import build_pair, random_codes, randomize_, tiny_hf_config
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnistage.models.loader import load_into
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
@@ -165,6 +166,33 @@ def test_retry_after_failure_gives_identical_output(model, monkeypatch):
     assert torch.equal(retried.wave_lengths, clean.wave_lengths)
     assert all(torch.equal(a.buffer, b.buffer) and a.frames == b.frames
                for a, b in zip(retried.states, clean.states))
+
+
+@pytest.mark.parametrize("ratios", [(), (1,), (1, 2)], ids=["none", "1", "1-2"])
+@pytest.mark.parametrize("reference_kernels", [False, True], ids=["fast", "reference-kernels"])
+def test_stream_without_pre_upsampling_equals_transformers(ratios, reference_kernels):
+    """Checkpoints transformers accepts with no pre-upsampling before the decoder blocks: a first chunk of one
+    frame gives the first block one input, so the second block gets none in that call. Its stream starts at the
+    call that first brings it inputs (its first block trimmed there), not at the request's first call; it used to
+    start at the request's first call and then emit its trimmed block later, off by up to 1.0."""
+    hf_config = tiny_hf_config(8)
+    hf_config.upsampling_ratios = ratios
+    hf_config.upsample_rates = (3, 2, 4)
+    hf_config.decoder_dim = 32
+    torch.manual_seed(0)
+    reference = Qwen3OmniMoeCode2Wav(hf_config).float().eval()
+    randomize_(reference, seed=4)
+    ours = Code2Wav(hf_config).float().eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)
+    ours.reference_kernels = reference_kernels
+    requests = [random_codes(8, 9, seed=20 + i)[0] for i in range(3)]
+    with torch.no_grad():
+        expect = [reference(codes[None])[0, 0] for codes in requests]
+    schedules = [[1] * 9, [1, 2, 1, 5], [2, 1, 6]]
+    streams = stream_interleaved(Code2WavStreamer(ours), requests, schedules, rounds=40, seed=2)
+    for got, want in zip(streams, expect, strict=True):
+        assert got.shape == want.shape == (ours.samples_for_frames(9),)
+        assert (got - want).abs().max().item() <= TOL
 
 
 def test_seamless_past_300_frames_where_chunked_decode_is_not():

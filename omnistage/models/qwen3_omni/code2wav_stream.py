@@ -18,10 +18,12 @@ Why the result equals one-shot decoding
     - transposed convolutions with kernel ``2 * stride`` (one per decoder block): output block j needs
       inputs j and j + 1. The last input is kept; a call recomputes, from it and the first new input, the
       block that was pending (the overlap that needed the next frame), then the blocks of the new inputs
-      except the last one, which waits for the next call. At the start of a stream the first block is the
-      one ``forward`` trims, so that row emits ``stride`` samples fewer. (Keeping the input rather than
-      the pending overlap samples is smaller, ``in_channels`` vs ``out_channels * stride`` numbers, and
-      computes each block in one piece as ``forward`` does.) Kernel == stride needs nothing.
+      except the last one, which waits for the next call. At the start of the layer's stream (the first
+      call that brings it inputs: without pre-upsampling, a first chunk of one frame leaves the second block
+      none) the first block is the one ``forward`` trims, so that row emits ``stride`` samples fewer.
+      (Keeping the input rather than the pending overlap samples is smaller, ``in_channels`` vs
+      ``out_channels * stride`` numbers, and computes each block in one piece as ``forward`` does.)
+      Kernel == stride needs nothing.
     - everything else (embedding, norms, MLPs, SnakeBeta, clamp) is per position.
 
     Hence the concatenated stream is one-shot decoding of all frames, sample for sample and of the same
@@ -38,8 +40,8 @@ Batching
     runs once over the batch (on CPU once per tile of rows, ``Code2Wav.cpu_tile_samples`` output samples
     each, like ``Code2Wav.decode``; small chunks put all rows in one tile). Causality keeps padding out of valid
     samples. Each row's next history is cut at its own last valid input (a gather when rows differ), so
-    padding never enters a state; rows with no new frames get their state back unchanged. Rows that start
-    their stream shift their transposed-convolution inputs one place left (one indexed copy per decoder
+    padding never enters a state; rows with no new frames get their state back unchanged. Rows whose inputs
+    start a layer's stream shift their transposed-convolution inputs one place left (one indexed copy per decoder
     block). A call costs its new frames plus the carried window (71 frames of keys/values, a few inputs
     per convolution) plus one read of the weights, which batching shares across requests.
 

@@ -31,9 +31,10 @@ class StreamStep:
         self.updated: dict[nn.Module, torch.Tensor] = {}
         self.device = device
         self.frames = torch.tensor(list(frames), device=device)
-        self.starts = [p == 0 and n > 0 for p, n in zip(frames, new_frames)]
-        rows = [b for b, start in enumerate(self.starts) if start]
-        self.starting = torch.tensor(rows, device=device) if rows else None
+        # Each row's count of inputs before this call at the current rate (its one-shot length for ``frames``): a
+        # transposed convolution's stream starts at the first call that brings it inputs, which need not be the
+        # stream's first call (without pre-upsampling, a first chunk of one frame leaves the second block none).
+        self.before = list(frames)
         self._set_lengths(list(new_frames))
 
     def _set_lengths(self, lengths: list[int]) -> None:
@@ -76,16 +77,19 @@ class StreamStep:
         """``channels_last``: x and the result are [B, T, C] signals (the state keeps its [C, history] layout), and
         ``snake`` activates the inputs (``CausalConvTranspose1d.forward_channels_last``; the state keeps them as
         they came)."""
+        starts = [before == 0 and n > 0 for before, n in zip(self.before, self.lengths)]
         if conv.history_size == 0:
             out = conv.forward_channels_last(x, snake) if channels_last else conv(x)
         else:
             history = self.histories[conv]
+            rows = [b for b, start in enumerate(starts) if start]
             out, last = conv.forward_stream(
-                x, history.transpose(1, 2) if channels_last else history, self.valid, self.starting,
-                channels_last=channels_last, snake=snake,
+                x, history.transpose(1, 2) if channels_last else history, self.valid,
+                torch.tensor(rows, device=self.device) if rows else None, channels_last=channels_last, snake=snake,
             )
             self.updated[conv] = last.transpose(1, 2) if channels_last else last
-        self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, self.starts)])
+        self._set_lengths([conv.stream_output_length(n, s) for n, s in zip(self.lengths, starts)])
+        self.before = [conv.output_length(before) for before in self.before]
         return out
 
     # -- channels-last convolutions ([B, T, C] signals; the state keeps its [C, history] layout) --------
