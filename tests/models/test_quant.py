@@ -40,6 +40,14 @@ def test_format_validation() -> None:
     with pytest.raises(ValueError, match="do not divide"):
         QuantFormat(4, 128).groups(192)
     assert QuantFormat(4, 128).for_inputs(64) == QuantFormat(4, 64)  # a row shorter than a group: one group
+    # Online quantization fits rows the groups do not divide: the kernels' group sizes first, then any even group
+    # of 32 or more up to the configured one, else int8 per channel (odd rows too: int4 packs input pairs).
+    assert QuantFormat(4, 128).fitting(256) == QuantFormat(4, 128)
+    assert QuantFormat(4, 128).fitting(192) == QuantFormat(4, 64)
+    assert QuantFormat(4, 128).fitting(200) == QuantFormat(4, 100)
+    assert QuantFormat(4, 128).fitting(72) == QuantFormat(4, 72)
+    assert QuantFormat(4, 128).fitting(130) == QuantFormat(4, 128).fitting(25) == QuantFormat(8)
+    assert QuantFormat(8, 128).fitting(200) == QuantFormat(8) and QuantFormat(8, 32).fitting(96) == QuantFormat(8, 32)
     assert QuantFormat(4, 128).weight_bytes(10, 256, 2) == 10 * (128 + 2 * 2)
     assert INT8.weight_bytes(10, 256, 4) == 10 * (256 + 4)
     assert QuantFormat(8, 64).weight_bytes(10, 256, 2) == 10 * (256 + 4 * 2)

@@ -4,11 +4,15 @@ overrides the engine's, and what cannot be quantized is refused naming the stage
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from omnistage import Omni, SamplingParams
+from omnistage.checkpoints.builder import build_checkpoint
+from omnistage.checkpoints.presets import DecoderSpec, get_preset
 from omnistage.config import ConfigError, StageConfig
 from omnistage.entrypoints.serve_args import add_engine_arguments
 from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
@@ -70,6 +74,57 @@ def test_a_quantized_engine_speaks_reproducibly(tiny_ckpt):
     for a, b in zip(*runs, strict=True):
         assert a.text and a.audio is not None and a.audio.numel() > 0
         assert a.text == b.text and torch.equal(a.audio, b.audio)
+
+
+def _formats(model: nn.Module) -> dict[str, str]:
+    """{module path (gate_up / down for experts): its quantized format's name}."""
+    out = {}
+    for path, sub in model.named_modules():
+        if isinstance(sub, QuantLinear):
+            out[path] = sub.weight_q.fmt.name
+        elif isinstance(sub, QuantExperts):
+            out[f"{path}.gate_up"], out[f"{path}.down"] = sub.gate_up_q.fmt.name, sub.down_q.fmt.name
+    return out
+
+
+def test_widths_that_do_not_divide_into_the_groups_load_quantized(tmp_path):
+    """Other widths than the release's under int4 in groups of 128 (they used to refuse to load: "200 inputs do not
+    divide into int4 groups of 128"): each weight takes the largest group that divides its inputs, the kernels' own
+    sizes first (200 -> 100, 136 -> 68), a row shorter than a group is one group (72), and a row no even group of 32
+    or more divides (130) takes int8 per channel. The plan counts what the engine holds, and it speaks, seeded."""
+    preset = replace(get_preset("tiny"), name="odd-widths",
+                     thinker=DecoderSpec(200, 1, 4, 2, 50, 64, num_experts=4, top_k=2, moe_intermediate_size=136),
+                     talker=DecoderSpec(192, 1, 4, 2, 48, 64, num_experts=4, top_k=2, moe_intermediate_size=72,
+                                        shared_expert_intermediate_size=130),
+                     code_predictor=DecoderSpec(192, 1, 4, 2, 48, 64))
+    ckpt = build_checkpoint(tmp_path / "odd", preset=preset, seed=2)
+    engine = OmniEngine(EngineArgs(str(ckpt), quantization="int4", fast=False), load_pipeline_config("qwen3_omni"))
+    try:
+        models = _models(engine)
+        thinker, talker = _formats(models["thinker"].model.layers), _formats(models["talker"].model.layers)
+        assert thinker["0.self_attn.qkv_proj"] == thinker["0.self_attn.o_proj"] == "int4 (groups of 100)"
+        assert thinker["0.mlp.experts.gate_up"] == "int4 (groups of 100)"
+        assert thinker["0.mlp.experts.down"] == "int4 (groups of 68)"
+        assert talker["0.self_attn.qkv_proj"] == talker["0.mlp.experts.gate_up"] == "int4 (groups of 64)"
+        assert talker["0.mlp.experts.down"] == "int4 (groups of 72)"
+        assert talker["0.mlp.shared_expert.gate_up_proj"] == "int4 (groups of 64)"
+        assert talker["0.mlp.shared_expert.down_proj"] == "int8"
+        plans = {p.stage: p for p in engine.memory_plan}
+        floats, quantized = _held_bytes(models["talker"])
+        assert plans["talker"].weight_bytes == floats + quantized
+    finally:
+        engine.shutdown()
+    sampled = {"thinker": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=8),
+               "talker": SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=40)}
+    runs = []
+    for _ in range(2):
+        with Omni(str(ckpt), quantization="int4") as omni:
+            runs.append(omni.generate(["Tell me about the sea.", "Hello!"], modalities=["text", "audio"],
+                                      sampling_params=sampled))
+    for a, b in zip(*runs, strict=True):
+        assert a.error is None and a.token_ids and a.audio is not None and a.audio.numel() > 0
+        assert torch.isfinite(a.audio).all()
+        assert a.token_ids == b.token_ids and torch.equal(a.audio, b.audio)
 
 
 def test_a_stage_overrides_the_engine_quantization(tiny_ckpt, tmp_path):

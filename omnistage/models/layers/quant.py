@@ -30,12 +30,16 @@ chooses the kernel by it:
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from omnistage.models.layers import quant_kernels
+
+log = logging.getLogger(__name__)
 
 INT8_MAX = 127
 INT4_MAX = 7  # symmetric: -8 is representable but a scale of amax / 7 never produces it
@@ -84,9 +88,33 @@ class QuantFormat:
         self.groups(in_features)
         return self
 
+    def fitting(self, in_features: int) -> QuantFormat:
+        """The format online quantization gives a weight with ``in_features`` inputs: ``for_inputs`` where the
+        groups divide the row or the row is one group; else int4 in the largest even group, from 32 inputs (or the
+        group size, if smaller) up to the group size, that divides the row; else int8 per channel, which fits any
+        row; the kernels' own group sizes first. A checkpoint of other widths than the release's then loads
+        quantized instead of failing."""
+        g = self.group_size
+        if self.per_channel or in_features % g == 0 or (in_features < g and (self.bits == 8 or in_features % 2 == 0)):
+            return self.for_inputs(in_features)
+        if self.bits == 4:
+            kernels = [size for size in reversed(INT4_KERNEL_GROUPS) if size <= g]
+            for size in [*kernels, *range(g, min(32, g) - 1, -2)]:
+                if in_features % size == 0:
+                    return _refitted(self, in_features, QuantFormat(4, size))
+        return _refitted(self, in_features, QuantFormat(8))
+
     def weight_bytes(self, rows: int, in_features: int, scale_bytes: int) -> int:
         """Bytes of ``rows`` quantized rows and their scales."""
         return rows * (in_features * self.bits // 8 + self.groups(in_features) * scale_bytes)
+
+
+@functools.cache
+def _refitted(configured: QuantFormat, in_features: int, fitted: QuantFormat) -> QuantFormat:
+    """``fitted``, logged once per process for each configured format and row length."""
+    log.info("%d inputs do not divide into %s: those weights are quantized as %s", in_features, configured.name,
+             fitted.name)
+    return fitted
 
 
 def packed_bytes(fmt: QuantFormat, rows: int, in_features: int, scale_bytes: int, device: torch.device) -> int:

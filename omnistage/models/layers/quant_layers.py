@@ -60,7 +60,7 @@ class QuantScheme:
             return None
         for prefix in self._order:
             if name.startswith(prefix):
-                return self.formats[prefix].for_inputs(shape[1])
+                return self.formats[prefix].fitting(shape[1])
         return None
 
     def within(self, prefix: str) -> QuantScheme | None:
