@@ -34,8 +34,12 @@ from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.mlp import GatedMLP, swiglu
 
 
-def _grouped_mm_available() -> bool:
-    return hasattr(torch, "_grouped_mm")
+def _grouped_mm_takes(x: torch.Tensor, inputs: int, intermediate: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes rows ``x`` through experts of ``inputs`` -> ``intermediate`` -> ``inputs``:
+    the op exists, and every operand's row stride is a multiple of 16 bytes (it raises otherwise: hidden 100 in
+    bfloat16, 200 bytes)."""
+    size = x.element_size()
+    return hasattr(torch, "_grouped_mm") and (inputs * size) % 16 == 0 and (intermediate * size) % 16 == 0
 
 
 # Largest average rows per expert the kernel serves in bfloat16 on CPUs without AVX512-BF16 dot products (it
@@ -117,13 +121,15 @@ class StackedExperts(nn.Module):
         """x: [S, H] rows sorted by expert; counts: [E] rows per expert -> [S, H] expert outputs.
 
         ``grouped``: one grouped GEMM (True) or a loop over experts with rows (False); default: grouped where
-        the op exists (CPU; CUDA's needs bfloat16 on recent GPUs), unless the weights are packed (``fast``).
+        the op takes the rows (CPU, row strides of 16 bytes; CUDA's needs bfloat16 on recent GPUs), unless the
+        weights are packed (``fast``).
         """
         if self.packed is None and self.panels is not None:
             raise RuntimeError("these experts' weights are packed for the expert kernel only (the fast option): "
                                "SparseMoE serves them with kernel=True")
         if grouped is None:
-            grouped = _grouped_mm_available() and not x.is_cuda and self.packed is None
+            grouped = (not x.is_cuda and self.packed is None
+                       and _grouped_mm_takes(x, self.gate_up_proj.shape[-1], self.intermediate_size))
         if grouped:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
             h = self._swiglu(torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets))
