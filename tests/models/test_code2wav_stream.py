@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
 
 import pytest
@@ -193,6 +194,11 @@ def test_stream_without_pre_upsampling_equals_transformers(ratios, reference_ker
     for got, want in zip(streams, expect, strict=True):
         assert got.shape == want.shape == (ours.samples_for_frames(9),)
         assert (got - want).abs().max().item() <= TOL
+    # One frame is too few for a sample without pre-upsampling: one-shot decoding gives none (transformers raises:
+    # a convolution with no input to pad), as the stream does.
+    with torch.no_grad():
+        one = ours(requests[0][None, :, :1])
+    assert one.shape == (1, 1, ours.samples_for_frames(1)) and (one.numel() == 0) == (math.prod(ratios) == 1)
 
 
 def test_seamless_past_300_frames_where_chunked_decode_is_not():

@@ -587,6 +587,11 @@ class Code2Wav(nn.Module):
             )
 
     def _synthesize(self, codes: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
+        if stream is None and self.samples_for_frames(codes.shape[-1]) == 0:
+            # Too few frames for one sample (without pre-upsampling, one frame leaves the second decoder block no
+            # input, and a convolution no input to pad): nothing to compute, as a stream of them gives nothing.
+            weight = self.code_embedding.weight
+            return weight.new_zeros((codes.shape[0], 1, 0))
         hidden = self.code_embedding(codes.long() + self.code_offset).mean(1)
         hidden = self.pre_transformer(hidden, stream).transpose(1, 2)  # [B, hidden, T]
         for upsample, convnext in self.upsample:
