@@ -553,6 +553,31 @@ def test_lazy_compiled_falls_back_to_the_eager_function():
     assert torch.equal(off(x), x + 1) and off.compile_seconds is None
 
 
+class _Compiles(torch.nn.Module):
+    """A module whose method compiles once per instance, guarding on its own weight (as the code predictor's
+    frame does)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width, width), requires_grad=False)
+        self.compiler = LazyCompiled(self._step, name="step", enabled=True, dynamic_batch=True)
+
+    def _step(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.weight) + 1
+
+
+def test_every_model_built_in_a_process_compiles():
+    """Dynamo keeps graphs per code object and stops compiling one after 8: every model built in one process (a
+    notebook, an evaluation loop) added one to the same method's count, so from the ninth on the code predictor's
+    frame ran eagerly, and the dead models' graphs stayed. Each instance now compiles its own copy of the code."""
+    for width in range(4, 16):
+        module = _Compiles(width)
+        x = torch.randn(3, width)
+        assert torch.equal(module.compiler(x), torch.relu(x @ module.weight) + 1)
+        assert module.compiler.failure is None and module.compiler.compile_seconds is not None, width
+        del module
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_takes_torchs_op_with_the_reference_bits(dtype):
     """RMSNorm's statistics go through ``F.rms_norm`` (one call): its bits equal the reference expression's

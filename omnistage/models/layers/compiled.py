@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import time
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -76,7 +77,7 @@ class LazyCompiled:
         if self._graph is not None:
             return self._run(self._graph, args)
         dynamic = True if self.dynamic_shapes else None if self.dynamic_batch else False
-        graph = torch.compile(self.fn, dynamic=dynamic, fullgraph=True)
+        graph = torch.compile(_with_own_code(self.fn), dynamic=dynamic, fullgraph=True)
         start = time.perf_counter()
         try:
             # Another instance's graph of the same code (another model in this process) must not turn this one's
@@ -99,6 +100,22 @@ class LazyCompiled:
             return graph(*args)
         finally:
             _exact_numerics = before
+
+
+def _with_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a function or bound method) running a copy of its code object. Dynamo keeps compiled graphs per code
+    object and stops compiling one after ``recompile_limit`` (8) graphs: every model instance in a process (each
+    guarding on its own module) would add one to the same method's count, so the ninth model built in one process
+    ran eagerly, and the dead models' graphs stayed. A code object of the instance's own holds only its graphs, and
+    goes with it."""
+    func = getattr(fn, "__func__", fn)
+    if not isinstance(func, types.FunctionType):
+        return fn
+    copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                              func.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
+    bound = getattr(fn, "__self__", None)
+    return copy if bound is None or not isinstance(fn, types.MethodType) else types.MethodType(copy, bound)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
