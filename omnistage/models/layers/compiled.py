@@ -114,8 +114,7 @@ def _with_own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     copy = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                               func.__closure__)
     copy.__kwdefaults__, copy.__qualname__ = func.__kwdefaults__, func.__qualname__
-    bound = getattr(fn, "__self__", None)
-    return copy if bound is None or not isinstance(fn, types.MethodType) else types.MethodType(copy, bound)
+    return types.MethodType(copy, fn.__self__) if isinstance(fn, types.MethodType) else copy
 
 
 F = TypeVar("F", bound=Callable[..., Any])
