@@ -104,6 +104,18 @@ def test_end_with_every_window_out_is_a_bare_end_of_input():
     assert [(w is None, f) for _, w, f in sink.payloads] == [(False, False), (False, False), (True, True)]
 
 
+def test_with_a_vocoder_tail_the_last_chunk_waits_for_the_end():
+    """A vocoder making samples past the last frame: without look-ahead the chunk that reaches the last code waits
+    for the end, so the last window (the one carrying them) ends the request."""
+    bridge = TalkerToToken2Wav(ChunkPlan(chunk_blocks=1, past_blocks=0, future_blocks=0), 4, 2, 80, tail=True)
+    sink = Sink()
+    bridge.add_request("a", {"voice": "Ethan", "seed": None})
+    bridge.on_input("a", {"codes": torch.arange(4)}, sink)  # 8 frames: the first chunk goes, the second waits
+    assert [(w.keep_frames, w.last, f) for _, w, f in sink.payloads] == [(4, False, False)]
+    bridge.on_end("a", sink)
+    assert [(w.keep_frames, w.last, f) for _, w, f in sink.payloads[1:]] == [(4, True, True)]
+
+
 def test_bridge_args_are_validated():
     assert dict(talker2token2wav_args({"future_blocks": 0})) == {"chunk_blocks": 3, "past_blocks": 2, "future_blocks": 0,
                                                                  "max_chunk_blocks": 24}

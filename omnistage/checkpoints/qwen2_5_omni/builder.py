@@ -82,10 +82,10 @@ def _save_speakers(speakers: dict[str, dict], path: Path) -> None:
 
 
 def build_checkpoint(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, max_shard_bytes: int | None = None
+    out_dir: str | Path, preset: str | Qwen25Preset = "tiny", seed: int = 0, max_shard_bytes: int | None = None
 ) -> Path:
-    """Write a complete Qwen2.5-Omni checkpoint directory and return its path."""
-    spec = get_preset(preset)
+    """Write a complete Qwen2.5-Omni checkpoint directory (a preset by name, or a spec) and return its path."""
+    spec = preset if isinstance(preset, Qwen25Preset) else get_preset(preset)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 

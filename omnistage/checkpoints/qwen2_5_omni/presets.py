@@ -23,6 +23,7 @@ from omnistage.checkpoints.presets import (
     build_preprocessor_config_dict as build_qwen3_preprocessor_config_dict,
 )
 from omnistage.checkpoints.qwen2_5_omni.tokenizer import Qwen25TokenIds
+from omnistage.models.qwen2_5_omni.bigvgan import check_geometry
 
 TALKER_EXTRA_IDS = 256
 _CODEC_OFFSETS = {
@@ -80,8 +81,9 @@ class BigVGANSpec:
     resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
 
     def __post_init__(self) -> None:
-        if len(self.upsample_rates) != len(self.upsample_kernel_sizes):
-            raise ValueError("upsample_rates and upsample_kernel_sizes must have the same length")
+        check_geometry(
+            self.upsample_rates, self.upsample_kernel_sizes, self.resblock_kernel_sizes, self.resblock_dilation_sizes
+        )
         if self.upsample_initial_channel >> len(self.upsample_rates) < 1:
             raise ValueError("upsample_initial_channel must keep >= 1 channel after every upsampling layer")
 

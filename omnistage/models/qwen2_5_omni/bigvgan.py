@@ -7,11 +7,15 @@ Kaiser-windowed sinc, SnakeBeta, 2x downsample), ``activation_post``, ``conv_pos
 Every convolution is centred ('same' padding), so output sample ``s`` of mel frame ``f = s // hop`` depends on
 the mel frames within ``context_frames()`` of ``f``; decoding a window of mel frames and keeping only its
 interior therefore gives the same samples as decoding the whole spectrogram (what streaming relies on).
+A transposed convolution whose ``kernel - rate`` is odd (padding ``(kernel - rate) // 2``, as transformers builds
+it) gives one sample more than ``rate`` per input: the waveform then has ``tail`` samples past ``T * hop``, made
+at the spectrogram's end (a stream emits them with its last window).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -88,9 +92,14 @@ def _same_conv(channels: int, kernel: int, dilation: int) -> nn.Conv1d:
     return nn.Conv1d(channels, channels, kernel, 1, dilation=dilation, padding=(kernel * dilation - dilation) // 2)
 
 
+# transformers builds three residual units per AMP block from the first three dilations, ignoring any further ones.
+_UNITS = 3
+
+
 class AMPBlock(nn.Module):
     def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
         super().__init__()
+        dilations = tuple(dilations[:_UNITS])
         self.convs1 = nn.ModuleList(_same_conv(channels, kernel, d) for d in dilations)
         self.convs2 = nn.ModuleList(_same_conv(channels, kernel, 1) for _ in dilations)
         self.activations = nn.ModuleList(AntiAliasedSnake(channels) for _ in range(2 * len(dilations)))
@@ -105,17 +114,42 @@ class AMPBlock(nn.Module):
         return x
 
 
+def check_geometry(
+    rates: Sequence[int], kernels: Sequence[int], resblock_kernels: Sequence[int],
+    resblock_dilations: Sequence[Sequence[int]],
+) -> None:
+    """Refuse what cannot run: a residual unit's convolutions must keep their input's length, so its kernel is odd
+    (its second convolution is undilated; transformers builds an even one but fails adding it to its input)."""
+    if len(rates) != len(kernels):
+        raise ValueError("upsample_rates and upsample_kernel_sizes must have the same length")
+    for r, k in zip(rates, kernels):
+        if r < 1 or k < r:
+            raise ValueError(f"upsample kernel {k} and rate {r}: need rate >= 1 and kernel >= rate")
+    if len(resblock_kernels) != len(resblock_dilations):
+        raise ValueError("resblock_kernel_sizes and resblock_dilation_sizes must have the same length")
+    for k in resblock_kernels:
+        if k % 2 == 0:
+            raise ValueError(
+                f"resblock kernel {k} changes the signal's length (resblock_kernel_sizes must be odd): a residual "
+                "unit's sum cannot be formed"
+            )
+
+
+def tail_samples(rates: Sequence[int], kernels: Sequence[int]) -> int:
+    """Samples past ``T * hop``: each layer with an odd ``kernel - rate`` adds one, scaled by the later rates."""
+    tail = 0
+    for r, k in zip(rates, kernels):
+        tail = tail * r + (k - r) % 2
+    return tail
+
+
 class BigVGAN(nn.Module):
     """Built from ``token2wav_config.bigvgan_config``."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         rates, kernels = list(cfg.upsample_rates), list(cfg.upsample_kernel_sizes)
-        if len(rates) != len(kernels):
-            raise ValueError("upsample_rates and upsample_kernel_sizes must have the same length")
-        for r, k in zip(rates, kernels):
-            if (k - r) % 2:
-                raise ValueError(f"upsample kernel {k} and rate {r}: k - rate must be even for exact lengths")
+        check_geometry(rates, kernels, cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes)
         ch = int(cfg.upsample_initial_channel)
         self.num_kernels = len(cfg.resblock_kernel_sizes)
         self.conv_pre = nn.Conv1d(cfg.mel_dim, ch, 7, 1, padding=3)
@@ -133,6 +167,7 @@ class BigVGAN(nn.Module):
         self.rates = rates
         self.kernels = kernels
         self.hop = int(np.prod(rates))
+        self.tail = tail_samples(rates, kernels)
 
     def context_frames(self) -> int:
         """Mel frames on each side of a frame that can reach its output samples (a safe upper bound)."""
@@ -154,7 +189,7 @@ class BigVGAN(nn.Module):
         return torch.clamp(2 * ((db + 115) / 115) - 1, -1, 1)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel [B, mel_dim, T] -> waveform [B, T * hop] in [-1, 1]."""
+        """mel [B, mel_dim, T] -> waveform [B, T * hop + tail] in [-1, 1]."""
         x = self.conv_pre(self._normalize(mel))
         for i, up in enumerate(self.ups):
             x = up[0](x)

@@ -122,11 +122,12 @@ def talker2token2wav_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 class TalkerToToken2Wav:
-    def __init__(self, plan: ChunkPlan, block_size: int, repeats: int, mel_dim: int) -> None:
+    def __init__(self, plan: ChunkPlan, block_size: int, repeats: int, mel_dim: int, tail: bool = False) -> None:
         self.plan = plan
         self.block_size = block_size
         self.repeats = repeats
         self.mel_dim = mel_dim
+        self.tail = tail  # the vocoder makes samples past the last frame (see Token2WavStream)
         self._streams: dict[str, Token2WavStream] = {}
 
     def __len__(self) -> int:
@@ -135,7 +136,9 @@ class TalkerToToken2Wav:
     def add_request(self, req_id: str, data: Mapping[str, Any]) -> None:
         """``data``: ``voice`` (speaker key) and ``seed`` (of the request's ODE noise; None: a random seed)."""
         noise = NoiseStream(make_generator(data.get("seed"), "cpu"), self.mel_dim)
-        self._streams[req_id] = Token2WavStream(self.plan, self.block_size, self.repeats, data["voice"], noise)
+        self._streams[req_id] = Token2WavStream(
+            self.plan, self.block_size, self.repeats, data["voice"], noise, self.tail
+        )
 
     def drop(self, req_id: str) -> None:
         self._streams.pop(req_id, None)

@@ -134,7 +134,9 @@ class Qwen25OmniFamily(HFChatFamily):
             return ThinkerToTalker(model.ids)
         if name == "talker2token2wav":
             dit = model.token2wav.code2wav_dit_model
-            return TalkerToToken2Wav(ChunkPlan(**args), dit.block_size, dit.repeats, dit.mel_dim)
+            return TalkerToToken2Wav(
+                ChunkPlan(**args), dit.block_size, dit.repeats, dit.mel_dim, model.token2wav.tail > 0
+            )
         raise ValueError(f"unknown bridge {name!r}")
 
     # ---- request side -------------------------------------------------------------------------------

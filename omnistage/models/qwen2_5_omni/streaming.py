@@ -13,8 +13,9 @@ Chunk ``i`` covers mel frames ``[s, e)``, ``s = i * chunk``, ``e = min(s + chunk
 one-shot decode); the ODE runs on the window's codes from the *same* noise rows the one-shot decode would use;
 the chunk keeps frames ``[s, e)``, and the vocoder reads up to its receptive field of context frames inside
 the window (``BigVGAN.context_frames``), so the audio of consecutive chunks joins without a gap or overlap:
-the samples of chunk ``i`` are exactly ``[s * hop, e * hop)`` of the utterance, the total length equals the
-one-shot length, and every difference from one-shot decoding comes from the DiT's truncated context.
+the samples of chunk ``i`` are exactly ``[s * hop, e * hop)`` of the utterance (the last chunk also the vocoder's
+``tail``), the total length equals the one-shot length, and every difference from one-shot decoding comes from
+the DiT's truncated context.
 A chunk is ready once the codes of its look-ahead exist (or the Talker has finished); audio starts after
 ``chunk + future`` blocks of codes instead of the whole answer.
 
@@ -84,11 +85,13 @@ class Token2WavStream:
     """One request's codes (and their noise rows) -> Token2Wav windows, as the codes arrive.
 
     ``block_size`` / ``repeats`` are the DiT's (mel frames per block / per code). Memory stays bounded: codes and
-    noise older than the next chunk's past context are dropped.
+    noise older than the next chunk's past context are dropped. ``tail``: the vocoder makes samples past the last
+    frame (``BigVGAN.tail``), which only the last window, handed out by ``finish``, carries; without look-ahead
+    a chunk then waits for one frame past it, so that ``finish`` always has a window left.
     """
 
     def __init__(
-        self, plan: ChunkPlan, block_size: int, repeats: int, voice: str, noise: NoiseStream
+        self, plan: ChunkPlan, block_size: int, repeats: int, voice: str, noise: NoiseStream, tail: bool = False
     ) -> None:
         if block_size % repeats:
             raise ValueError(f"block_size {block_size} must be a multiple of repeats {repeats}")
@@ -99,6 +102,7 @@ class Token2WavStream:
         self.block_size = block_size
         self.past = plan.past_blocks * block_size
         self.future = plan.future_blocks * block_size
+        self._ahead = max(self.future, 1) if tail else self.future  # frames past a chunk before it goes out
         self._codes = torch.empty(0, dtype=torch.long)
         self._rows = torch.empty(0, noise.mel_dim)
         self._offset = 0  # mel frame of _rows[0] (a multiple of repeats)
@@ -117,7 +121,7 @@ class Token2WavStream:
         self._codes = torch.cat((self._codes, codes))
         self._rows = torch.cat((self._rows, self.noise.take(codes.numel() * self.repeats)))
         out = []
-        while self.total_frames >= self.emitted + self._chunk() + self.future:
+        while self.total_frames >= self.emitted + self._chunk() + self._ahead:
             out.append(self._window(self.emitted + self._chunk()))
         return out
 
@@ -144,6 +148,7 @@ class Token2WavStream:
             voice=self.voice,
             keep_start=start - lo,
             keep_frames=end - start,
+            last=self.finished and end == self.total_frames,
         )
         self.emitted = end
         drop = max(0, self.emitted - self.past) - self._offset  # a multiple of repeats: block multiples

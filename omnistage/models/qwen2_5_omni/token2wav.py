@@ -65,7 +65,8 @@ class Token2WavWindow:
 
     codes [n] (codec ids); noise [n * repeats, mel_dim]; the audio returned covers mel frames
     ``[keep_start, keep_start + keep_frames)`` of the window, i.e. ``keep_frames * hop`` samples; the vocoder
-    also reads up to its context of mel frames on both sides that lie inside the window.
+    also reads up to its context of mel frames on both sides that lie inside the window. ``last``: the window
+    ends the utterance, and its audio also carries the vocoder's samples past the last frame (``BigVGAN.tail``).
     """
 
     codes: torch.Tensor
@@ -73,6 +74,7 @@ class Token2WavWindow:
     voice: str
     keep_start: int
     keep_frames: int
+    last: bool = False
 
     def __post_init__(self) -> None:
         if self.codes.dim() != 1 or self.codes.numel() == 0:
@@ -82,6 +84,8 @@ class Token2WavWindow:
             raise ValueError(f"noise has {frames} rows for {self.codes.numel()} codes")
         if not (0 <= self.keep_start and self.keep_frames > 0 and self.keep_start + self.keep_frames <= frames):
             raise ValueError(f"kept frames [{self.keep_start}, +{self.keep_frames}) outside the {frames}-frame window")
+        if self.last and self.keep_start + self.keep_frames != frames:
+            raise ValueError("the last window must keep its frames up to its end")
 
 
 def _groups(lengths: list[int]) -> dict[int, list[int]]:
@@ -105,6 +109,7 @@ class Token2Wav(nn.Module):
         self.mel_dim = self.code2wav_dit_model.mel_dim
         self.repeats = self.code2wav_dit_model.repeats
         self.hop = self.code2wav_bigvgan_model.hop
+        self.tail = self.code2wav_bigvgan_model.tail
         self.vocoder_context = self.code2wav_bigvgan_model.context_frames()
         self._voices: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -142,11 +147,12 @@ class Token2Wav(nn.Module):
         return dit.sample(noise.to(device, dtype), conditioning, self.ode)
 
     def forward(self, codes: torch.Tensor, noise: torch.Tensor, voices: list[str]) -> torch.Tensor:
-        """One-shot decode of an equal-length batch: -> waveform [B, N * repeats * hop]."""
+        """One-shot decode of an equal-length batch: -> waveform [B, N * repeats * hop + tail]."""
         return self.code2wav_bigvgan_model(self.mel(codes, noise, voices))
 
     def decode_windows(self, windows: list[Token2WavWindow]) -> list[torch.Tensor]:
-        """Each window's kept audio ([keep_frames * hop] samples), in input order."""
+        """Each window's kept audio (``keep_frames * hop`` samples, and the vocoder's tail for the last), in
+        input order."""
         mels: list[torch.Tensor | None] = [None] * len(windows)
         for _, members in _groups([w.codes.numel() for w in windows]).items():
             group = [windows[i] for i in members]
@@ -169,5 +175,6 @@ class Token2Wav(nn.Module):
             wave = self.code2wav_bigvgan_model(batch)
             for i, row in zip(members, wave):
                 start = spans[i][2] * self.hop
-                audio[i] = row[start : start + windows[i].keep_frames * self.hop]
+                kept = windows[i].keep_frames * self.hop + (self.tail if windows[i].last else 0)
+                audio[i] = row[start : start + kept]
         return audio  # type: ignore[return-value]
