@@ -12,12 +12,16 @@ batch; prefill chunks (few per step: the token budget bounds them) one request a
 contiguous rows, so no chunk pays for another's length, and a chunk with nothing cached attends to this step's
 keys directly with a causal kernel instead of a gathered context and a mask (a released-width Thinker layer,
 1266 tokens, 2 threads: the padded batch with its mask and scatters cost about twice as long).
+
+A sliding-window layer (``window``) narrows each group's mask to the keys within the window of each query
+(built once per step and window, shared by the layers); every key stays cached, so prefix caching and
+preemption are unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +37,22 @@ class AttentionGroup:
     kv_slots: torch.Tensor  # [g, max_kv] cache slot of each key position (scratch slot where invalid)
     seq_lens: torch.Tensor  # [g] context + this step's tokens of each request
     mask: torch.Tensor  # [g, 1, max_q, max_kv] True where attention is allowed
+    query_pos: torch.Tensor  # [g, max_q] absolute position of each query slot
     max_q: int
     # (first flat row, query rows, cached tokens) of each request of the group, in group order: a prefill
     # group's requests are attended one by one from these (host ints, no device sync)
     spans: tuple[tuple[int, int, int], ...] = ()
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``mask`` narrowed to the keys within ``window`` positions of each query (a sliding-window layer's: the
+        query and the ``window - 1`` before it, as transformers' overlay), built once per step and window."""
+        mask = self._windowed.get(window)
+        if mask is None:
+            kv_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            near = kv_pos[None, None, :] > self.query_pos[:, :, None] - window  # [g, max_q, max_kv]
+            mask = self._windowed[window] = self.mask & near[:, None]
+        return mask
 
 
 @dataclass
@@ -152,6 +168,7 @@ def _general_metadata(query_lens: list[int], context_lens: list[int], block_tabl
                 kv_slots=kv_slots.to(device),
                 seq_lens=g_seq.to(device),
                 mask=mask[:, None].to(device),
+                query_pos=q_abs.to(device),
                 max_q=max_q,
                 spans=tuple(zip(starts[members].tolist(), g_qlens.tolist(), g_ctx.tolist())),
             )
@@ -190,7 +207,8 @@ def _decode_metadata(context_lens: list[int], block_tables: list[list[int]], blo
     kv_slots = torch.where(kv_valid, table[:, kv_pos // block_size] * block_size + kv_pos % block_size, scratch)
     group = AttentionGroup(
         token_rows=reqs.to(device), token_req=reqs.to(device), token_qpos=torch.zeros_like(reqs).to(device),
-        kv_slots=kv_slots.to(device), seq_lens=seq.to(device), mask=kv_valid[:, None, None].to(device), max_q=1,
+        kv_slots=kv_slots.to(device), seq_lens=seq.to(device), mask=kv_valid[:, None, None].to(device),
+        query_pos=ctx[:, None].to(device), max_q=1,
         spans=tuple((i, 1, c) for i, c in enumerate(context_lens)),
     )
     return AttentionMetadata(num_reqs=num_reqs, num_tokens=num_reqs, num_padded_tokens=padded,
@@ -207,6 +225,7 @@ def paged_attention(
     scale: float,
     compute_dtype: torch.dtype | None = None,
     decode_kernel: DecodeKernel | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend every query row to its request's context.
 
@@ -214,7 +233,8 @@ def paged_attention(
     ``meta.num_tokens`` are padding: their K/V go to the scratch slot and their output is zero.
     ``compute_dtype``: attend in this dtype (the gathered context is converted as it is copied), output in
     q's; default q's dtype. ``decode_kernel``: attends the single-query group instead (reading the cache in
-    place; a model's faster kernel for decode rows).
+    place; a model's faster kernel for decode rows). ``window``: a sliding-window layer's window (each query
+    attends to itself and the ``window - 1`` positions before it; the decode kernel does not serve it).
     """
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -224,11 +244,11 @@ def paged_attention(
     out = q.new_zeros(rows, num_heads, head_dim)
     rep = num_heads // num_kv_heads
     for g in meta.groups:
-        if g.max_q == 1 and decode_kernel is not None and kv_cache.dtype == q.dtype:
+        if g.max_q == 1 and decode_kernel is not None and kv_cache.dtype == q.dtype and window is None:
             decode_kernel(q, kv_cache, g.token_rows, g.token_req, g.kv_slots, g.seq_lens, scale, out)
             continue
         if g.max_q > 1:
-            _attend_each(q, k, v, kv_cache, g, scale, dtype, out)
+            _attend_each(q, k, v, kv_cache, g, scale, dtype, out, window)
             continue
         n_req = g.kv_slots.shape[0]
         qb = q.new_zeros(n_req, g.max_q, num_heads, head_dim, dtype=dtype)
@@ -237,7 +257,8 @@ def paged_attention(
         vb = kv_cache[1][g.kv_slots].to(dtype)
         # Grouped-query heads read their shared key/value head inside the kernel: no repeated copies.
         ob = F.scaled_dot_product_attention(
-            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=g.mask, scale=scale,
+            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2),
+            attn_mask=g.mask if window is None else g.window_mask(window), scale=scale,
             enable_gqa=rep > 1,
         ).transpose(1, 2)
         out[g.token_rows] = ob[g.token_req, g.token_qpos].to(out.dtype)
@@ -245,20 +266,23 @@ def paged_attention(
 
 
 def _attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, g: AttentionGroup,
-                 scale: float, dtype: torch.dtype, out: torch.Tensor) -> None:
+                 scale: float, dtype: torch.dtype, out: torch.Tensor, window: int | None) -> None:
     """A prefill group's requests one at a time, each from its own rows (see the module docstring)."""
     enable_gqa = q.shape[1] != k.shape[1]
+    masks = g.mask if window is None else g.window_mask(window)
     for i, (start, q_len, cached) in enumerate(g.spans):
         rows = slice(start, start + q_len)
         qr = q[rows].to(dtype).transpose(0, 1)[None]  # [1, heads, q_len, dim]
         if cached == 0:  # keys as the cache holds them (its dtype), without reading them back
             kr = k[rows].to(kv_cache.dtype).to(dtype)
             vr = v[rows].to(kv_cache.dtype).to(dtype)
-            mask, causal = None, True
+            # causal without a mask unless the window cuts into the chunk
+            mask = None if window is None or window >= q_len else masks[i, :, :q_len, :q_len]
         else:
             slots = g.kv_slots[i, :cached + q_len]
             kr, vr = kv_cache[0][slots].to(dtype), kv_cache[1][slots].to(dtype)
-            mask, causal = g.mask[i, :, :q_len, :cached + q_len], False
+            mask = masks[i, :, :q_len, :cached + q_len]
+        causal = mask is None
         o = F.scaled_dot_product_attention(
             qr, kr.transpose(0, 1)[None], vr.transpose(0, 1)[None], attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=enable_gqa)

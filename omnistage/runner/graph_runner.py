@@ -153,7 +153,7 @@ def decode_attention_metadata(
     slot_mapping = slot_mapping + positions % block_size
     group = AttentionGroup(
         token_rows=rows, token_req=rows, token_qpos=zeros, kv_slots=kv_slots, seq_lens=seq_lens,
-        mask=mask[:, None, None, :], max_q=1,
+        mask=mask[:, None, None, :], query_pos=positions[:, None], max_q=1,
     )
     return AttentionMetadata(
         num_reqs=b,

@@ -18,18 +18,23 @@ BLOCK = 4
 NUM_BLOCKS = 64
 
 
-def naive_causal(q, k, v, scale):
-    """Full causal attention for one request: q [t, H, D] against k/v [t, Hkv, D]."""
+def naive_causal(q, k, v, scale, window=None):
+    """Full causal attention for one request: q [t, H, D] against k/v [t, Hkv, D] (``window``: each query sees
+    itself and the window - 1 keys before it)."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, 1)
     v = v.repeat_interleave(rep, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
     t = q.shape[0]
-    s = s.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+    hidden = torch.triu(torch.ones(t, t, dtype=torch.bool), 1)
+    if window is not None:
+        hidden |= torch.tril(torch.ones(t, t, dtype=torch.bool), -window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0, decode_kernel=None, dtype=torch.float32):
+def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0, decode_kernel=None, dtype=torch.float32,
+              window=None):
     """Feed each sequence's rows in the given per-step chunk sizes; return outputs per sequence."""
     scale = 1 / math.sqrt(dim)
     (cache,) = allocate_kv_cache(1, NUM_BLOCKS, BLOCK, kv_heads, dim, dtype=dtype)
@@ -57,7 +62,8 @@ def run_steps(seqs, schedule, heads=4, kv_heads=2, dim=8, padded_extra=0, decode
         k = torch.cat(ks + [torch.randn(padded_extra, kv_heads, dim, dtype=dtype)])
         v = torch.cat(vs + [torch.randn(padded_extra, kv_heads, dim, dtype=dtype)])
         meta = build_attention_metadata(qlens, ctxs, tabs, BLOCK, NUM_BLOCKS, num_padded_tokens=pad)
-        o = paged_attention(q, k, v, cache, meta, scale, compute_dtype=torch.float32, decode_kernel=decode_kernel)
+        o = paged_attention(q, k, v, cache, meta, scale, compute_dtype=torch.float32, decode_kernel=decode_kernel,
+                            window=window)
         assert torch.all(o[num:] == 0)
         start = 0
         for (i, n) in step:
@@ -95,6 +101,21 @@ def test_chunked_prefill_and_decode_match_full_causal_attention(padded_extra):
         expect = naive_causal(q, k, v, scale)
         assert outs[i].shape == expect.shape
         torch.testing.assert_close(outs[i], expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_sliding_window_matches_windowed_causal_attention(window, kernel):
+    """A sliding-window layer over prefill chunks (fresh and after cached keys), mixed steps and decode rows,
+    with padding; the decode kernel, where given, leaves the window to the general path."""
+    seqs = make_seqs(SEQ_LENGTHS)
+    decode_kernel = cpu_kernels.decode_attention if kernel and cpu_kernels.supports_decode_attention(
+        torch.float32, 8, torch.device("cpu")) else None
+    outs, scale = run_steps(seqs, SCHEDULE, padded_extra=2, decode_kernel=decode_kernel, window=window)
+    for i, (q, k, v) in enumerate(seqs):
+        torch.testing.assert_close(outs[i], naive_causal(q, k, v, scale, window), atol=1e-5, rtol=1e-5)
+    if window < max(SEQ_LENGTHS):  # the window changes the result
+        assert not torch.allclose(outs[2], naive_causal(*seqs[2], scale), atol=1e-3)
 
 
 def test_metadata_rejects_short_block_table_and_bad_padding():

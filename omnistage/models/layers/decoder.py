@@ -45,6 +45,9 @@ class DecoderConfig:
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # Layers attending only to the last ``sliding_window`` positions (a query and the window - 1 before it).
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -69,14 +72,26 @@ class DecoderConfig:
             raise ValueError("intermediate_size must be positive when the decoder has dense layers")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers {self.sliding_layers} out of range for {self.num_layers} layers")
+        if self.sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be >= 1 for sliding layers, got {self.sliding_window}")
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to every earlier position)."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @classmethod
-    def from_hf(cls, cfg: Any, *, all_sparse: bool = False, shared_expert: bool = False) -> DecoderConfig:
+    def from_hf(
+        cls, cfg: Any, *, all_sparse: bool = False, shared_expert: bool = False, sliding: bool = False
+    ) -> DecoderConfig:
         """Read a transformers text config.
 
         ``all_sparse``: every layer is MoE regardless of ``mlp_only_layers``/``decoder_sparse_step`` (the Talker's
         layers always are). Otherwise the Qwen3-MoE rule applies: MoE unless listed in ``mlp_only_layers``, when
-        ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``.
+        ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``. ``sliding``: the model's attention honours
+        ``layer_types`` (Qwen2.5-Omni's decoders, Qwen3-Omni's code predictor; Qwen3-Omni's Thinker and Talker
+        ignore them): its ``sliding_attention`` layers attend within ``sliding_window``, as transformers' do.
         """
         check_activation(getattr(cfg, "hidden_act", "silu"))
         num_layers = cfg.num_hidden_layers
@@ -90,10 +105,9 @@ class DecoderConfig:
                 i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
             )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-            layer_types = getattr(cfg, "layer_types", None) or []
-            if "sliding_attention" in layer_types:
-                raise ValueError("sliding-window attention layers are not supported")
+        window = getattr(cfg, "sliding_window", None) if sliding else None
+        layer_types = list(getattr(cfg, "layer_types", None) or []) if window is not None else []
+        sliding_layers = tuple(i for i, kind in enumerate(layer_types[:num_layers]) if kind == "sliding_attention")
         return cls(
             hidden_size=cfg.hidden_size,
             num_layers=num_layers,
@@ -113,6 +127,8 @@ class DecoderConfig:
             shared_expert_intermediate_size=(
                 getattr(cfg, "shared_expert_intermediate_size", 0) or 0 if shared_expert else 0
             ),
+            sliding_layers=sliding_layers,
+            sliding_window=window if sliding_layers else None,
         )
 
 
@@ -248,6 +264,10 @@ def pack_dense_amx(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype
 
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
     """Every layer's ``kernel_layer`` weights, or [] where the decoder kernels cannot serve all of them."""
+    if cfg.sliding_layers:
+        log.info("decoder kernels do not serve a %d-layer decoder with sliding-window layers %s: it runs layer by "
+                 "layer", len(layers), list(cfg.sliding_layers))
+        return []
     if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim):
         reason = ("panel kernels off or not built" if not cpu_kernels.panels_preferred() else
                   f"hidden {cfg.hidden_size} (a multiple of {cpu_kernels.DOWN_PANEL}), head_dim {cfg.head_dim}, {dtype}")
@@ -346,15 +366,16 @@ class PagedDecoder(nn.Module):
                 self._final_norm if final_norm else None, head)
             return out if head is not None else (out, None)
         for i in range(start, stop):
-            h = self.layers[i](h, cos, sin, self.attend(kv_caches[i], attn_meta))
+            h = self.layers[i](h, cos, sin, self.attend(kv_caches[i], attn_meta, self.cfg.window(i)))
         return self.norm(h) if final_norm else h, None
 
-    def attend(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> AttendFn:
-        """Bind one layer's paged cache and the step's metadata into an ``attend`` callable."""
+    def attend(self, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int | None = None) -> AttendFn:
+        """Bind one layer's paged cache, the step's metadata and the layer's sliding window (None: none) into an
+        ``attend`` callable."""
         dtype, decode_kernel = self.attention_dtype, self.decode_kernel
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            return paged_attention(q, k, v, kv_cache, meta, scale, dtype, decode_kernel)
+            return paged_attention(q, k, v, kv_cache, meta, scale, dtype, decode_kernel, window)
 
         return attend
 

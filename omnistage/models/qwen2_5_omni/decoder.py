@@ -20,10 +20,9 @@ from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
 
 
 def decoder_config(cfg: Any) -> DecoderConfig:
-    """A Qwen2.5-Omni text/talker config as a dense DecoderConfig (always biased q/k/v)."""
-    if getattr(cfg, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported")
-    base = DecoderConfig.from_hf(cfg)
+    """A Qwen2.5-Omni text/talker config as a dense DecoderConfig (always biased q/k/v; with
+    ``use_sliding_window`` its layers from ``max_window_layers`` on attend within ``sliding_window``)."""
+    base = DecoderConfig.from_hf(cfg, sliding=True)
     if base.sparse_layers:
         raise ValueError("Qwen2.5-Omni decoders are dense")
     return dataclasses.replace(base, qkv_bias=True, o_bias=False, qk_norm=False)

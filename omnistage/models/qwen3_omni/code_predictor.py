@@ -73,7 +73,7 @@ class CodePredictorConfig:
 
     @classmethod
     def from_hf(cls, cfg: Any) -> CodePredictorConfig:
-        return cls(DecoderConfig.from_hf(cfg), cfg.vocab_size, cfg.num_code_groups)
+        return cls(DecoderConfig.from_hf(cfg, sliding=True), cfg.vocab_size, cfg.num_code_groups)
 
 
 class _FrameCache:
@@ -153,6 +153,7 @@ class CodePredictorModel(nn.Module):
         self.num_positions = cfg.num_code_groups
         self.layers = nn.ModuleList(DecoderLayer(d, i) for i in range(d.num_layers))
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.windows = tuple(d.window(i) for i in range(d.num_layers))  # sliding-window layers' windows
         # Rotary tables of the frame's Q positions, computed once in float32 (the values a per-pass
         # computation gives): a compiled graph indexes them instead of computing cos/sin with its own
         # kernels, whose last bits differ from eager torch's.
@@ -167,7 +168,9 @@ class CodePredictorModel(nn.Module):
         slots = torch.arange(self.num_positions, device=h.device)
         mask = slots[None, :] <= positions[:, None]  # [T, Q]: causal over the frame's positions
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.attend_fn(i, positions, mask))
+            window = self.windows[i]
+            near = mask if window is None else mask & (slots[None, :] > positions[:, None] - window)
+            h = layer(h, cos, sin, cache.attend_fn(i, positions, near))
         return self.norm(h)
 
 

@@ -70,6 +70,27 @@ def explicit_talker_mask(model) -> Iterator[None]:
         yield
 
 
+def reference_speech(
+    path: str | Path, prompt_ids: list[int], text_tokens: int, codes: int, seed: int, speaker: str = "Chelsie"
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ``generate`` with speech for one prompt: (its generated text ids, waveform), the ODE
+    noise seeded as omnistage seeds a request's (``seed``), the checkpoint's EOS ids ending the text, the codec
+    pad / end ids the speech; 1.05 is transformers' own default Talker repetition penalty."""
+    import json
+
+    hf = load_hf_reference(path)
+    tc = hf.config.talker_config
+    eos = json.loads((Path(path) / "generation_config.json").read_text())["eos_token_id"]
+    torch.manual_seed(seed)
+    with torch.no_grad(), explicit_talker_mask(hf):
+        seq, wav = hf.generate(
+            torch.tensor([prompt_ids]), speaker=speaker, thinker_max_new_tokens=text_tokens,
+            thinker_eos_token_id=eos, thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=codes,
+            talker_eos_token_id=[tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id],
+        )
+    return seq[0, len(prompt_ids):].tolist(), wav.reshape(-1)
+
+
 @contextlib.contextmanager
 def codes_only(model) -> Iterator[None]:
     """Within the block, ``generate`` stops at the Talker's codes: Token2Wav is not run (one silent sample per
