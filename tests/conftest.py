@@ -25,6 +25,27 @@ def gqa_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def act_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with another activation than its own in every part (transformers' ``ACT2FN`` names;
+    no weight changes)."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny-act") / "ckpt"
+    shutil.copytree(tiny_ckpt, out)
+    cfg = json.loads((out / "config.json").read_text())
+    thinker, talker = cfg["thinker_config"], cfg["talker_config"]
+    thinker["text_config"]["hidden_act"] = "gelu"
+    thinker["audio_config"]["activation_function"] = "relu"
+    thinker["vision_config"]["hidden_act"] = "quick_gelu"
+    talker["text_config"]["hidden_act"] = "gelu_new"
+    talker["code_predictor_config"]["hidden_act"] = "relu"
+    cfg["code2wav_config"]["hidden_act"] = "quick_gelu"
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
 def q25_ckpt():
     """The tiny Qwen2.5-Omni checkpoint (seed 0), shared with the model tests."""
     from omnistage.testing.qwen2_5_omni.reference import tiny_checkpoint

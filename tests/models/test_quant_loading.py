@@ -57,10 +57,12 @@ def test_loaded_layers_hold_the_quantized_checkpoint(tiny_ckpt, method: str, gro
         thinker.state_dict()
 
 
-def test_layers_compute_like_the_float_layers_on_dequantized_weights(tiny_ckpt) -> None:
-    scheme = Qwen3OmniFamily(tiny_ckpt).quant_scheme("thinker", Quantization("int4", 32))
-    quant = _thinker(tiny_ckpt, scheme)
-    ref = _thinker(tiny_ckpt, None)
+@pytest.mark.parametrize("which", ["tiny_ckpt", "act_ckpt"])  # act_ckpt: GELU experts, which the kernels do not take
+def test_layers_compute_like_the_float_layers_on_dequantized_weights(which: str, request) -> None:
+    ckpt = request.getfixturevalue(which)
+    scheme = Qwen3OmniFamily(ckpt).quant_scheme("thinker", Quantization("int4", 32))
+    quant = _thinker(ckpt, scheme)
+    ref = _thinker(ckpt, None)
     with torch.no_grad():  # the float model on the weights the quantized one computes with
         for q, r in zip(quant.model.layers, ref.model.layers, strict=True):
             r.self_attn.qkv_proj.weight.copy_(q.self_attn.qkv_proj.weight_q.dequantize())

@@ -102,8 +102,10 @@ def _towers(ckpt: str) -> tuple[AudioEncoder, VisionEncoder]:
     return audio, vision
 
 
+@pytest.mark.parametrize("which", ["tiny_ckpt", "act_ckpt"])  # act_ckpt: ReLU audio tower, QuickGELU vision
 @torch.no_grad()
-def test_encoder_outputs_match_transformers(ckpt):
+def test_encoder_outputs_match_transformers(which, request):
+    ckpt = ckpt_str(request.getfixturevalue(which))
     hf = load_hf_reference(ckpt).thinker.model
     audio_enc, vision_enc = _towers(ckpt)
     diffs = {}
@@ -234,6 +236,16 @@ def test_greedy_tokens_equal_transformers_alone_batched_and_chunked(ckpt):
     assert cut_kinds == {"audio", "image", "video"}
     for engine in (whole, chunked):
         assert len(_thinker(engine).encoders) == 0 and not _thinker(engine).encoders.held
+
+
+def test_other_activations_give_transformers_tokens(act_ckpt, ckpt):
+    """Every tower and the Thinker on activations other than the released ones (GELU text, ReLU audio,
+    QuickGELU vision): greedy tokens equal transformers' and differ from the released activations'."""
+    act = ckpt_str(act_ckpt)
+    names = ["audio+image", "video+audio"]
+    got, _ = _run(_engine(act), names)
+    assert got == {name: _reference_tokens(act, name) for name in names}
+    assert got != {name: _reference_tokens(ckpt, name) for name in names}
 
 
 def test_identical_items_encode_once_and_abort_mid_prefill_frees(ckpt):

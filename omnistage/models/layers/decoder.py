@@ -48,6 +48,7 @@ class DecoderConfig:
     # Layers attending only to the last ``sliding_window`` positions (a query and the window - 1 before it).
     sliding_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
+    hidden_act: str = "silu"  # the MLPs' (transformers' ``ACT2FN`` names); the decoder kernels apply SiLU
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -72,6 +73,7 @@ class DecoderConfig:
             raise ValueError("intermediate_size must be positive when the decoder has dense layers")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        check_activation(self.hidden_act)
         if any(not 0 <= i < self.num_layers for i in self.sliding_layers):
             raise ValueError(f"sliding_layers {self.sliding_layers} out of range for {self.num_layers} layers")
         if self.sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
@@ -93,7 +95,6 @@ class DecoderConfig:
         ``layer_types`` (Qwen2.5-Omni's decoders, Qwen3-Omni's code predictor; Qwen3-Omni's Thinker and Talker
         ignore them): its ``sliding_attention`` layers attend within ``sliding_window``, as transformers' do.
         """
-        check_activation(getattr(cfg, "hidden_act", "silu"))
         num_layers = cfg.num_hidden_layers
         num_experts = getattr(cfg, "num_experts", 0) or 0
         if all_sparse:
@@ -129,6 +130,7 @@ class DecoderConfig:
             ),
             sliding_layers=sliding_layers,
             sliding_window=window if sliding_layers else None,
+            hidden_act=getattr(cfg, "hidden_act", None) or "silu",
         )
 
 
@@ -154,9 +156,10 @@ class DecoderLayer(nn.Module):
                 cfg.num_experts_per_tok,
                 cfg.norm_topk_prob,
                 cfg.shared_expert_intermediate_size,
+                cfg.hidden_act,
             )
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -264,9 +267,9 @@ def pack_dense_amx(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype
 
 def kernel_layers(layers: nn.ModuleList, cfg: DecoderConfig, dtype: torch.dtype) -> list[cpu_kernels.LayerWeights]:
     """Every layer's ``kernel_layer`` weights, or [] where the decoder kernels cannot serve all of them."""
-    if cfg.sliding_layers:
-        log.info("decoder kernels do not serve a %d-layer decoder with sliding-window layers %s: it runs layer by "
-                 "layer", len(layers), list(cfg.sliding_layers))
+    if cfg.sliding_layers or cfg.hidden_act != "silu":
+        log.info("decoder kernels do not serve a %d-layer decoder with sliding-window layers %s or hidden_act %r: "
+                 "it runs layer by layer", len(layers), list(cfg.sliding_layers), cfg.hidden_act)
         return []
     if not cpu_kernels.supports_decoder_layers(dtype, cfg.hidden_size, cfg.head_dim):
         reason = ("panel kernels off or not built" if not cpu_kernels.panels_preferred() else

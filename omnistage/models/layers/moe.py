@@ -31,7 +31,7 @@ from torch import nn
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.fast_linear import can_pack, pack_weight, packed_linear, release_weight
 from omnistage.models.layers.fused import fuse_parts
-from omnistage.models.layers.mlp import GatedMLP, swiglu
+from omnistage.models.layers.mlp import GatedMLP, check_activation, gated_act
 
 
 def _grouped_mm_takes(x: torch.Tensor, inputs: int, intermediate: int) -> bool:
@@ -55,8 +55,10 @@ class StackedExperts(nn.Module):
 
     packs_alone = True  # its packing reads only its own weights (``fast_linear.pack_on_load`` packs it at load)
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str = "silu") -> None:
         super().__init__()
+        check_activation(act)
+        self.act = act  # the expert kernel's is SiLU: it serves only those
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -78,7 +80,7 @@ class StackedExperts(nn.Module):
         if self.panels is not None or self.packed is not None:
             return 0
         weight = self.gate_up_proj
-        use_kernel = cpu_kernels.supports(weight) and cpu_kernels.available()
+        use_kernel = cpu_kernels.supports(weight) and cpu_kernels.available() and self.act == "silu"
         per_expert = can_pack(weight) and not (
             use_kernel and cpu_kernels.serves_any_batch(weight.dtype, weight.shape[-1]))
         if not (use_kernel or per_expert):
@@ -111,11 +113,11 @@ class StackedExperts(nn.Module):
     def _expert(self, x: torch.Tensor, expert_id: int) -> torch.Tensor:
         if self.packed is not None and x.dtype == self.gate_up_proj.dtype:
             gate_up, down = self.packed[expert_id]
-            return packed_linear(self._swiglu(packed_linear(x, gate_up)), down)
-        return F.linear(self._swiglu(F.linear(x, self.gate_up_proj[expert_id])), self.down_proj[expert_id])
+            return packed_linear(self._act(packed_linear(x, gate_up)), down)
+        return F.linear(self._act(F.linear(x, self.gate_up_proj[expert_id])), self.down_proj[expert_id])
 
-    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return swiglu(gate_up, self.intermediate_size)
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gated_act(gate_up, self.intermediate_size, self.act)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
         """x: [S, H] rows sorted by expert; counts: [E] rows per expert -> [S, H] expert outputs.
@@ -132,7 +134,7 @@ class StackedExperts(nn.Module):
                        and _grouped_mm_takes(x, self.gate_up_proj.shape[-1], self.intermediate_size))
         if grouped:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            h = self._swiglu(torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets))
+            h = self._act(torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets))
             return torch._grouped_mm(h, self.down_proj.transpose(1, 2), offs=offsets)
         out = torch.empty_like(x)
         start = 0
@@ -145,7 +147,7 @@ class StackedExperts(nn.Module):
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """Every expert over every row: [N, H] -> [E, N, H] (no data-dependent shapes; graph capture)."""
-        h = self._swiglu(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))
+        h = self._act(torch.matmul(x, self.gate_up_proj.transpose(1, 2)))
         return torch.matmul(h, self.down_proj.transpose(1, 2))
 
 
@@ -158,6 +160,7 @@ class SparseMoE(nn.Module):
         top_k: int,
         norm_topk_prob: bool,
         shared_expert_intermediate_size: int = 0,
+        act: str = "silu",
     ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -166,11 +169,11 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
+        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size, act)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_expert_intermediate_size > 0:
-            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, act)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def uses_kernel(self, x: torch.Tensor) -> bool:

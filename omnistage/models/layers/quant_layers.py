@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from omnistage.models.layers import quant_kernels
-from omnistage.models.layers.mlp import swiglu
+from omnistage.models.layers.mlp import gated_act
 from omnistage.models.layers.moe import StackedExperts
 from omnistage.models.layers.quant import (
     QuantBuffer,
@@ -123,6 +123,7 @@ class QuantExperts(nn.Module):
         super().__init__()
         self.register_state_dict_pre_hook(_refuse_state_dict)
         self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
+        self.act = experts.act  # quant_kernels' expert phases apply SiLU: they serve only those
         self.dtype = dtype
         device = experts.gate_up_proj.device
         self.loading: dict[str, QuantBuffer] | None = {
@@ -143,15 +144,17 @@ class QuantExperts(nn.Module):
     def serves_kernel(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether ``kernel`` serves rows ``x`` (eager CPU calls our kernels take): routed in one call, no sorted
         copy of the rows, the slots weighted and summed in float32 inside it."""
-        return (self.gate_up_q is not None and not torch.compiler.is_compiling()
-                and own_kernel_takes(x, self.gate_up_q) and own_kernel_takes(x, self.down_q))
+        return (self.gate_up_q is not None and not torch.compiler.is_compiling() and self._own_kernels_take(x))
+
+    def _own_kernels_take(self, x: torch.Tensor) -> bool:
+        return self.act == "silu" and own_kernel_takes(x, self.gate_up_q) and own_kernel_takes(x, self.down_q)
 
     def kernel(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], routing ids / weights [N, k] -> [N, H] (``quant_kernels.moe_routed``)."""
         return quant_kernels.moe_routed(x, ids, weights, kernel_args(self.gate_up_q), kernel_args(self.down_q))
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        h = swiglu(quant_matmul(x, self.gate_up_q.select(e)), self.intermediate_size)
+        h = gated_act(quant_matmul(x, self.gate_up_q.select(e)), self.intermediate_size, self.act)
         return quant_matmul(h, self.down_q.select(e))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
@@ -159,7 +162,7 @@ class QuantExperts(nn.Module):
         weight-only GEMM pair per expert with rows)."""
         if self.gate_up_q is None:
             raise RuntimeError("QuantExperts used before their weights were loaded")
-        if own_kernel_takes(x, self.gate_up_q) and own_kernel_takes(x, self.down_q):
+        if self._own_kernels_take(x):
             return quant_kernels.moe(x, counts, kernel_args(self.gate_up_q), kernel_args(self.down_q))
         out = torch.empty_like(x)
         start = 0

@@ -39,8 +39,6 @@ class AudioEncoder(nn.Module):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        if cfg.activation_function != "gelu":
-            raise ValueError(f"audio encoder activation {cfg.activation_function!r} is not supported (only gelu)")
         dim, mel = int(cfg.d_model), int(cfg.num_mel_bins)
         self.num_mel_bins = mel
         self.chunk_frames = 2 * int(cfg.n_window)
@@ -50,7 +48,7 @@ class AudioEncoder(nn.Module):
         # Stored in the checkpoint; transformers' forward does not read it either.
         self.audio_bos_eos_token = nn.Embedding(2, cfg.output_dim)
         self.layers = nn.ModuleList(
-            AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim, k_bias=False)
+            AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim, k_bias=False, act=cfg.activation_function)
             for _ in range(cfg.encoder_layers)
         )
         self.ln_post = nn.LayerNorm(dim)

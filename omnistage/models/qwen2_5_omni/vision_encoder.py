@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.mlp import activation
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.segment_attention import segment_attention
-
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +55,7 @@ class _MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
-        self.act = _ACTIVATIONS[act]
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

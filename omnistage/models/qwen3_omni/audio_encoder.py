@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.mlp import activation
 from omnistage.models.layers.segment_attention import segment_attention
 
 
@@ -72,8 +73,9 @@ class AudioAttention(nn.Module):
 class AudioLayer(nn.Module):
     """Pre-norm transformer layer of both families' audio towers."""
 
-    def __init__(self, dim: int, heads: int, ffn: int, k_bias: bool = True) -> None:
+    def __init__(self, dim: int, heads: int, ffn: int, k_bias: bool = True, act: str = "gelu") -> None:
         super().__init__()
+        self.act = activation(act)
         self.self_attn = AudioAttention(dim, heads, k_bias)
         self.self_attn_layer_norm = nn.LayerNorm(dim)
         self.fc1 = nn.Linear(dim, ffn)
@@ -82,7 +84,7 @@ class AudioLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), windows)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
 class AudioEncoder(nn.Module):
@@ -91,8 +93,7 @@ class AudioEncoder(nn.Module):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        if cfg.activation_function != "gelu":
-            raise ValueError(f"audio encoder activation {cfg.activation_function!r} is not supported (only gelu)")
+        self.act = activation(cfg.activation_function)  # the layers' and the output projection's (convs: GELU)
         if getattr(cfg, "scale_embedding", False):
             raise ValueError("audio encoder scale_embedding=True is not supported")
         self.n_window = int(cfg.n_window)
@@ -107,7 +108,8 @@ class AudioEncoder(nn.Module):
         self.conv_out = nn.Linear(ds * conv_out_length(mel), dim, bias=False)
         self.positional_embedding = nn.Buffer(sinusoids(cfg.max_source_positions, dim), persistent=False)
         self.layers = nn.ModuleList(
-            AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim) for _ in range(cfg.encoder_layers)
+            AudioLayer(dim, cfg.encoder_attention_heads, cfg.encoder_ffn_dim, act=cfg.activation_function)
+            for _ in range(cfg.encoder_layers)
         )
         self.ln_post = nn.LayerNorm(dim)
         self.proj1 = nn.Linear(dim, dim)
@@ -162,5 +164,5 @@ class AudioEncoder(nn.Module):
         h = torch.cat(clips)
         for layer in self.layers:
             h = layer(h, windows)
-        h = self.proj2(F.gelu(self.proj1(self.ln_post(h))))
+        h = self.proj2(self.act(self.proj1(self.ln_post(h))))
         return list(h.split([c.shape[0] for c in clips]))

@@ -42,20 +42,12 @@ from torch import nn
 from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
+from omnistage.models.layers.mlp import activation
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.stream_step import StreamStep
 
 DEFAULT_SAMPLE_RATE = 24000
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-
 
 @dataclass(frozen=True)
 class Code2WavConfig:
@@ -108,8 +100,7 @@ class Code2WavConfig:
         object.__setattr__(self, "resolved_head_dim", head_dim)
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
+        activation(self.hidden_act)  # raises naming an activation transformers does not know
         object.__setattr__(self, "upsample_rates", tuple(int(r) for r in self.upsample_rates))
         object.__setattr__(self, "upsampling_ratios", tuple(int(r) for r in self.upsampling_ratios))
         if any(r <= 0 for r in self.upsample_rates + self.upsampling_ratios):
@@ -249,7 +240,7 @@ class Mlp(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = _ACTIVATIONS[config.hidden_act]
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -18,7 +18,7 @@ from torch import nn
 
 from omnistage.attention.backend import AttentionMetadata
 from omnistage.models.layers.decoder import DecoderConfig, PagedDecoder
-from omnistage.models.layers.mlp import ResizeMLP, check_activation
+from omnistage.models.layers.mlp import ResizeMLP
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, SampleFn
 from omnistage.models.qwen3_omni.mrope import MRopeRotary, mrope_sections
 
@@ -39,7 +39,6 @@ class Talker(nn.Module):
         super().__init__()
         tcfg = config.talker_config
         text_cfg = tcfg.text_config
-        check_activation(getattr(text_cfg, "hidden_act", "silu"))
         # transformers' talker layer always installs the shared-expert MoE, whatever mlp_only_layers says.
         self.cfg = DecoderConfig.from_hf(text_cfg, all_sparse=True, shared_expert=True)
         if self.cfg.shared_expert_intermediate_size <= 0:
@@ -68,8 +67,9 @@ class Talker(nn.Module):
         if getattr(tcfg, "tie_word_embeddings", False):
             self.codec_head.weight = self.model.codec_embedding.weight
         thinker_hidden = int(tcfg.thinker_hidden_size)
-        self.text_projection = ResizeMLP(thinker_hidden, text_cfg.intermediate_size, self.cfg.hidden_size)
-        self.hidden_projection = ResizeMLP(thinker_hidden, text_cfg.intermediate_size, self.cfg.hidden_size)
+        act = self.cfg.hidden_act
+        self.text_projection = ResizeMLP(thinker_hidden, text_cfg.intermediate_size, self.cfg.hidden_size, act)
+        self.hidden_projection = ResizeMLP(thinker_hidden, text_cfg.intermediate_size, self.cfg.hidden_size, act)
         self.code_predictor = CodePredictor(cp_cfg)
 
         suppressed = torch.zeros(self.vocab_size, dtype=torch.bool)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.mlp import activation
 from omnistage.models.layers.rotary import apply_rotary
 from omnistage.models.layers.segment_attention import segment_attention
 
@@ -52,22 +53,23 @@ class _VisionAttention(nn.Module):
 
 
 class _VisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(dim, hidden)
         self.linear_fc2 = nn.Linear(hidden, dim)
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class _VisionBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, heads: int, hidden: int, act: str) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = _VisionAttention(dim, heads)
-        self.mlp = _VisionMLP(dim, hidden)
+        self.mlp = _VisionMLP(dim, hidden, act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: Sequence[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, frames)
@@ -115,8 +117,6 @@ class VisionEncoder(nn.Module):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        if cfg.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"vision activation {cfg.hidden_act!r} is not supported (only gelu_pytorch_tanh)")
         rope = getattr(cfg, "rope_parameters", None) or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision rope_type {rope.get('rope_type')!r} is not supported (only axial)")
@@ -139,7 +139,7 @@ class VisionEncoder(nn.Module):
         self.inv_freq = nn.Buffer(
             1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)), persistent=False
         )
-        self.blocks = nn.ModuleList(_VisionBlock(dim, heads, cfg.intermediate_size) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(_VisionBlock(dim, heads, cfg.intermediate_size, cfg.hidden_act) for _ in range(cfg.depth))
         self.merger = _Merger(dim, self.merge, cfg.out_hidden_size, post_norm=False)
         self.merger_list = nn.ModuleList(
             _Merger(dim, self.merge, cfg.out_hidden_size, post_norm=True) for _ in self.deepstack_layers
