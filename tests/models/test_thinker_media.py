@@ -155,15 +155,17 @@ def test_positions_and_rope_delta_equal_transformers(ckpt, name):
     rotary = thinker.model.language_model.rotary_emb
     x = torch.zeros(1, dtype=torch.float32)
     cos, sin = rotary(x, pos.float())
-    ours_cos, ours_sin = mrope_cos_sin(media.positions, rotary.inv_freq, _axis(ckpt), torch.float32)
+    ours_cos, ours_sin = mrope_cos_sin(media.positions, *_thinker_rope(ckpt), torch.float32)
     assert torch.equal(ours_cos, cos[0]) and torch.equal(ours_sin, sin[0])
 
 
 @functools.cache
-def _axis(ckpt: str) -> torch.Tensor:
+def _thinker_rope(ckpt: str):
+    """Our Thinker's rotary tables and each frequency's MRoPE axis."""
     from omnistage.models.qwen3_omni.thinker import Thinker
 
-    return Thinker(load_config(ckpt)).mrope_axis
+    thinker = Thinker(load_config(ckpt))
+    return thinker.model.rotary, thinker.mrope_axis
 
 
 def _engine(ckpt: str, **thinker_sched) -> OmniEngine:

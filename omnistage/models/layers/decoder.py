@@ -18,7 +18,7 @@ from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.quant import decoder_kernel_weight
 from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
-from omnistage.models.layers.rotary import RotaryEmbedding, rope_theta
+from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies, rope_theta
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class DecoderConfig:
     sliding_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
     hidden_act: str = "silu"  # the MLPs' (transformers' ``ACT2FN`` names); the decoder kernels apply SiLU
+    # A scaled rope type's inverse frequencies and cos/sin scale (``rotary.rope_frequencies``); None: theta's.
+    rope_inv_freq: tuple[float, ...] | None = None
+    rope_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -106,6 +109,7 @@ class DecoderConfig:
                 i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
             )
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        inv_freq, rope_scale = rope_frequencies(cfg, head_dim)
         window = getattr(cfg, "sliding_window", None) if sliding else None
         layer_types = list(getattr(cfg, "layer_types", None) or []) if window is not None else []
         sliding_layers = tuple(i for i, kind in enumerate(layer_types[:num_layers]) if kind == "sliding_attention")
@@ -131,7 +135,13 @@ class DecoderConfig:
             sliding_layers=sliding_layers,
             sliding_window=window if sliding_layers else None,
             hidden_act=getattr(cfg, "hidden_act", None) or "silu",
+            rope_inv_freq=inv_freq,
+            rope_scale=rope_scale,
         )
+
+    def rotary(self) -> RotaryEmbedding:
+        """The decoder's rotary tables (theta's frequencies, or its scaled rope type's)."""
+        return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_inv_freq, self.rope_scale)
 
 
 class DecoderLayer(nn.Module):
@@ -300,7 +310,7 @@ class PagedDecoder(nn.Module):
         self.cfg = cfg
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = cfg.rotary()
         # Attention's arithmetic dtype when not the model's: float32 for a bfloat16 model on CPU under ``fast``.
         self.attention_dtype: torch.dtype | None = None
         # The ``fast`` option's decode attention (``cpu_kernels.decode_attention``), set by ``pack_weights``.

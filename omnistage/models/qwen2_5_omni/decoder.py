@@ -59,5 +59,5 @@ class Qwen2PagedDecoder(PagedDecoder):
         if positions.dim() == 2:
             if mrope_axis is None:
                 raise ValueError("3-D positions need the mrope axis of each frequency")
-            rope = mrope_cos_sin(positions, self.rotary.inv_freq, mrope_axis, h.dtype)
+            rope = mrope_cos_sin(positions, self.rotary, mrope_axis, h.dtype)
         return self.run_layers(h, positions, kv_caches, attn_meta, rope=rope)[0]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers.fast_linear import pack_amx_layers
-from omnistage.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_theta
+from omnistage.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_frequencies, rope_theta
 
 _TIME_FREQ_DIM = 256
 _TIME_SCALE = 1000.0
@@ -378,7 +378,7 @@ class DiT(nn.Module):
         self.time_embed = TimestepEmbedding(cfg.hidden_size)
         self.text_embed = CodecEmbedding(cfg.num_embeds, cfg.emb_dim, cfg.repeats)
         self.input_embed = InputEmbedding(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, rope_theta(cfg))
+        self.rotary = RotaryEmbedding(cfg.head_dim, rope_theta(cfg), *rope_frequencies(cfg, cfg.head_dim))
         ahead, back = set(cfg.look_ahead_layers), set(cfg.look_backward_layers)
         self.transformer_blocks = nn.ModuleList(
             DiTBlock(cfg, int(i in back), int(i in ahead)) for i in range(cfg.num_hidden_layers)

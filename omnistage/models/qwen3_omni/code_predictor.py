@@ -47,7 +47,6 @@ from omnistage.models.layers.fast_linear import (
 )
 from omnistage.models.layers.fused import fuse_parts
 from omnistage.models.layers.norm import RMSNorm
-from omnistage.models.layers.rotary import RotaryEmbedding
 
 # sample(logits [B, V], group) -> codes [B]; group runs 1..Q-1.
 SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
@@ -157,7 +156,7 @@ class CodePredictorModel(nn.Module):
         # Rotary tables of the frame's Q positions, computed once in float32 (the values a per-pass
         # computation gives): a compiled graph indexes them instead of computing cos/sin with its own
         # kernels, whose last bits differ from eager torch's.
-        cos, sin = RotaryEmbedding(d.head_dim, d.rope_theta)(torch.arange(cfg.num_code_groups), torch.float32)
+        cos, sin = d.rotary()(torch.arange(cfg.num_code_groups), torch.float32)
         self.rope_cos = nn.Buffer(cos, persistent=False)
         self.rope_sin = nn.Buffer(sin, persistent=False)
         self.codec_embedding = StackedTables(cfg.num_code_groups - 1, cfg.vocab_size, d.hidden_size)

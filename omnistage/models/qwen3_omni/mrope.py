@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from omnistage.models.layers.rotary import RotaryEmbedding
+from omnistage.models.layers.rotary import RotaryEmbedding, cos_sin
 
 
 @dataclass(frozen=True)
@@ -238,23 +238,24 @@ def mrope_axis_of_frequency(head_dim: int, sections: Sequence[int]) -> torch.Ten
 
 
 def mrope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, rotary: RotaryEmbedding, axis: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [N, 3] (T, H, W ids) -> cos, sin [N, head_dim] for ``apply_rotary``."""
+    """positions [N, 3] (T, H, W ids) -> cos, sin [N, head_dim] for ``apply_rotary``, with ``rotary``'s
+    frequencies and scale."""
     pos = positions.float()[:, axis.to(positions.device)]  # [N, head_dim / 2]: each frequency's own axis
-    freqs = pos * inv_freq.to(positions.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    freqs = pos * rotary.inv_freq.to(positions.device)
+    return cos_sin(torch.cat((freqs, freqs), dim=-1), rotary.scale, dtype)
 
 
 class MRopeRotary(RotaryEmbedding):
     """Rotary tables for ``[N]`` positions (equal ids on every axis: plain RoPE) or ``[N, 3]`` (T, H, W) ids."""
 
-    def __init__(self, head_dim: int, theta: float, sections: Sequence[int]) -> None:
-        super().__init__(head_dim, theta)
+    def __init__(self, head_dim: int, theta: float, sections: Sequence[int], inv_freq: Sequence[float] | None = None,
+                 scale: float = 1.0) -> None:
+        super().__init__(head_dim, theta, inv_freq, scale)
         self.axis = torch.nn.Buffer(mrope_axis_of_frequency(head_dim, sections), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 2:
-            return mrope_cos_sin(positions, self.inv_freq, self.axis, dtype)
+            return mrope_cos_sin(positions, self, self.axis, dtype)
         return super().forward(positions, dtype)

@@ -59,7 +59,8 @@ class Talker(nn.Module):
 
         self.model = TalkerTextModel(self.cfg, self.vocab_size)
         sections = mrope_sections(text_cfg, self.cfg.head_dim)
-        self.model.rotary = MRopeRotary(self.cfg.head_dim, self.cfg.rope_theta, sections)
+        self.model.rotary = MRopeRotary(self.cfg.head_dim, self.cfg.rope_theta, sections, self.cfg.rope_inv_freq,
+                                        self.cfg.rope_scale)
         # The Talker's own 3-D positions over its prompt read these (transformers: its talker config's values).
         self.spatial_merge_size = int(tcfg.spatial_merge_size)
         self.position_id_per_seconds = float(tcfg.position_id_per_seconds)

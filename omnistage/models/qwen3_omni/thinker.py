@@ -86,7 +86,7 @@ class Thinker(nn.Module):
         if positions.shape[0] != embeds.shape[0]:
             raise ValueError(f"positions has {positions.shape[0]} rows, embeddings have {embeds.shape[0]}")
         if positions.dim() == 2:
-            cos, sin = mrope_cos_sin(positions, self.model.rotary.inv_freq, self.mrope_axis, embeds.dtype)
+            cos, sin = mrope_cos_sin(positions, self.model.rotary, self.mrope_axis, embeds.dtype)
         else:
             cos, sin = self.model.rotary(positions, embeds.dtype)
         num_deepstack = 0 if deepstack_rows is None or not deepstack_rows.numel() else deepstack.shape[0]

@@ -177,7 +177,8 @@ def test_positions_and_rope_delta_equal_transformers(name):
     rotary = thinker.model.language_model.rotary_emb
     cos, sin = rotary(torch.zeros(1), pos)
     ours_thinker = loaded().thinker
-    ours_cos, ours_sin = mrope_cos_sin(media.positions, rotary.inv_freq, ours_thinker.mrope_axis, torch.float32)
+    ours_cos, ours_sin = mrope_cos_sin(media.positions, ours_thinker.model.rotary, ours_thinker.mrope_axis,
+                                       torch.float32)
     assert torch.equal(ours_cos, cos[0]) and torch.equal(ours_sin, sin[0])
 
 

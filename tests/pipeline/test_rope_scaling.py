@@ -1,0 +1,112 @@
+"""Scaled rotary embeddings (transformers' ``rope_type`` linear / yarn / llama3 in ``rope_parameters``) in every
+decoder that reads them: Qwen3-Omni's Thinker (MRoPE), Talker and code predictor, Qwen2.5-Omni's Thinker, Talker
+and DiT. The rope type changes no weight, so each test takes a built checkpoint and sets it in config.json; text,
+codes and audio must equal transformers' generate in the default configuration. Types whose frequencies follow
+the sequence length are refused at load, naming the type."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_pipeline_parity import PROMPTS, assert_all_free, make_engine, reference, run
+
+from omnistage import Omni
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.qwen3_omni.config import load_config
+from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
+from omnistage.models.qwen3_omni.talker import Talker
+from omnistage.models.qwen3_omni.thinker import Thinker
+from omnistage.models.registry import load_pipeline_config
+from omnistage.testing.qwen2_5_omni.reference import reference_speech
+from omnistage.testing.reference import load_hf_reference
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+LINEAR = {"rope_type": "linear", "factor": 3.0}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def _with_rope(src: Path, dst: Path, parts, scaling: dict) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for keys, extra in zip(parts, scaling):
+        part = cfg
+        for key in keys:
+            part = part[key]
+        part["rope_parameters"] = {**part.get("rope_parameters", {}), **extra}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def scaled(tiny_ckpt, tmp_path_factory):
+    parts = [("thinker_config", "text_config"), ("talker_config", "text_config"),
+             ("talker_config", "code_predictor_config")]
+    return _with_rope(tiny_ckpt, tmp_path_factory.mktemp("rope") / "ckpt", parts, [YARN, LINEAR, LLAMA3])
+
+
+def test_qwen3_scaled_rope_equals_transformers(scaled, tiny_ckpt):
+    engine = make_engine(scaled)
+    got = run(engine, {0: [1], 1: [0], 3: [2]})
+    assert_all_free(engine)
+    for i in range(len(PROMPTS)):
+        tokens, codes, wav = reference(str(scaled), i)
+        assert got[i]["tokens"] == tokens
+        assert torch.equal(got[i]["codes"], codes)
+        assert got[i]["audio"].shape == wav.shape and (got[i]["audio"] - wav).abs().max().item() <= 1e-4
+    # the scaling changes the answers
+    assert any(reference(str(scaled), i)[:2] != reference(str(tiny_ckpt), i)[:2] for i in range(len(PROMPTS)))
+
+
+@torch.no_grad()
+def test_qwen3_rotary_tables_equal_transformers(scaled):
+    """Each decoder's cos / sin (frequencies and yarn's scale) equal transformers' rotary modules' at 3-D and 1-D
+    positions."""
+    hf = load_hf_reference(scaled)
+    config = load_config(scaled)
+    thinker, talker = Thinker(config), Talker(config)
+    assert thinker.model.rotary.scale > 1.1  # yarn's: 0.1 ln(4) + 1
+    pos = torch.stack([torch.arange(40), torch.arange(40) // 3, torch.arange(40) % 5])  # [3, N] T, H, W ids
+    x = torch.zeros(1)
+    for ours, theirs in ((mrope_cos_sin(pos.t(), thinker.model.rotary, thinker.mrope_axis, torch.float32),
+                          hf.thinker.model.language_model.rotary_emb(x, pos[:, None].float())),
+                         (talker.model.rotary(pos.t(), torch.float32), hf.talker.model.rotary_emb(x, pos[:, None]))):
+        assert torch.equal(ours[0], theirs[0][0]) and torch.equal(ours[1], theirs[1][0])
+    cp, q = talker.code_predictor.model, talker.num_code_groups
+    cos, sin = hf.talker.code_predictor.model.rotary_emb(x, torch.arange(q)[None])
+    assert torch.equal(cp.rope_cos, cos[0]) and torch.equal(cp.rope_sin, sin[0])
+
+
+@pytest.mark.parametrize("kind", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                   "original_max_position_embeddings": 16}])
+def test_rope_types_that_follow_the_sequence_length_are_refused(tiny_ckpt, tmp_path, kind):
+    ckpt = _with_rope(tiny_ckpt, tmp_path / "ckpt", [("thinker_config", "text_config")], [kind])
+    with pytest.raises(ValueError, match=f"rope_type '{kind['rope_type']}' changes its frequencies"):
+        Thinker(load_config(ckpt))
+
+
+TEXT_TOKENS, CODES, SEED = 8, 24, 5
+
+
+@pytest.fixture(scope="module")
+def q25_scaled(q25_ckpt, tmp_path_factory):
+    parts = [("thinker_config", "text_config"), ("talker_config",), ("token2wav_config", "dit_config")]
+    return _with_rope(q25_ckpt, tmp_path_factory.mktemp("q25-rope") / "ckpt", parts, [YARN, LINEAR, LINEAR])
+
+
+def test_qwen2_5_scaled_rope_equals_transformers(q25_scaled):
+    params = {"thinker": SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS),
+              "talker": SamplingParams(temperature=0.0, max_tokens=CODES, repetition_penalty=1.05, seed=SEED)}
+    one_shot = {"stages": {"token2wav": {"bridge_args": {"chunk_blocks": 10_000, "past_blocks": 0,
+                                                         "future_blocks": 0}}}}
+    with Omni(q25_scaled, pipeline=load_pipeline_config("qwen2_5_omni", one_shot)) as o:
+        out = o.generate(["Tell me a short story about the sea and a small boat."], ["text", "audio"], params)[0]
+    eos = json.loads((q25_scaled / "generation_config.json").read_text())["eos_token_id"]
+    tokens, wav = reference_speech(q25_scaled, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)
+    assert out.token_ids == (tokens[:-1] if tokens[-1] in eos else tokens)
+    assert out.audio.shape == wav.shape and (out.audio - wav).abs().max().item() <= 1e-4
