@@ -26,8 +26,8 @@ def gqa_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def act_ckpt(tiny_ckpt, tmp_path_factory):
-    """The tiny checkpoint with another activation than its own in every part (transformers' ``ACT2FN`` names;
-    no weight changes)."""
+    """The tiny checkpoint with another activation than its own in every part (transformers' ``ACT2FN`` names)
+    and the audio tower's ``scale_embedding`` set; no weight changes."""
     import json
     import shutil
 
@@ -37,6 +37,7 @@ def act_ckpt(tiny_ckpt, tmp_path_factory):
     thinker, talker = cfg["thinker_config"], cfg["talker_config"]
     thinker["text_config"]["hidden_act"] = "gelu"
     thinker["audio_config"]["activation_function"] = "relu"
+    thinker["audio_config"]["scale_embedding"] = True  # (transformers' tower never applies it)
     thinker["vision_config"]["hidden_act"] = "quick_gelu"
     talker["text_config"]["hidden_act"] = "gelu_new"
     talker["code_predictor_config"]["hidden_act"] = "relu"

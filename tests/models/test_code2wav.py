@@ -194,5 +194,7 @@ def test_config_from_json_dict():
     assert config.resolved_head_dim == 64
     with pytest.raises(ValueError):
         Code2WavConfig(num_attention_heads=16, num_key_value_heads=3)
-    with pytest.raises(ValueError):
-        Code2WavConfig.from_hf({**section, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    yarn = Code2WavConfig.from_hf({**section, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
+    assert yarn.rope_scale > 1.0 and len(yarn.rope_inv_freq) == yarn.resolved_head_dim // 2  # (as transformers')
+    with pytest.raises(ValueError, match="rope_type 'dynamic' changes its frequencies"):
+        Code2WavConfig.from_hf({**section, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})

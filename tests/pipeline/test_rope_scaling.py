@@ -1,6 +1,6 @@
 """Scaled rotary embeddings (transformers' ``rope_type`` linear / yarn / llama3 in ``rope_parameters``) in every
-decoder that reads them: Qwen3-Omni's Thinker (MRoPE), Talker and code predictor, Qwen2.5-Omni's Thinker, Talker
-and DiT. The rope type changes no weight, so each test takes a built checkpoint and sets it in config.json; text,
+transformer that reads them: Qwen3-Omni's Thinker (MRoPE), Talker, code predictor and Code2Wav, Qwen2.5-Omni's
+Thinker, Talker and DiT. The rope type changes no weight, so each test takes a built checkpoint and sets it in config.json; text,
 codes and audio must equal transformers' generate in the default configuration. Types whose frequencies follow
 the sequence length are refused at load, naming the type."""
 
@@ -16,6 +16,7 @@ from test_pipeline_parity import PROMPTS, assert_all_free, make_engine, referenc
 
 from omnistage import Omni
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.qwen3_omni.code2wav import Code2WavConfig, Code2WavTransformer
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
 from omnistage.models.qwen3_omni.talker import Talker
@@ -45,8 +46,8 @@ def _with_rope(src: Path, dst: Path, parts, scaling: dict) -> Path:
 @pytest.fixture(scope="module")
 def scaled(tiny_ckpt, tmp_path_factory):
     parts = [("thinker_config", "text_config"), ("talker_config", "text_config"),
-             ("talker_config", "code_predictor_config")]
-    return _with_rope(tiny_ckpt, tmp_path_factory.mktemp("rope") / "ckpt", parts, [YARN, LINEAR, LLAMA3])
+             ("talker_config", "code_predictor_config"), ("code2wav_config",)]
+    return _with_rope(tiny_ckpt, tmp_path_factory.mktemp("rope") / "ckpt", parts, [YARN, LINEAR, LLAMA3, YARN])
 
 
 def test_qwen3_scaled_rope_equals_transformers(scaled, tiny_ckpt):
@@ -65,7 +66,7 @@ def test_qwen3_scaled_rope_equals_transformers(scaled, tiny_ckpt):
 @torch.no_grad()
 def test_qwen3_rotary_tables_equal_transformers(scaled):
     """Each decoder's cos / sin (frequencies and yarn's scale) equal transformers' rotary modules' at 3-D and 1-D
-    positions."""
+    positions, Code2Wav's (read from config.json) too."""
     hf = load_hf_reference(scaled)
     config = load_config(scaled)
     thinker, talker = Thinker(config), Talker(config)
@@ -79,6 +80,11 @@ def test_qwen3_rotary_tables_equal_transformers(scaled):
     cp, q = talker.code_predictor.model, talker.num_code_groups
     cos, sin = hf.talker.code_predictor.model.rotary_emb(x, torch.arange(q)[None])
     assert torch.equal(cp.rope_cos, cos[0]) and torch.equal(cp.rope_sin, sin[0])
+    code2wav = Code2WavTransformer(Code2WavConfig.from_checkpoint(scaled))
+    assert code2wav.rotary_emb.scale > 1.1
+    cos, sin = hf.code2wav.pre_transformer.rotary_emb(x, torch.arange(50)[None])
+    ours = code2wav.rotary_emb(torch.arange(50), torch.float32)
+    assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
 
 
 @pytest.mark.parametrize("kind", [{"rope_type": "dynamic", "factor": 2.0},

@@ -94,8 +94,7 @@ class AudioEncoder(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.act = activation(cfg.activation_function)  # the layers' and the output projection's (convs: GELU)
-        if getattr(cfg, "scale_embedding", False):
-            raise ValueError("audio encoder scale_embedding=True is not supported")
+        # ``scale_embedding``: transformers' tower computes an embedding scale from it and never applies it.
         self.n_window = int(cfg.n_window)
         self.window_ratio = int(cfg.n_window_infer) // (2 * self.n_window)
         if self.window_ratio < 1:

@@ -38,11 +38,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
 from omnistage.models.layers.mlp import activation
+from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.stream_step import StreamStep
@@ -65,6 +67,9 @@ class Code2WavConfig:
     rms_norm_eps: float = 1e-5
     layer_scale_initial_scale: float = 0.01
     rope_theta: float = 10000.0
+    # A scaled rope type's inverse frequencies and cos/sin scale (``rotary.rope_frequencies``); None: theta's.
+    rope_inv_freq: tuple[float, ...] | None = None
+    rope_scale: float = 1.0
     upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
     upsampling_ratios: tuple[int, ...] = (2, 2)
     decoder_dim: int = 1536
@@ -133,20 +138,22 @@ class Code2WavConfig:
             return getattr(hf_config, name, default)
 
         rope = get("rope_parameters") or get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"Code2Wav supports only default rotary embeddings, got rope_type={rope_type!r}")
         rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
+        scaled: dict[str, Any] = {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":  # computed as transformers does
+            hf = Qwen3OmniMoeCode2WavConfig(**hf_config) if isinstance(hf_config, Mapping) else hf_config
+            head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
+            scaled["rope_inv_freq"], scaled["rope_scale"] = rope_frequencies(hf, head_dim)
         missing = object()
         kwargs = {}
         for name, spec in cls.__dataclass_fields__.items():
-            if not spec.init or name == "rope_theta":
+            if not spec.init or name in ("rope_theta", "rope_inv_freq", "rope_scale"):
                 continue
             value = get(name, missing)
             # None means "use the default", except for sliding_window where None means full causal.
             if value is not missing and (value is not None or name == "sliding_window"):
                 kwargs[name] = value
-        return cls(rope_theta=float(rope_theta), **kwargs)
+        return cls(rope_theta=float(rope_theta), **scaled, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -173,22 +180,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * x
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.at(torch.arange(length, device=self.inv_freq.device), dtype)
-
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [..., head_dim] for integer positions of any shape."""
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)  # half-split layout
-        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -283,7 +274,8 @@ class Code2WavTransformer(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.resolved_head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.resolved_head_dim, config.rope_theta, config.rope_inv_freq,
+                                          config.rope_scale)
         self.window = config.sliding_window
 
     def forward(self, x: torch.Tensor, stream: StreamStep | None = None) -> torch.Tensor:
@@ -291,10 +283,10 @@ class Code2WavTransformer(nn.Module):
         it, row b continues its request at frame ``stream.frames[b]``."""
         length = x.shape[1]
         if stream is None:
-            cos, sin = self.rotary_emb(length, x.dtype)
+            cos, sin = self.rotary_emb(torch.arange(length, device=x.device), x.dtype)
             mask = sliding_causal_mask(length, self.window, x.device)
         else:
-            cos, sin = self.rotary_emb.at(stream.frame_positions(length), x.dtype)
+            cos, sin = self.rotary_emb(stream.frame_positions(length), x.dtype)
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
             mask = stream.attention_mask(length, self.window)
         for layer in self.layers:
