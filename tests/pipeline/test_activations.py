@@ -5,18 +5,21 @@ in the default configuration, where the fused SiLU kernels step aside."""
 from __future__ import annotations
 
 import torch
-from test_pipeline_parity import PROMPTS, assert_all_free, make_engine, reference, run
+from test_pipeline_parity import (
+    PROMPTS,
+    assert_all_free,
+    assert_matches_reference,
+    make_engine,
+    reference,
+    run,
+)
 
 
 def test_speech_equals_transformers(act_ckpt, tiny_ckpt):
     engine = make_engine(act_ckpt)
     got = run(engine, {0: [1], 1: [0], 3: [2]})
     assert_all_free(engine)
-    for i in range(len(PROMPTS)):
-        tokens, codes, wav = reference(str(act_ckpt), i)
-        assert got[i]["tokens"] == tokens
-        assert torch.equal(got[i]["codes"], codes)
-        assert got[i]["audio"].shape == wav.shape and (got[i]["audio"] - wav).abs().max().item() <= 1e-4
+    assert_matches_reference(act_ckpt, got)
     # the activations change the answers (the same weights under SiLU answer otherwise)
     assert any(reference(str(act_ckpt), i)[0] != reference(str(tiny_ckpt), i)[0] for i in range(len(PROMPTS)))
     assert not torch.equal(got[1]["codes"], reference(str(tiny_ckpt), 1)[1])

@@ -142,16 +142,23 @@ def concurrent(engine):
     return out
 
 
+def assert_matches_reference(ckpt, results, prompts=None) -> None:
+    """``run``'s results for these prompt indices (default: all): tokens and codes equal transformers' generate,
+    audio within 1e-4."""
+    for i in range(len(PROMPTS)) if prompts is None else prompts:
+        tokens, codes, wav = reference(str(ckpt), i)
+        got = results[i]
+        assert got["tokens"] == tokens
+        assert got["codes"] is not None and got["codes"].shape == codes.shape
+        assert torch.equal(got["codes"], codes)
+        assert got["audio"].shape == wav.shape
+        assert (got["audio"] - wav).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("i", range(len(PROMPTS)))
 def test_concurrent_requests_match_transformers(tiny_ckpt, concurrent, i):
-    tokens, codes, wav = reference(str(tiny_ckpt), i)
-    got = concurrent[i]
-    assert got["tokens"] == tokens
-    assert got["finish"] == "length"
-    assert got["codes"] is not None and got["codes"].shape == codes.shape
-    assert torch.equal(got["codes"], codes)
-    assert got["audio"].shape == wav.shape
-    assert (got["audio"] - wav).abs().max().item() <= 1e-4
+    assert_matches_reference(tiny_ckpt, concurrent, [i])
+    assert concurrent[i]["finish"] == "length"
 
 
 def test_batch_invariance_alone_vs_mixed_with_abort(engine, concurrent):

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pipeline_parity import PROMPTS, assert_all_free, make_engine, reference, run
+from test_pipeline_parity import (
+    PROMPTS,
+    assert_all_free,
+    assert_matches_reference,
+    make_engine,
+    reference,
+    run,
+)
 
 from omnistage import Omni
 from omnistage.core.sampling_params import SamplingParams
@@ -54,11 +61,7 @@ def test_qwen3_scaled_rope_equals_transformers(scaled, tiny_ckpt):
     engine = make_engine(scaled)
     got = run(engine, {0: [1], 1: [0], 3: [2]})
     assert_all_free(engine)
-    for i in range(len(PROMPTS)):
-        tokens, codes, wav = reference(str(scaled), i)
-        assert got[i]["tokens"] == tokens
-        assert torch.equal(got[i]["codes"], codes)
-        assert got[i]["audio"].shape == wav.shape and (got[i]["audio"] - wav).abs().max().item() <= 1e-4
+    assert_matches_reference(scaled, got)
     # the scaling changes the answers
     assert any(reference(str(scaled), i)[:2] != reference(str(tiny_ckpt), i)[:2] for i in range(len(PROMPTS)))
 
