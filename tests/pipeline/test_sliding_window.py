@@ -109,6 +109,7 @@ Q25_PROMPTS = [
     "Tell me a short story about the sea and a small boat that sails far away.",
     [{"role": "system", "content": "You are a helpful voice assistant."},
      {"role": "user", "content": "What is the weather like today in the mountains?"}],
+    "Tell me a short story about the sea and a whale.",  # shares the first one's cached prefix blocks
 ]
 
 
@@ -121,15 +122,23 @@ def sliding_q25(q25_ckpt, tmp_path_factory):
     return _with_window(q25_ckpt, tmp_path_factory.mktemp("q25-window") / "ckpt", edit)
 
 
-def test_q25_thinker_and_talker_with_a_sliding_window_equal_transformers(sliding_q25, q25_ckpt):
+# whole prompts; prefill chunks of at most 7 rows in blocks of 4 (windows cut across chunks and cached blocks)
+@pytest.mark.parametrize("scheduler", [{}, {"max_num_batched_tokens": 7, "max_num_seqs": 4, "block_size": 4}],
+                         ids=["whole", "chunked"])
+def test_q25_thinker_and_talker_with_a_sliding_window_equal_transformers(sliding_q25, q25_ckpt, scheduler):
     assert Thinker(load_config(sliding_q25)).model.cfg.sliding_layers == (1,)
     params = {"thinker": SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS),
               "talker": SamplingParams(temperature=0.0, max_tokens=CODES, repetition_penalty=1.05, seed=SEED)}
-    one_shot = {"stages": {"token2wav": {"bridge_args": {"chunk_blocks": 10_000, "past_blocks": 0,
-                                                         "future_blocks": 0}}}}
-    with Omni(sliding_q25, pipeline=load_pipeline_config("qwen2_5_omni", one_shot)) as o:
-        outs = o.generate(Q25_PROMPTS, ["text", "audio"], params)  # both in one batch
+    stages = {"token2wav": {"bridge_args": {"chunk_blocks": 10_000, "past_blocks": 0, "future_blocks": 0}},
+              "thinker": {"scheduler": scheduler}, "talker": {"scheduler": scheduler}}
+    with Omni(sliding_q25, pipeline=load_pipeline_config("qwen2_5_omni", {"stages": stages})) as o:
+        outs = o.generate(Q25_PROMPTS, ["text", "audio"], params)  # all in one batch
         assert o.engine.resource_stats()["requests"] == 0
+        # Text-only requests take cached prefix blocks (spoken ones compute every prompt row: the Talker reads
+        # their hidden states); the window reaches into them and gives the same text.
+        texts = o.generate(Q25_PROMPTS, ["text"], params["thinker"])
+        assert [t.token_ids for t in texts] == [out.token_ids for out in outs]
+        assert o.engine.resource_stats()["thinker"]["prefix_cache_hits"] > 0
     eos = json.loads((sliding_q25 / "generation_config.json").read_text())["eos_token_id"]
     for out in outs:
         tokens, wav = reference_speech(sliding_q25, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)
