@@ -358,6 +358,17 @@ def _topological_order(stages: tuple[StageConfig, ...]) -> tuple[str, ...]:
     return tuple(order)
 
 
+def producing(pipeline: PipelineConfig, outputs: tuple[str, ...]) -> PipelineConfig:
+    """The pipeline cut to the stages producing ``outputs`` (final outputs, e.g. ("text",)) and those they read."""
+    finals = [s.name for s in pipeline.stages if s.final_output in outputs]
+    if not finals:
+        raise ConfigError(f"no stage produces any of {list(outputs)}", field="final_output")
+    keep = set(pipeline.upstream_closure(tuple(finals)))
+    stages = tuple(s if s.final_output in outputs or s.final_output is None else dataclasses.replace(s, final_output=None)
+                   for s in pipeline.stages if s.name in keep)
+    return dataclasses.replace(pipeline, stages=stages)
+
+
 def without_prefix_caching(pipeline: PipelineConfig) -> PipelineConfig:
     """The pipeline with prefix caching off in every AR stage (``--no-enable-prefix-caching``)."""
     stages = tuple(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +27,12 @@ import torch
 
 from omnistage.config import ConfigError, ExecutionType, ModelCapabilities, PipelineConfig, StageConfig
 from omnistage.config.quantization import NO_QUANTIZATION, Quantization
+from omnistage.config.stage_config import producing
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.tool_calls import ToolCallFormat
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,18 @@ class ModelFamily(ABC):
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
+
+    # Whether the checkpoint speaks: a family reads it from its config (``enable_audio_output: false``, as the
+    # text-only releases have, means no Talker or vocoder weights; transformers then builds the Thinker alone).
+    speaks: bool = True
+
+    def serving_pipeline(self, pipeline: PipelineConfig) -> PipelineConfig:
+        """The stages this checkpoint runs: all of ``pipeline``'s, or where it does not speak only those
+        producing text (requests for audio are then refused naming the modality)."""
+        if self.speaks or pipeline.final_stage("audio") is None:
+            return pipeline
+        logger.info("%s does not speak (enable_audio_output is false): serving text only", self.model_dir)
+        return producing(pipeline, ("text",))
 
     # ---- declaration --------------------------------------------------------------------------------
     @classmethod

@@ -56,11 +56,11 @@ class OmniEngine:
         if pipeline.family != family_cls.name:
             raise ConfigError(f"the pipeline config is for model family {pipeline.family!r}, but {args.model} "
                               f"holds a {family_cls.name!r} checkpoint", field="family")
-        self.pipeline = family_cls.validate_pipeline(pipeline)
+        self.family = family_cls(args.model)
+        self.pipeline = self.family.serving_pipeline(family_cls.validate_pipeline(pipeline))
         if not args.enable_prefix_caching:
             self.pipeline = without_prefix_caching(self.pipeline)  # before any stage (or worker) is built
         runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
-        self.family = family_cls(args.model)
         self.backend = args.distributed_executor_backend or self.pipeline.distributed_executor_backend
         # Refuse before loading what cannot fit (Ray places stages on other machines: not checked here).
         placement = {s.name: s.devices if s.devices.startswith(("cpu", "cuda")) else f"cuda:{s.devices.split(',')[0]}"

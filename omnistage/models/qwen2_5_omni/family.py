@@ -99,7 +99,8 @@ class Qwen25OmniFamily(HFChatFamily):
         t2w = self.config.token2wav_config
         self.samples_per_frame = int(t2w.dit_config.repeats) * math.prod(t2w.bigvgan_config.upsample_rates)
         has_speakers = (self.model_dir / SPEAKER_FILE).is_file()
-        self.speakers: dict[str, Speaker] = load_speakers(self.model_dir) if has_speakers else {}
+        self.speaks = bool(getattr(self.config, "enable_audio_output", True))
+        self.speakers: dict[str, Speaker] = load_speakers(self.model_dir) if has_speakers and self.speaks else {}
         # The API names voices in lower case; resolve_voice maps them back to the spk_dict.pt keys.
         self.voices = tuple(sorted(name.lower() for name in self.speakers))
         if self.voices:

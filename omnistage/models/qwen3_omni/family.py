@@ -133,7 +133,9 @@ class Qwen3OmniFamily(HFChatFamily):
         self.stored_quantization = read_stored(self.model_dir)  # a pre-quantized checkpoint's scheme (or refusal)
         self.ids = TalkerTokenIds.from_config(self.config)
         talker = self.config.talker_config
-        self.speakers = {str(k).lower(): int(v) for k, v in (talker.speaker_id or {}).items()}
+        self.speaks = bool(getattr(self.config, "enable_audio_output", True))
+        speakers = (talker.speaker_id or {}) if self.speaks else {}
+        self.speakers = {str(k).lower(): int(v) for k, v in speakers.items()}
         self.voices = tuple(self.speakers)
         if self.speakers:
             self.default_voice = PREFERRED_VOICE if PREFERRED_VOICE in self.speakers else self.voices[0]

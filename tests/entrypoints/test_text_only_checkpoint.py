@@ -1,0 +1,92 @@
+"""A checkpoint that does not speak (``enable_audio_output: false`` and no Talker or vocoder weights, as
+Qwen3-Omni's released Thinking and Captioner variants ship; Qwen2.5-Omni's config has the same switch): it loads in the default configuration with the Thinker alone, as
+transformers builds it, answers text as transformers does, and refuses audio naming the modality, over HTTP too."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from server_thread import ServerThread
+
+from omnistage import AsyncOmni, Omni
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.entrypoints.server import create_app
+from omnistage.testing.qwen2_5_omni.reference import load_hf_reference as load_q25_reference
+from omnistage.testing.reference import load_hf_reference
+
+PROMPTS = ["Hi", "Tell me a short story about the sea and a small boat."]
+TOKENS = 7
+
+
+def _hf(ckpt):
+    """transformers' model of the checkpoint's family."""
+    family = json.loads((ckpt / "config.json").read_text())["model_type"]
+    return (load_q25_reference if family == "qwen2_5_omni" else load_hf_reference)(ckpt)
+
+
+def _without_speech(src, dst, speech_prefixes: tuple[str, ...]):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["enable_audio_output"] = False
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in dst.glob("*.safetensors"):
+        tensors = {k: v for k, v in load_file(str(f)).items() if not k.startswith(speech_prefixes)}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    assert not hasattr(_hf(dst), "talker")  # transformers builds the Thinker alone
+    return dst
+
+
+@pytest.fixture(scope="module")
+def text_only(tiny_ckpt, tmp_path_factory):
+    return _without_speech(tiny_ckpt, tmp_path_factory.mktemp("text-only") / "ckpt", ("talker.", "code2wav."))
+
+
+@pytest.fixture(scope="module")
+def q25_text_only(q25_ckpt, tmp_path_factory):
+    return _without_speech(q25_ckpt, tmp_path_factory.mktemp("q25-text-only") / "ckpt", ("talker.", "token2wav."))
+
+
+def _reference(ckpt, prompt_ids: list[int]) -> list[int]:
+    hf = _hf(ckpt)
+    with torch.no_grad():
+        seq = hf.thinker.generate(torch.tensor([prompt_ids]), max_new_tokens=TOKENS, min_new_tokens=TOKENS,
+                                  do_sample=False)
+    return seq[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("which", ["text_only", "q25_text_only"])
+def test_serves_text_as_transformers_and_refuses_audio(which, request):
+    ckpt = request.getfixturevalue(which)
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, min_tokens=TOKENS)
+    with Omni(ckpt) as o:
+        assert o.engine.pipeline.order == ("thinker",)
+        assert o.info.output_modalities == ("text",) and o.info.voices == ()
+        assert [m.stage for m in o.engine.memory_plan] == ["thinker"]
+        outs = o.generate(PROMPTS, ["text"], params)
+        assert [out.token_ids for out in outs] == [_reference(ckpt, out.prompt_token_ids) for out in outs]
+        with pytest.raises(ValueError, match="no stage producing 'audio'"):
+            o.generate(PROMPTS[:1], ["text", "audio"], params)
+
+
+def test_http_answers_text_and_refuses_audio_with_a_400(text_only):
+    omni = AsyncOmni(text_only)
+    body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[0]}], "temperature": 0,
+            "max_tokens": TOKENS}
+    with ServerThread(create_app(omni, "m")) as srv:
+        ok = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+        spoken = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                            json={**body, "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}})
+        assert spoken.status_code == 400, spoken.text
+        assert spoken.json()["error"]["param"] == "modalities" and "audio" in spoken.json()["error"]["message"]
+        speech = httpx.post(srv.url + "/v1/audio/speech", json={"model": "m", "input": "Hello", "voice": "ethan"},
+                            timeout=60)
+        assert speech.status_code == 400 and speech.json()["error"]["param"] == "modalities", speech.text
+        models = httpx.get(srv.url + "/v1/models", timeout=10)
+        assert models.status_code == 200
+    omni.shutdown()
