@@ -169,17 +169,11 @@ def test_retry_after_failure_gives_identical_output(model, monkeypatch):
                for a, b in zip(retried.states, clean.states))
 
 
-@pytest.mark.parametrize("ratios", [(), (1,), (1, 2)], ids=["none", "1", "1-2"])
-@pytest.mark.parametrize("reference_kernels", [False, True], ids=["fast", "reference-kernels"])
-def test_stream_without_pre_upsampling_equals_transformers(ratios, reference_kernels):
-    """Checkpoints transformers accepts with no pre-upsampling before the decoder blocks: a first chunk of one
-    frame gives the first block one input, so the second block gets none in that call. Its stream starts at the
-    call that first brings it inputs (its first block trimmed there), not at the request's first call; it used to
-    start at the request's first call and then emit its trimmed block later, off by up to 1.0."""
+def _streams_equal_transformers(ratios, rates, decoder_dim: int, reference_kernels: bool):
+    """Three requests of 9 frames streamed interleaved in uneven chunks equal transformers' Code2Wav of this
+    geometry (weights shared); returns our model and the requests' codes."""
     hf_config = tiny_hf_config(8)
-    hf_config.upsampling_ratios = ratios
-    hf_config.upsample_rates = (3, 2, 4)
-    hf_config.decoder_dim = 32
+    hf_config.upsampling_ratios, hf_config.upsample_rates, hf_config.decoder_dim = ratios, rates, decoder_dim
     torch.manual_seed(0)
     reference = Qwen3OmniMoeCode2Wav(hf_config).float().eval()
     randomize_(reference, seed=4)
@@ -194,6 +188,27 @@ def test_stream_without_pre_upsampling_equals_transformers(ratios, reference_ker
     for got, want in zip(streams, expect, strict=True):
         assert got.shape == want.shape == (ours.samples_for_frames(9),)
         assert (got - want).abs().max().item() <= TOL
+    return ours, requests
+
+
+@pytest.mark.parametrize("decoder_dim,rates", [(50, (3, 2, 4)), (13, (2, 2, 2)), (100, (5, 4))],
+                         ids=["50-25-12-6", "13-6-3-1", "100-50-25"])
+@pytest.mark.parametrize("reference_kernels", [False, True], ids=["fast", "reference-kernels"])
+def test_decoder_widths_that_do_not_halve_evenly_equal_transformers(decoder_dim, rates, reference_kernels):
+    """transformers halves the decoder's channels with floor division at every block, whatever decoder_dim is
+    (50 -> 25 -> 12 -> 6); such checkpoints used to be refused at load."""
+    ours, _ = _streams_equal_transformers((2,), rates, decoder_dim, reference_kernels)
+    assert ours.decoder[-1].conv.weight.shape[1] == decoder_dim // 2 ** len(rates)
+
+
+@pytest.mark.parametrize("ratios", [(), (1,), (1, 2)], ids=["none", "1", "1-2"])
+@pytest.mark.parametrize("reference_kernels", [False, True], ids=["fast", "reference-kernels"])
+def test_stream_without_pre_upsampling_equals_transformers(ratios, reference_kernels):
+    """Checkpoints transformers accepts with no pre-upsampling before the decoder blocks: a first chunk of one
+    frame gives the first block one input, so the second block gets none in that call. Its stream starts at the
+    call that first brings it inputs (its first block trimmed there), not at the request's first call; it used to
+    start at the request's first call and then emit its trimmed block later, off by up to 1.0."""
+    ours, requests = _streams_equal_transformers(ratios, (3, 2, 4), 32, reference_kernels)
     # One frame is too few for a sample without pre-upsampling: one-shot decoding gives none (transformers raises:
     # a convolution with no input to pad), as the stream does.
     with torch.no_grad():

@@ -110,10 +110,10 @@ class Code2WavConfig:
         object.__setattr__(self, "upsampling_ratios", tuple(int(r) for r in self.upsampling_ratios))
         if any(r <= 0 for r in self.upsample_rates + self.upsampling_ratios):
             raise ValueError("upsample_rates and upsampling_ratios must be positive")
-        if self.decoder_dim % (2 ** len(self.upsample_rates)):
+        if self.decoder_dim // 2 ** len(self.upsample_rates) < 1:
             raise ValueError(
-                f"decoder_dim ({self.decoder_dim}) must be divisible by 2**{len(self.upsample_rates)} "
-                "(each decoder block halves the channels)"
+                f"decoder_dim ({self.decoder_dim}) leaves no channel after {len(self.upsample_rates)} decoder blocks "
+                "(each halves the channels, rounding down as transformers does)"
             )
 
     @property
