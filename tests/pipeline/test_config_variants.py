@@ -1,8 +1,9 @@
-"""Scaled rotary embeddings (transformers' ``rope_type`` linear / yarn / llama3 in ``rope_parameters``) in every
-transformer that reads them: Qwen3-Omni's Thinker (MRoPE), Talker, code predictor and Code2Wav, Qwen2.5-Omni's
-Thinker, Talker and DiT. The rope type changes no weight, so each test takes a built checkpoint and sets it in config.json; text,
-codes and audio must equal transformers' generate in the default configuration. Types whose frequencies follow
-the sequence length are refused at load, naming the type."""
+"""Configs beyond the released model's, against transformers in the default configuration: other activations than
+SiLU (transformers' ``ACT2FN`` names) in every part, and scaled rotary embeddings (``rope_type`` linear / yarn /
+llama3 in ``rope_parameters``) in every transformer that reads them: Qwen3-Omni's Thinker (MRoPE), Talker, code
+predictor and Code2Wav, Qwen2.5-Omni's Thinker, Talker and DiT. Neither changes a weight, so each test takes a
+built checkpoint and sets them in config.json; text, codes and audio must equal transformers' generate. Rope
+types whose frequencies follow the sequence length are refused at load, naming the type."""
 
 from __future__ import annotations
 
@@ -88,6 +89,18 @@ def test_qwen3_rotary_tables_equal_transformers(scaled):
     cos, sin = hf.code2wav.pre_transformer.rotary_emb(x, torch.arange(50)[None])
     ours = code2wav.rotary_emb(torch.arange(50), torch.float32)
     assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
+
+
+def test_other_activations_equal_transformers(act_ckpt, tiny_ckpt):
+    """GELU Thinker, GELU-new Talker, ReLU code predictor, QuickGELU Code2Wav (``act_ckpt``): the fused SiLU
+    kernels step aside."""
+    engine = make_engine(act_ckpt)
+    got = run(engine, {0: [1], 1: [0], 3: [2]})
+    assert_all_free(engine)
+    assert_matches_reference(act_ckpt, got)
+    # the activations change the answers (the same weights under SiLU answer otherwise)
+    assert any(reference(str(act_ckpt), i)[0] != reference(str(tiny_ckpt), i)[0] for i in range(len(PROMPTS)))
+    assert not torch.equal(got[1]["codes"], reference(str(tiny_ckpt), 1)[1])
 
 
 @pytest.mark.parametrize("kind", [{"rope_type": "dynamic", "factor": 2.0},
