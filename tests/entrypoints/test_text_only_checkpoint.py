@@ -1,6 +1,7 @@
-"""A checkpoint that does not speak (``enable_audio_output: false`` and no Talker or vocoder weights, as
-Qwen3-Omni's released Thinking and Captioner variants ship; Qwen2.5-Omni's config has the same switch): it loads in the default configuration with the Thinker alone, as
-transformers builds it, answers text as transformers does, and refuses audio naming the modality, over HTTP too."""
+"""A checkpoint that does not speak (``enable_audio_output: false``, how a thinker-only checkpoint such as
+Qwen3-Omni's Thinking release is marked; Qwen2.5-Omni's config has the same switch), here without any Talker or
+vocoder weights: it loads in the default configuration with the Thinker alone, as transformers builds it, answers
+text as transformers does, and refuses audio naming the modality, over HTTP too."""
 
 from __future__ import annotations
 
