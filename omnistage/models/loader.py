@@ -207,10 +207,14 @@ def load_into(
     (``fast_linear.pack_on_load``). Not called by a quantizing load or for a module built on the meta device.
     """
     _check_dtype(dtype)
+    stored_names = checkpoint_files(model_dir)
+    tied = _tie_as_stored(module, {name[len(prefix):] for name in stored_names if name.startswith(prefix)})
+    expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
     files: dict[Path, list[str]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, path in checkpoint_files(model_dir).items():
-        if name.startswith(prefix) and not _skipped(name[len(prefix):], prefix, skip):
+    for name, path in stored_names.items():
+        key = name[len(prefix):]
+        if name.startswith(prefix) and not _skipped(key, prefix, skip) and key not in tied:
             files.setdefault(path, []).append(name)
     for path, names in files.items():
         with safe_open(str(path), framework="pt") as f:
@@ -227,7 +231,8 @@ def load_into(
         fp8, aux = layers.fp8, layers.aux  # (aux: read with their layers' weights)
         if packed:
             quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
-    expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
+    for alias in tied:
+        expected.pop(alias, None)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     mismatched = sorted(
@@ -289,10 +294,35 @@ def load_into(
             if part:
                 module.load_state_dict(part, strict=False, assign=True)
             del part
+    for alias, name in tied.items():  # an assigned tensor replaced one name's parameter only: tie the others again
+        owner, _, attr = alias.rpartition(".")
+        target = module.get_submodule(owner) if owner else module
+        source = module.get_parameter(name)
+        if getattr(target, attr) is not source:
+            setattr(target, attr, source)
     if dtype is not None:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+
+
+def _tie_as_stored(module: nn.Module, stored: set[str]) -> dict[str, str]:
+    """A parameter the module holds under several names (an output head tied to its token embedding), as
+    transformers loads it: a later name the checkpoint stores gets a tensor of its own and loads it; the others
+    stay tied to the first name. Returns those: later name -> first name."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        tied_to = first.setdefault(id(param), name)
+        if tied_to == name:
+            continue
+        if name in stored:
+            owner, _, attr = name.rpartition(".")
+            target = module.get_submodule(owner) if owner else module
+            setattr(target, attr, nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad))
+        else:
+            tied[name] = tied_to
+    return tied
 
 
 def _owners(names: dict[str, nn.Module], keys: list[str]) -> dict[str, str]:

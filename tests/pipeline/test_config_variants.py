@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_pipeline_parity import (
     PROMPTS,
     assert_all_free,
@@ -37,6 +38,16 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 LINEAR = {"rope_type": "linear", "factor": 3.0}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
+
+
+def _answers_differ(ckpt, other) -> bool:
+    """Whether transformers' text or codes for some prompt differ between the two checkpoints."""
+    def answer(path, i):
+        tokens, codes, _ = reference(str(path), i)
+        return tokens, codes
+
+    return any(answer(ckpt, i)[0] != answer(other, i)[0] or not torch.equal(answer(ckpt, i)[1], answer(other, i)[1])
+               for i in range(len(PROMPTS)))
 
 
 def _with_rope(src: Path, dst: Path, parts, scaling: dict) -> Path:
@@ -64,7 +75,7 @@ def test_qwen3_scaled_rope_equals_transformers(scaled, tiny_ckpt):
     assert_all_free(engine)
     assert_matches_reference(scaled, got)
     # the scaling changes the answers
-    assert any(reference(str(scaled), i)[:2] != reference(str(tiny_ckpt), i)[:2] for i in range(len(PROMPTS)))
+    assert _answers_differ(scaled, tiny_ckpt)
 
 
 @torch.no_grad()
@@ -101,6 +112,27 @@ def test_other_activations_equal_transformers(act_ckpt, tiny_ckpt):
     # the activations change the answers (the same weights under SiLU answer otherwise)
     assert any(reference(str(act_ckpt), i)[0] != reference(str(tiny_ckpt), i)[0] for i in range(len(PROMPTS)))
     assert not torch.equal(got[1]["codes"], reference(str(tiny_ckpt), 1)[1])
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["head-not-stored", "head-stored"])
+def test_tied_output_head_equals_transformers(tiny_ckpt, tmp_path, stored):
+    """``tie_word_embeddings``: as transformers loads it, the Thinker's output head is its token embedding where
+    the checkpoint stores no head, and the stored head where it does."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["thinker_config"]["tie_word_embeddings"] = True
+    (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
+    if not stored:
+        for f in ckpt.glob("*.safetensors"):
+            tensors = {k: v for k, v in load_file(str(f)).items() if k != "thinker.lm_head.weight"}
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    hf = load_hf_reference(ckpt).thinker
+    assert (hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()) == (not stored)
+    engine = make_engine(ckpt)
+    assert_matches_reference(ckpt, run(engine, {0: [1], 1: [0], 3: [2]}))
+    assert_all_free(engine)
+    assert _answers_differ(ckpt, tiny_ckpt) == (not stored)  # the tied head answers otherwise; a stored one not
 
 
 @pytest.mark.parametrize("kind", [{"rope_type": "dynamic", "factor": 2.0},

@@ -77,8 +77,7 @@ def load_thinker(
 ) -> Thinker:
     with building(dtype, device, init=False):
         thinker = Thinker(config)
-    tied = thinker.lm_head.weight is thinker.model.embed_tokens.weight  # a tied checkpoint stores no lm_head
-    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS + (("lm_head.",) if tied else ()))
+    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS)
     return thinker.eval()
 
 
