@@ -28,22 +28,19 @@ def gqa_ckpt(tmp_path_factory):
 def act_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with another activation than its own in every part (transformers' ``ACT2FN`` names)
     and the audio tower's ``scale_embedding`` set; no weight changes."""
-    import json
-    import shutil
+    from omnistage.testing.variants import checkpoint_variant
 
-    out = tmp_path_factory.mktemp("tiny-act") / "ckpt"
-    shutil.copytree(tiny_ckpt, out)
-    cfg = json.loads((out / "config.json").read_text())
-    thinker, talker = cfg["thinker_config"], cfg["talker_config"]
-    thinker["text_config"]["hidden_act"] = "gelu"
-    thinker["audio_config"]["activation_function"] = "relu"
-    thinker["audio_config"]["scale_embedding"] = True  # (transformers' tower never applies it)
-    thinker["vision_config"]["hidden_act"] = "quick_gelu"
-    talker["text_config"]["hidden_act"] = "gelu_new"
-    talker["code_predictor_config"]["hidden_act"] = "relu"
-    cfg["code2wav_config"]["hidden_act"] = "quick_gelu"
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+    def edit(cfg):
+        thinker, talker = cfg["thinker_config"], cfg["talker_config"]
+        thinker["text_config"]["hidden_act"] = "gelu"
+        thinker["audio_config"]["activation_function"] = "relu"
+        thinker["audio_config"]["scale_embedding"] = True  # (transformers' tower never applies it)
+        thinker["vision_config"]["hidden_act"] = "quick_gelu"
+        talker["text_config"]["hidden_act"] = "gelu_new"
+        talker["code_predictor_config"]["hidden_act"] = "relu"
+        cfg["code2wav_config"]["hidden_act"] = "quick_gelu"
+
+    return checkpoint_variant(tiny_ckpt, tmp_path_factory.mktemp("tiny-act") / "ckpt", edit)
 
 
 @pytest.fixture(scope="session")

@@ -364,7 +364,7 @@ def producing(pipeline: PipelineConfig, outputs: tuple[str, ...]) -> PipelineCon
     if not finals:
         raise ConfigError(f"no stage produces any of {list(outputs)}", field="final_output")
     keep = set(pipeline.upstream_closure(tuple(finals)))
-    stages = tuple(s if s.final_output in outputs or s.final_output is None else dataclasses.replace(s, final_output=None)
+    stages = tuple(dataclasses.replace(s, final_output=s.final_output if s.final_output in outputs else None)
                    for s in pipeline.stages if s.name in keep)
     return dataclasses.replace(pipeline, stages=stages)
 

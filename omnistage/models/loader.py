@@ -209,7 +209,8 @@ def load_into(
     _check_dtype(dtype)
     stored_names = checkpoint_files(model_dir)
     tied = _tie_as_stored(module, {name[len(prefix):] for name in stored_names if name.startswith(prefix)})
-    expected = {k: v for k, v in module.state_dict(keep_vars=True).items() if not _skipped(k, prefix, skip)}
+    expected = {k: v for k, v in module.state_dict(keep_vars=True).items()
+                if not _skipped(k, prefix, skip) and k not in tied}
     files: dict[Path, list[str]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, path in stored_names.items():
@@ -231,8 +232,6 @@ def load_into(
         fp8, aux = layers.fp8, layers.aux  # (aux: read with their layers' weights)
         if packed:
             quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
-    for alias in tied:
-        expected.pop(alias, None)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     mismatched = sorted(
@@ -295,11 +294,7 @@ def load_into(
                 module.load_state_dict(part, strict=False, assign=True)
             del part
     for alias, name in tied.items():  # an assigned tensor replaced one name's parameter only: tie the others again
-        owner, _, attr = alias.rpartition(".")
-        target = module.get_submodule(owner) if owner else module
-        source = module.get_parameter(name)
-        if getattr(target, attr) is not source:
-            setattr(target, attr, source)
+        _set_parameter(module, alias, module.get_parameter(name))
     if dtype is not None:
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
@@ -317,12 +312,15 @@ def _tie_as_stored(module: nn.Module, stored: set[str]) -> dict[str, str]:
         if tied_to == name:
             continue
         if name in stored:
-            owner, _, attr = name.rpartition(".")
-            target = module.get_submodule(owner) if owner else module
-            setattr(target, attr, nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad))
+            _set_parameter(module, name, nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad))
         else:
             tied[name] = tied_to
     return tied
+
+
+def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(owner), attr, param)
 
 
 def _owners(names: dict[str, nn.Module], keys: list[str]) -> dict[str, str]:

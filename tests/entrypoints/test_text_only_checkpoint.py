@@ -6,12 +6,10 @@ text as transformers does, and refuses audio naming the modality, over HTTP too.
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from server_thread import ServerThread
 
 from omnistage import AsyncOmni, Omni
@@ -19,6 +17,7 @@ from omnistage.core.sampling_params import SamplingParams
 from omnistage.entrypoints.server import create_app
 from omnistage.testing.qwen2_5_omni.reference import load_hf_reference as load_q25_reference
 from omnistage.testing.reference import load_hf_reference
+from omnistage.testing.variants import checkpoint_variant
 
 PROMPTS = ["Hi", "Tell me a short story about the sea and a small boat."]
 TOKENS = 7
@@ -31,13 +30,8 @@ def _hf(ckpt):
 
 
 def _without_speech(src, dst, speech_prefixes: tuple[str, ...]):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["enable_audio_output"] = False
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in dst.glob("*.safetensors"):
-        tensors = {k: v for k, v in load_file(str(f)).items() if not k.startswith(speech_prefixes)}
-        save_file(tensors, str(f), metadata={"format": "pt"})
+    checkpoint_variant(src, dst, lambda cfg: cfg.update(enable_audio_output=False),
+                       lambda name: name.startswith(speech_prefixes))
     assert not hasattr(_hf(dst), "talker")  # transformers builds the Thinker alone
     return dst
 

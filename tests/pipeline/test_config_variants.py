@@ -8,12 +8,10 @@ types whose frequencies follow the sequence length are refused at load, naming t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from test_pipeline_parity import (
     PROMPTS,
     assert_all_free,
@@ -33,6 +31,7 @@ from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.registry import load_pipeline_config
 from omnistage.testing.qwen2_5_omni.reference import reference_speech
 from omnistage.testing.reference import load_hf_reference
+from omnistage.testing.variants import checkpoint_variant
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 LINEAR = {"rope_type": "linear", "factor": 3.0}
@@ -51,15 +50,14 @@ def _answers_differ(ckpt, other) -> bool:
 
 
 def _with_rope(src: Path, dst: Path, parts, scaling: dict) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for keys, extra in zip(parts, scaling):
-        part = cfg
-        for key in keys:
-            part = part[key]
-        part["rope_parameters"] = {**part.get("rope_parameters", {}), **extra}
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
+    def edit(cfg):
+        for keys, extra in zip(parts, scaling):
+            part = cfg
+            for key in keys:
+                part = part[key]
+            part["rope_parameters"] = {**part.get("rope_parameters", {}), **extra}
+
+    return checkpoint_variant(src, dst, edit)
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +116,11 @@ def test_other_activations_equal_transformers(act_ckpt, tiny_ckpt):
 def test_tied_output_head_equals_transformers(tiny_ckpt, tmp_path, stored):
     """``tie_word_embeddings``: as transformers loads it, the Thinker's output head is its token embedding where
     the checkpoint stores no head, and the stored head where it does."""
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_ckpt, ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["thinker_config"]["tie_word_embeddings"] = True
-    (ckpt / "config.json").write_text(json.dumps(cfg, indent=2))
-    if not stored:
-        for f in ckpt.glob("*.safetensors"):
-            tensors = {k: v for k, v in load_file(str(f)).items() if k != "thinker.lm_head.weight"}
-            save_file(tensors, str(f), metadata={"format": "pt"})
+    def tie(cfg):
+        cfg["thinker_config"]["tie_word_embeddings"] = True
+
+    ckpt = checkpoint_variant(tiny_ckpt, tmp_path / "ckpt", tie,
+                              None if stored else lambda name: name == "thinker.lm_head.weight")
     hf = load_hf_reference(ckpt).thinker
     assert (hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()) == (not stored)
     engine = make_engine(ckpt)

@@ -7,8 +7,6 @@ without the window (the window bites)."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,14 +24,7 @@ from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.testing.qwen2_5_omni.reference import reference_speech
 from omnistage.testing.reference import load_hf_reference
-
-
-def _with_window(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
+from omnistage.testing.variants import checkpoint_variant
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +32,7 @@ def sliding_code_predictor(tiny_ckpt, tmp_path_factory):
     def edit(cfg):  # layer 1 of 2 attends within 3 of the frame's 17 positions
         cfg["talker_config"]["code_predictor_config"].update(sliding_window=3, max_window_layers=1)
 
-    return _with_window(tiny_ckpt, tmp_path_factory.mktemp("cp-window") / "ckpt", edit)
+    return checkpoint_variant(tiny_ckpt, tmp_path_factory.mktemp("cp-window") / "ckpt", edit)
 
 
 def test_code_predictor_window_layers_read_from_the_config(sliding_code_predictor):
@@ -119,7 +110,7 @@ def sliding_q25(q25_ckpt, tmp_path_factory):
         for part in (cfg["thinker_config"]["text_config"], cfg["talker_config"]):
             part.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
 
-    return _with_window(q25_ckpt, tmp_path_factory.mktemp("q25-window") / "ckpt", edit)
+    return checkpoint_variant(q25_ckpt, tmp_path_factory.mktemp("q25-window") / "ckpt", edit)
 
 
 # whole prompts; prefill chunks of at most 7 rows in blocks of 4 (windows cut across chunks and cached blocks)

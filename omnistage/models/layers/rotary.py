@@ -6,7 +6,7 @@ text-only input the three ids are equal, so the interleaving is the identity and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,9 +15,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 def rope_kind(cfg: Any) -> str:
-    """A transformers config's rope type (v5 ``rope_parameters`` or the older ``rope_scaling``)."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    scaling = getattr(cfg, "rope_scaling", None) or {}
+    """A transformers config's rope type (v5 ``rope_parameters`` or the older ``rope_scaling``), from the config
+    object or its config.json section."""
+    get = cfg.get if isinstance(cfg, Mapping) else lambda name: getattr(cfg, name, None)
+    params = get("rope_parameters") or {}
+    scaling = get("rope_scaling") or {}
     return params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default"))) or "default"
 
 

@@ -44,7 +44,7 @@ from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
 from omnistage.models.layers.mlp import activation
-from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies
+from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies, rope_kind
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.stream_step import StreamStep
@@ -140,7 +140,7 @@ class Code2WavConfig:
         rope = get("rope_parameters") or get("rope_scaling") or {}
         rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
         scaled: dict[str, Any] = {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":  # computed as transformers does
+        if rope_kind(hf_config) != "default":  # computed as transformers does
             hf = Qwen3OmniMoeCode2WavConfig(**hf_config) if isinstance(hf_config, Mapping) else hf_config
             head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
             scaled["rope_inv_freq"], scaled["rope_scale"] = rope_frequencies(hf, head_dim)
