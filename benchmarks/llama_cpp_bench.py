@@ -54,8 +54,8 @@ class ThinkerWeights:
     ``lm_head.weight``), packed layers dequantized to float32, read one at a time."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from omnistage.models.compressed_tensors import read_stored, stored_layers
         from omnistage.models.loader import checkpoint_files
+        from omnistage.models.prequantized import read_stored, stored_layers
 
         self.files = {n: p for n, p in checkpoint_files(model_dir).items() if n.startswith(PREFIX)
                       and not n.startswith((PREFIX + "audio_tower.", PREFIX + "visual."))}
@@ -84,7 +84,7 @@ class ThinkerWeights:
         return self._open[path]
 
     def get(self, name: str) -> torch.Tensor:
-        from omnistage.models.compressed_tensors import unpack
+        from omnistage.models.prequantized import unpack
 
         full = PREFIX + name
         if full in self.packed:

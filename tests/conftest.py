@@ -44,6 +44,15 @@ def act_ckpt(tiny_ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fp8_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint in transformers' FP8 format (``variants.fp8_variant``: every part's linear layers, the
+    towers' too, scales of every stored kind)."""
+    from omnistage.testing.variants import fp8_variant
+
+    return fp8_variant(tiny_ckpt, tmp_path_factory.mktemp("tiny-fp8") / "ckpt")
+
+
+@pytest.fixture(scope="session")
 def q25_ckpt():
     """The tiny Qwen2.5-Omni checkpoint (seed 0), shared with the model tests."""
     from omnistage.testing.qwen2_5_omni.reference import tiny_checkpoint

@@ -41,9 +41,9 @@ from omnistage.checkpoints.presets import (
 )
 from omnistage.checkpoints.weights import hub_tensors, init_tensors
 from omnistage.config.quantization import NO_QUANTIZATION, Quantization
-from omnistage.models.compressed_tensors import pack, quantization_config, stored_scales
 from omnistage.models.layers.quant import QuantFormat, quantize
 from omnistage.models.layers.quant_layers import QuantScheme
+from omnistage.models.prequantized import pack, quantization_config, stored_scales
 from omnistage.models.qwen3_omni.family import TOWER_LAYERS, quant_scheme
 
 REAL_VOCAB = 152064

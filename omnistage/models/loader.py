@@ -15,9 +15,9 @@ from safetensors import safe_open
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from omnistage.models.compressed_tensors import Fp8Scale, read_stored, stored_layers, unpack
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
+from omnistage.models.prequantized import Fp8Scale, read_stored, stored_layers, unpack
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -170,11 +170,11 @@ def _reader(files: dict[Path, list[str]], handles: contextlib.ExitStack) -> Call
 
 
 def _float_weight(read: Callable[[str], torch.Tensor], name: str, fp8: Fp8Scale | None) -> torch.Tensor:
-    """Tensor ``name`` as its module takes it: an FP8 layer's weight dequantized with its ``weight_scale``."""
+    """Tensor ``name`` as its module takes it: an FP8 layer's weight dequantized with its scale."""
     tensor = read(name)
     if fp8 is None:
         return tensor
-    return fp8.dequantize(tensor, read(name[: -len("weight")] + "weight_scale"))
+    return fp8.dequantize(tensor, read(name[: -len("weight")] + fp8.scale_name))
 
 
 def load_into(

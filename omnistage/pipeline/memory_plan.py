@@ -21,11 +21,11 @@ from safetensors import safe_open
 
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig
 from omnistage.config.quantization import NO_QUANTIZATION, Quantization
-from omnistage.models.compressed_tensors import read_stored, stored_layers
 from omnistage.models.family import ModelFamily
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import checkpoint_files
+from omnistage.models.prequantized import read_stored, stored_layers
 
 SKIP_ENV = "OMNISTAGE_SKIP_MEMORY_CHECK"
 _GIB = 1 << 30

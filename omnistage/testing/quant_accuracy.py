@@ -15,9 +15,9 @@ from torch import nn
 
 from omnistage.attention.backend import allocate_kv_cache, build_attention_metadata
 from omnistage.config.quantization import Quantization
-from omnistage.models.compressed_tensors import read_stored
 from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
 from omnistage.models.loader import building, load_into, load_weights
+from omnistage.models.prequantized import read_stored
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.family import Qwen3OmniFamily
 from omnistage.models.qwen3_omni.talker import Talker

@@ -1,5 +1,5 @@
 """Variants of a built checkpoint for tests: a copy whose config.json is edited and whose tensors are filtered
-(the weights otherwise untouched)."""
+(the weights otherwise untouched); the checkpoint in transformers' FP8 format."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+# transformers' FP8 variant: how each stack's scales are stored (the format allows any float dtype, and E8M0
+# exponents as float8_e8m0fnu or raw bytes); "tensor": one scale for the weight
+FP8_SCALES = {"thinker.": "float32", "talker.model.": "bfloat16", "talker.code_predictor.": "e8m0",
+              "talker.text_projection.": "e8m0-bytes", "talker.hidden_projection.": "tensor",
+              "code2wav.pre_transformer.": "float32"}
+FP8_KEPT = ("embed", "lm_head", "mlp.gate.", "shared_expert_gate", "norm")  # (weights left in float)
 
 
 def checkpoint_variant(src: str | Path, dst: str | Path, edit: Callable[[dict[str, Any]], None],
@@ -26,3 +36,60 @@ def checkpoint_variant(src: str | Path, dst: str | Path, edit: Callable[[dict[st
             tensors = {k: v for k, v in load_file(str(f)).items() if not drop(k)}
             save_file(tensors, str(f), metadata={"format": "pt"})
     return dst
+
+
+def fp8_variant(src: str | Path, dst: str | Path, block: int = 16,
+                stacks: dict[str, str] | None = None) -> Path:
+    """Checkpoint ``src`` as transformers' FP8 quantizer writes it (``quant_method: fp8``, static activation
+    scheme, blocks of ``block`` x ``block``): every 2-D weight under ``stacks`` (name prefix -> how its scales are
+    stored; default ``FP8_SCALES``) but the ``FP8_KEPT`` ones (embeddings, routers, output heads, as released FP8 checkpoints keep them) in float8 e4m3
+    with its ``weight_scale_inv`` (and an ``activation_scale``), the scales in a file of their own."""
+    from omnistage.models.loader import checkpoint_files
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
+    values, scales = {}, {}
+    for name, path in checkpoint_files(src).items():
+        with safe_open(str(path), "pt") as f:
+            tensor = f.get_tensor(name)
+        kind = next((k for stack, k in (stacks or FP8_SCALES).items() if name.startswith(stack)), None)
+        if kind is None or tensor.dim() != 2 or not name.endswith(".weight") or any(k in name for k in FP8_KEPT):
+            values[name] = tensor
+            continue
+        base = name[: -len("weight")]
+        values[name], scales[base + "weight_scale_inv"] = _fp8(tensor, kind, block)
+        scales[base + "activation_scale"] = torch.ones(1)
+    for extra in src.iterdir():
+        if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
+            shutil.copy(extra, dst / extra.name)
+    files = {"model-00001-of-00002.safetensors": values, "model-00002-of-00002.safetensors": scales}
+    for file, tensors in files.items():
+        save_file(tensors, str(dst / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, tensors in files.items() for k in tensors}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+                                  "weight_block_size": [block, block], "scale_fmt": "ue8m0",
+                                  "modules_to_not_convert": ["lm_head", "mlp.gate", "shared_expert_gate"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+def _fp8(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as transformers' FP8 quantizer stores it: (float8 e4m3 values, weight_scale_inv), per block or,
+    where the blocks do not tile it, for the tensor."""
+    w = w.float()
+    if kind == "tensor" or w.shape[0] % block or w.shape[1] % block:  # (blocks only where they tile the weight)
+        scale = (w.abs().amax() / FP8_MAX).reshape(1)
+        return (w / scale).to(torch.float8_e4m3fn), scale
+    tiles = w.abs().unflatten(0, (-1, block)).unflatten(2, (-1, block)).amax(dim=(1, 3)) / FP8_MAX
+    if kind.startswith("e8m0"):  # a power of two at least the block's need
+        exponent = tiles.clamp_min(2.0 ** -100).log2().ceil()
+        tiles = exponent.exp2()
+        stored = (exponent + 127).to(torch.uint8)
+        scale = stored if kind == "e8m0-bytes" else stored.view(torch.float8_e8m0fnu)
+    else:
+        scale = tiles.to(getattr(torch, kind))
+        tiles = scale.float()
+    full = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return (w / full).to(torch.float8_e4m3fn), scale

@@ -17,7 +17,9 @@ from omnistage.checkpoints.presets import get_preset
 from omnistage.checkpoints.real import build_real_checkpoint
 from omnistage.config.quantization import Quantization
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.models.compressed_tensors import (
+from omnistage.models.layers.quant import QuantFormat, quantize
+from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
+from omnistage.models.prequantized import (
     Fp8Scale,
     UnsupportedQuantization,
     pack,
@@ -25,8 +27,6 @@ from omnistage.models.compressed_tensors import (
     quantization_config,
     unpack,
 )
-from omnistage.models.layers.quant import QuantFormat, quantize
-from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs

@@ -102,7 +102,8 @@ def _towers(ckpt: str) -> tuple[AudioEncoder, VisionEncoder]:
     return audio, vision
 
 
-@pytest.mark.parametrize("which", ["tiny_ckpt", "act_ckpt"])  # act_ckpt: ReLU audio tower, QuickGELU vision
+@pytest.mark.parametrize("which", ["tiny_ckpt", "act_ckpt", "fp8_ckpt"])  # act_ckpt: ReLU audio tower, QuickGELU
+# vision; fp8_ckpt: the towers in transformers' FP8 format
 @torch.no_grad()
 def test_encoder_outputs_match_transformers(which, request):
     ckpt = ckpt_str(request.getfixturevalue(which))

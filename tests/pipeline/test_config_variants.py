@@ -147,14 +147,20 @@ def q25_scaled(q25_ckpt, tmp_path_factory):
     return _with_rope(q25_ckpt, tmp_path_factory.mktemp("q25-rope") / "ckpt", parts, [YARN, LINEAR, LINEAR])
 
 
-def test_qwen2_5_scaled_rope_equals_transformers(q25_scaled):
+def assert_q25_speech_matches_reference(ckpt: Path) -> None:
+    """A Qwen2.5-Omni checkpoint's greedy text and one-shot speech equal transformers' generate (audio within
+    1e-4)."""
     params = {"thinker": SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS),
               "talker": SamplingParams(temperature=0.0, max_tokens=CODES, repetition_penalty=1.05, seed=SEED)}
     one_shot = {"stages": {"token2wav": {"bridge_args": {"chunk_blocks": 10_000, "past_blocks": 0,
                                                          "future_blocks": 0}}}}
-    with Omni(q25_scaled, pipeline=load_pipeline_config("qwen2_5_omni", one_shot)) as o:
+    with Omni(ckpt, pipeline=load_pipeline_config("qwen2_5_omni", one_shot)) as o:
         out = o.generate(["Tell me a short story about the sea and a small boat."], ["text", "audio"], params)[0]
-    eos = json.loads((q25_scaled / "generation_config.json").read_text())["eos_token_id"]
-    tokens, wav = reference_speech(q25_scaled, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)
+    eos = json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"]
+    tokens, wav = reference_speech(ckpt, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)
     assert out.token_ids == (tokens[:-1] if tokens[-1] in eos else tokens)
     assert out.audio.shape == wav.shape and (out.audio - wav).abs().max().item() <= 1e-4
+
+
+def test_qwen2_5_scaled_rope_equals_transformers(q25_scaled):
+    assert_q25_speech_matches_reference(q25_scaled)

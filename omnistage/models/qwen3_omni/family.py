@@ -16,7 +16,6 @@ import torch
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
 from omnistage.config.quantization import Quantization
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.models.compressed_tensors import read_stored
 from omnistage.models.family import (
     BridgeSpec,
     BuildContext,
@@ -30,6 +29,7 @@ from omnistage.models.layers.fast_linear import fast_kernels, pack_on_load
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import building, checkpoint_files, load_embedding_rows, load_into
+from omnistage.models.prequantized import read_stored
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig

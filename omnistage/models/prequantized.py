@@ -1,7 +1,8 @@
-"""Pre-quantized checkpoints in compressed-tensors' ``pack-quantized`` format (what llm-compressor writes and
-vLLM reads: W4A16 / W8A16), read into omnistage's quantized layers without a float copy.
+"""Pre-quantized checkpoints, read into omnistage's layers: compressed-tensors' ``pack-quantized`` and
+``float-quantized`` formats (what llm-compressor writes and vLLM reads), and transformers' own fine-grained FP8
+(``quant_method: fp8``).
 
-``config.json`` carries ``quantization_config``: ``quant_method: compressed-tensors``, ``format:
+compressed-tensors: ``config.json`` carries ``quantization_config``: ``quant_method: compressed-tensors``, ``format:
 pack-quantized``, ``config_groups`` (each: module ``targets`` and its ``weights`` scheme) and ``ignore``
 (module names or ``re:`` patterns kept in float). A quantized linear layer ``X`` stores ``X.weight_packed``
 (int32 [N, K * bits / 32]: value i of a row at bits i * bits.., offset by 2^(bits-1)), ``X.weight_scale``
@@ -20,11 +21,19 @@ machine as bfloat16). Its activation scheme (FP8 per token or per tensor, ``X.in
 activations stay in the serving dtype, as everywhere in omnistage (weight-only). Anything else (asymmetric, other
 float formats such as NVFP4, integer activation schemes, other formats or methods) is refused with an error
 naming the scheme.
+
+transformers' FP8 (``FineGrainedFP8Config``: ``weight_block_size`` [bn, bk], or null for one scale per tensor):
+``X.weight`` in float8 e4m3 beside ``X.weight_scale_inv``, which despite its name multiplies (per block, or [1]);
+scales in float32 / bfloat16, or as E8M0 exponents (``scale_fmt: ue8m0``; raw bytes 2^(b - 127)). Read as
+transformers reads it without a GPU: every weight stored with a ``weight_scale_inv`` is dequantized, whatever
+``modules_to_not_convert`` lists; the static activation scheme's ``X.activation_scale`` is not applied. FP4-packed
+experts (``expert_dtype: fp4``) are refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping
@@ -37,7 +46,7 @@ import torch
 from omnistage.models.layers.quant import QuantFormat, pack_nibbles
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
-FP8_SUFFIXES = ("weight_scale", "input_scale")  # (beside an FP8 layer's own X.weight)
+FP8_SUFFIXES = ("input_scale", "activation_scale")  # (beside an FP8 layer's X.weight and its scale: not applied)
 FP8_STRATEGIES = ("tensor", "channel", "block")
 _SUPPORTED = ("pack-quantized: int weights, symmetric, 4 or 8 bits, strategy group or channel, no activation "
               "quantization; float-quantized: float 8-bit weights, strategy tensor, channel or block")
@@ -56,6 +65,7 @@ class StoredQuantization:
     ignore: tuple[str, ...]
     # FP8 config groups: (targets, strategy, block_structure [bn, bk] or None)
     fp8_groups: tuple[tuple[tuple[str, ...], str, tuple[int, int] | None], ...] = ()
+    fp8_scale_name: str = "weight_scale"  # an FP8 layer X's scale tensor: X.<this>
 
     def format_for(self, module: str, in_features: int) -> QuantFormat | None:
         """The stored format of module ``module`` (full checkpoint name, no ``.weight``); None: not quantized."""
@@ -74,16 +84,18 @@ class StoredQuantization:
             return None
         for targets, strategy, block in self.fp8_groups:
             if _targeted(targets, module):
-                return Fp8Scale(strategy, block)
+                return Fp8Scale(strategy, block, self.fp8_scale_name)
         return None
 
 
 @dataclass(frozen=True)
 class Fp8Scale:
-    """An FP8 weight's scaling: ``strategy`` tensor / channel / block (``block`` [bn, bk] for the last)."""
+    """An FP8 weight's scaling: ``strategy`` tensor / channel / block (``block`` [bn, bk] for the last), read from
+    the layer's tensor ``scale_name``."""
 
     strategy: str
     block: tuple[int, int] | None = None
+    scale_name: str = "weight_scale"
 
     def __post_init__(self) -> None:
         if self.strategy not in FP8_STRATEGIES:
@@ -92,24 +104,27 @@ class Fp8Scale:
             raise UnsupportedQuantization("FP8 strategy block needs block_structure [rows, columns] (and only it)")
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """FP8 ``weight`` [N, K] and its ``weight_scale`` -> float32 ``weight * scale``; raises
-        UnsupportedQuantization where the scale's shape does not fit the strategy."""
-        n, k = weight.shape
-        s = scale.float()
-        if self.strategy == "tensor":
-            expected: tuple[int, ...] = (1,)
-            s = s.reshape(-1)
-        elif self.strategy == "channel":
-            expected = (n, 1)
-            s = s.reshape(-1, 1) if s.numel() == n else s
+        """FP8 ``weight`` [..., N, K] (stacked experts: [E, N, K]) and its scale -> float32 ``weight * scale``;
+        raises UnsupportedQuantization where the scale's shape does not fit the strategy."""
+        if weight.dim() < 2:
+            raise UnsupportedQuantization(f"FP8 weight of shape {list(weight.shape)}: expected [..., N, K]")
+        *lead, n, k = weight.shape
+        s = (scale.float() - 127).exp2() if scale.dtype == torch.uint8 else scale.float()  # (uint8: E8M0 bytes)
+        blocks = self.strategy == "block" and s.numel() > 1
+        if self.strategy == "channel":
+            expected: tuple[int, ...] = (*lead, n, 1)
+        elif blocks:
+            expected = (*lead, -(-n // self.block[0]), -(-k // self.block[1]))
+        else:  # one scale for the tensor (transformers' FP8 also stores one under a block config)
+            expected = (1,)
+        if (tuple(s.shape) != expected) if blocks else (s.numel() != math.prod(expected)):
+            raise UnsupportedQuantization(f"FP8 {self.scale_name} of shape {list(scale.shape)} does not fit a "
+                                          f"{list(weight.shape)} weight under strategy {self.strategy} (expected "
+                                          f"{list(expected)})")
+        if blocks:  # each scale over its block's values
+            s = s.repeat_interleave(self.block[0], -2)[..., :n, :].repeat_interleave(self.block[1], -1)[..., :k]
         else:
-            bn, bk = self.block
-            expected = (-(-n // bn), -(-k // bk))
-            if tuple(s.shape) == expected:
-                s = s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        if s.numel() != (n * k if self.strategy == "block" else expected[0]):
-            raise UnsupportedQuantization(f"FP8 weight_scale of shape {list(scale.shape)} does not fit a [{n}, {k}] "
-                                          f"weight under strategy {self.strategy} (expected {list(expected)})")
+            s = s.reshape(expected)
         return weight.float() * s
 
 
@@ -135,9 +150,12 @@ def read_stored(model_dir: str | Path) -> StoredQuantization | None:
 
 def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
     method = config.get("quant_method")
+    if method == "fp8":
+        return _fine_grained_fp8(config)
     if method != "compressed-tensors":
         raise UnsupportedQuantization(f"checkpoint quantization method {method!r} is not supported (omnistage reads "
-                                      "compressed-tensors pack-quantized checkpoints)")
+                                      "compressed-tensors pack-quantized and float-quantized checkpoints, and "
+                                      "transformers' fp8)")
     fmt = config.get("format")
     groups, fp8_groups = [], []
     for name, group in (config.get("config_groups") or {}).items():
@@ -163,6 +181,25 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
     if not groups and not fp8_groups:
         raise UnsupportedQuantization("compressed-tensors quantization_config has no config_groups")
     return StoredQuantization(tuple(groups), tuple(config.get("ignore") or ()), tuple(fp8_groups))
+
+
+def _fine_grained_fp8(config: Mapping[str, Any]) -> StoredQuantization:
+    """transformers' ``quant_method: fp8``: every weight stored with a ``weight_scale_inv`` is an FP8 layer, scaled
+    per block of ``weight_block_size`` (null: per tensor)."""
+    block = config.get("weight_block_size")
+    problems = []
+    if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2
+                                  and all(isinstance(b, int) and b > 0 for b in block)):
+        problems.append(f"weight_block_size {block!r} (two positive ints, or null)")
+    if config.get("expert_dtype", "fp8") != "fp8":
+        problems.append(f"expert_dtype {config.get('expert_dtype')!r} (FP4-packed experts)")
+    if config.get("scale_fmt", "float") not in ("float", "ue8m0"):
+        problems.append(f"scale_fmt {config.get('scale_fmt')!r}")
+    if problems:
+        raise UnsupportedQuantization(f"fp8 quantization_config: {'; '.join(problems)} is not supported")
+    strategy = "tensor" if block is None else "block"
+    return StoredQuantization((), (), ((("Linear",), strategy, None if block is None else tuple(block)),),
+                              fp8_scale_name="weight_scale_inv")
 
 
 def _fp8_group(name: str, group: Mapping[str, Any], w: Mapping[str, Any],
@@ -208,12 +245,13 @@ def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantizat
     UnsupportedQuantization for a packed layer no config group covers, or one without its scale."""
     packed, fp8, aux = {}, {}, set()
     for name, shape in shapes.items():
-        if name.endswith(".weight") and name[: -len("weight")] + "weight_scale" in shapes:
+        if name.endswith(".weight") and name[: -len("weight")] + stored.fp8_scale_name in shapes:
             module = name[: -len(".weight")]
             scale = stored.fp8_scheme(prefix + module)
             if scale is not None:
                 fp8[name] = scale
-                aux.update(n for n in (f"{module}.{suffix}" for suffix in FP8_SUFFIXES) if n in shapes)
+                aux.update(n for n in (f"{module}.{suffix}" for suffix in (scale.scale_name, *FP8_SUFFIXES))
+                           if n in shapes)
             continue
         if not name.endswith(".weight_packed"):
             continue

@@ -1,0 +1,97 @@
+"""Checkpoints in transformers' own FP8 format (``quant_method: fp8``, ``FineGrainedFP8Config``: float8 e4m3
+weights beside a ``weight_scale_inv`` per block) load as transformers loads them without a GPU, each weight
+dequantized to ``value * scale``: text, codes and audio equal transformers' generate on the same checkpoint. Scales
+in float32, bfloat16 and E8M0 (as float8_e8m0fnu and as raw bytes), static activation scales (not applied), and a
+per-tensor scale; what the format can say and omnistage does not read is refused naming it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_config_variants import assert_q25_speech_matches_reference
+from test_pipeline_parity import (
+    PROMPTS,
+    assert_all_free,
+    assert_matches_reference,
+    make_engine,
+    reference,
+    run,
+)
+
+from omnistage import Omni
+from omnistage.models.loader import checkpoint_files
+from omnistage.models.prequantized import Fp8Scale, UnsupportedQuantization, parse_config
+from omnistage.testing.variants import FP8_SCALES, fp8_variant
+
+
+def test_fp8_variant_holds_every_kind_of_scale(fp8_ckpt):
+    kinds = {}
+    for name, path in checkpoint_files(fp8_ckpt).items():
+        if name.endswith("weight_scale_inv"):
+            with safe_open(str(path), "pt") as f:
+                scale = f.get_tensor(name)
+            kinds.setdefault(next(s for s in FP8_SCALES if name.startswith(s)), set()).add((scale.dtype, scale.dim()))
+    assert kinds["thinker."] == {(torch.float32, 2)}  # (the towers' layers too)
+    assert kinds["talker.model."] == {(torch.bfloat16, 2)}
+    assert kinds["talker.code_predictor."] == {(torch.float8_e8m0fnu, 2)}
+    assert kinds["talker.text_projection."] == {(torch.uint8, 2)}
+    assert kinds["talker.hidden_projection."] == {(torch.float32, 1)}
+    assert kinds["code2wav.pre_transformer."] == {(torch.float32, 2)}
+    assert any(".audio_tower." in n for n in checkpoint_files(fp8_ckpt) if n.endswith("weight_scale_inv"))
+
+
+
+def test_fp8_checkpoint_equals_transformers(fp8_ckpt, tiny_ckpt):
+    engine = make_engine(fp8_ckpt)
+    got = run(engine, {0: [1], 1: [0], 3: [2]})
+    assert_all_free(engine)
+    assert_matches_reference(fp8_ckpt, got)
+    # the FP8 values are what was served: the float checkpoint answers otherwise
+    assert any(reference(str(fp8_ckpt), i)[0] != reference(str(tiny_ckpt), i)[0] for i in range(len(PROMPTS)))
+
+
+def test_qwen2_5_fp8_checkpoint_equals_transformers(q25_ckpt, tmp_path):
+    """Qwen2.5-Omni in transformers' FP8 format (Thinker and towers, Talker, Token2Wav's DiT; per-tensor scales
+    where blocks do not tile a weight): text and speech equal transformers'."""
+    ckpt = fp8_variant(q25_ckpt, tmp_path / "ckpt", stacks={"thinker.": "float32", "talker.": "bfloat16",
+                                                            "token2wav.": "e8m0"})
+    assert_q25_speech_matches_reference(ckpt)
+
+
+def test_fp8_checkpoint_is_planned_at_the_serving_width_and_quantizes_online(fp8_ckpt, tiny_ckpt):
+    """The memory plan counts each FP8 weight as the float weight it loads as (the float checkpoint's plan); with
+    ``quantization`` int8 the FP8 weights are dequantized as read and quantized, and the engine speaks."""
+    plans = []
+    for path in (fp8_ckpt, tiny_ckpt):
+        with Omni(str(path), dtype="float32", quantization="int8") as omni:
+            plans.append([p.weight_bytes for p in omni.engine.memory_plan])
+            out = omni.generate(["Hello!"], modalities=["text", "audio"])[0]
+            assert out.text and out.audio is not None and out.audio.numel() > 0
+    assert plans[0] == plans[1]
+
+
+def test_fp8_config_read_and_refused_naming_the_field():
+    read = parse_config({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"})
+    assert read.fp8_scheme("thinker.model.layers.0.self_attn.q_proj") == \
+        Fp8Scale("block", (128, 128), "weight_scale_inv")
+    assert parse_config({"quant_method": "fp8", "weight_block_size": None}).fp8_scheme("x") == \
+        Fp8Scale("tensor", None, "weight_scale_inv")
+    for field, value in (("expert_dtype", "fp4"), ("scale_fmt", "int"), ("weight_block_size", [128])):
+        with pytest.raises(UnsupportedQuantization, match=re.escape(f"{field} {value!r}")):
+            parse_config({"quant_method": "fp8", "weight_block_size": [128, 128], field: value})
+    with pytest.raises(UnsupportedQuantization, match=r"weight_scale_inv of shape \[2, 2\] does not fit a \[64, 64\]"):
+        Fp8Scale("block", (16, 16), "weight_scale_inv").dequantize(torch.zeros(64, 64, dtype=torch.float8_e4m3fn),
+                                                                   torch.ones(2, 2))
+
+
+def test_stacked_fp8_weights_dequantize_as_their_parts():
+    """[E, N, K] (experts stacked) with a scale per expert and block: each expert as its own [N, K]."""
+    scheme = Fp8Scale("block", (16, 32), "weight_scale_inv")
+    weight = (torch.randn(3, 40, 72) * 100).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3, 3)
+    whole = scheme.dequantize(weight, scale)
+    assert torch.equal(whole, torch.stack([scheme.dequantize(w, s) for w, s in zip(weight, scale)]))
+    assert torch.equal(whole[1, 17, 40], weight[1, 17, 40].float() * scale[1, 1, 1])
