@@ -126,6 +126,19 @@ def no_args(args: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType({})
 
 
+def thinker_layout(model_dir: str | Path, thinker_architecture: str,
+                   parts: Mapping[str, PartSpec]) -> tuple[str, Mapping[str, PartSpec]]:
+    """The Thinker's tensor-name prefix in a checkpoint and the parts' weights: ``thinker.`` in the whole model's,
+    none in the Thinker's own (transformers' Thinker class saved alone, e.g. a fine-tuned Thinker: config.json's
+    ``architectures`` names ``thinker_architecture``, its config is the thinker_config), where part ``thinker``
+    then holds every tensor."""
+    path = Path(model_dir) / "config.json"
+    architectures = (json.loads(path.read_text("utf-8")).get("architectures") or []) if path.is_file() else []
+    if thinker_architecture not in architectures:
+        return "thinker.", parts
+    return "", {**parts, "thinker": dataclasses.replace(parts["thinker"], weight_prefixes=("",))}
+
+
 class ModelFamily(ABC):
     """Subclass per family; one instance per checkpoint directory and process.
 

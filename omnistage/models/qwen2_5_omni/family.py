@@ -28,12 +28,14 @@ from omnistage.models.family import (
     PreparedPrompt,
     StageRequest,
     no_args,
+    thinker_layout,
 )
 from omnistage.models.layers.fast_linear import fast_kernels
 from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTalker, talker2token2wav_args
 from omnistage.models.qwen2_5_omni.decoder import decoder_config
 from omnistage.models.qwen2_5_omni.loading import (
     ARCHITECTURE,
+    THINKER_ARCHITECTURE,
     load_config,
     load_media_encoders,
     load_talker,
@@ -76,7 +78,7 @@ PREFERRED_VOICE = "chelsie"  # transformers' generate(speaker="Chelsie") default
 class Qwen25OmniFamily(HFChatFamily):
     name = "qwen2_5_omni"
     tool_calls = QWEN_TOOL_CALLS
-    architectures = (ARCHITECTURE,)
+    architectures = (ARCHITECTURE, THINKER_ARCHITECTURE)
     preset_file = "qwen2_5_omni.yaml"
     wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
@@ -94,6 +96,7 @@ class Qwen25OmniFamily(HFChatFamily):
     def __init__(self, model_dir: str | Path) -> None:
         super().__init__(model_dir)
         self.config = load_config(self.model_dir)
+        self.thinker_prefix, self.parts = thinker_layout(self.model_dir, THINKER_ARCHITECTURE, self.parts)
         self.ids = TalkerTokenIds.from_config(self.config)
         # One Talker step (codec token) reads one answer token and becomes `repeats` mel frames of `hop` samples.
         t2w = self.config.token2wav_config
@@ -117,9 +120,10 @@ class Qwen25OmniFamily(HFChatFamily):
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
         if part == "thinker":
-            thinker = fast_kernels(load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
-            return ThinkerStageModel(thinker, load_media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device,
-                                                                  ctx.fast))
+            thinker = load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device, self.thinker_prefix)
+            encoders = load_media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast,
+                                           self.thinker_prefix)
+            return ThinkerStageModel(fast_kernels(thinker, ctx.fast), encoders)
         if part == "talker":
             talker = fast_kernels(load_talker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
             # The Talker reads a few rows of the Thinker's embedding table (text specials, speaker bos rows).
@@ -155,7 +159,7 @@ class Qwen25OmniFamily(HFChatFamily):
     @cached_property
     def input_modalities(self) -> tuple[str, ...]:
         """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
-        return media_modalities(self.model_dir)
+        return media_modalities(self.model_dir, self.thinker_prefix)
 
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",

@@ -35,8 +35,8 @@ from omnistage.models.qwen2_5_omni.voices import load_speakers
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
 
 ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
+THINKER_ARCHITECTURE = "Qwen2_5OmniThinkerForConditionalGeneration"  # transformers' Thinker saved alone
 THINKER_TOWERS = ("audio_tower.", "visual.")
-AUDIO_TOWER, VISION_TOWER = (f"thinker.{t}" for t in THINKER_TOWERS)
 
 
 @contextlib.contextmanager
@@ -57,11 +57,14 @@ def quiet_config_checks() -> Iterator[None]:
 
 def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
     """config.json as a Qwen2_5OmniConfig. A missing ``thinker_config.vision_start_token_id`` (read by
-    transformers but not declared) takes the talker config's value."""
+    transformers but not declared) takes the talker config's value. A Thinker alone (``THINKER_ARCHITECTURE``)
+    becomes the whole model's config with that Thinker and no speech (``enable_audio_output`` false)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json; is it a Qwen2.5-Omni checkpoint directory?")
     raw = json.loads(path.read_text(encoding="utf-8"))
+    if THINKER_ARCHITECTURE in (raw.get("architectures") or []):
+        raw = {"architectures": [ARCHITECTURE], "thinker_config": raw, "enable_audio_output": False}
     if ARCHITECTURE not in raw.get("architectures", []):
         raise ValueError(f"{model_dir} is not a Qwen2.5-Omni checkpoint (architectures {raw.get('architectures')})")
     thinker = raw.setdefault("thinker_config", {})
@@ -73,11 +76,13 @@ def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
 
 
 def load_thinker(
-    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    prefix: str = "thinker.",
 ) -> Thinker:
+    """The Thinker, its tensors under ``prefix`` (none in a Thinker saved alone)."""
     with building(dtype, device, init=False):
         thinker = Thinker(config)
-    load_into(thinker, model_dir, "thinker.", dtype, skip=THINKER_TOWERS)
+    load_into(thinker, model_dir, prefix, dtype, skip=THINKER_TOWERS)
     return thinker.eval()
 
 
@@ -107,13 +112,15 @@ def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig, device: str
 
 def load_media_encoders(
     model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    fast: bool = False,
+    fast: bool = False, thinker: str = "thinker.",
 ) -> MediaEncoders:
-    """The Thinker's towers the checkpoint holds, behind the shared encoder cache."""
+    """The Thinker's towers the checkpoint holds (under the Thinker's prefix ``thinker``), behind the shared
+    encoder cache."""
     names = checkpoint_files(model_dir)
     towers: list[nn.Module | None] = []
-    for prefix, cls, cfg in ((AUDIO_TOWER, AudioEncoder, config.thinker_config.audio_config),
-                             (VISION_TOWER, VisionEncoder, config.thinker_config.vision_config)):
+    for tower, cls, cfg in zip(THINKER_TOWERS, (AudioEncoder, VisionEncoder),
+                               (config.thinker_config.audio_config, config.thinker_config.vision_config)):
+        prefix = thinker + tower
         if not any(n.startswith(prefix) for n in names):
             towers.append(None)
             continue

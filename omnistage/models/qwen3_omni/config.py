@@ -8,9 +8,16 @@ from pathlib import Path
 
 from transformers import Qwen3OmniMoeConfig
 
+ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
+# transformers' Thinker alone (``Qwen3OmniMoeThinkerForConditionalGeneration.save_pretrained``, e.g. a fine-tuned
+# Thinker): its config.json is the thinker_config, its tensors the Thinker's names without ``thinker.``
+THINKER_ARCHITECTURE = "Qwen3OmniMoeThinkerForConditionalGeneration"
+
 
 def load_config(model_dir: str | Path) -> Qwen3OmniMoeConfig:
-    """Load `config.json`, filling in the fields transformers 5.x reads but does not declare.
+    """Load `config.json`, filling in the fields transformers 5.x reads but does not declare. A Thinker alone
+    (``THINKER_ARCHITECTURE``) becomes the whole model's config with that Thinker and no speech (``enable_audio_output``
+    false), as transformers would build it around the Thinker.
 
     Missing `talker_config.spatial_merge_size` takes the vision tower's value,
     `talker_config.text_config.shared_expert_intermediate_size` the talker's `intermediate_size`, and
@@ -21,6 +28,8 @@ def load_config(model_dir: str | Path) -> Qwen3OmniMoeConfig:
     if not path.is_file():
         raise ValueError(f"{model_dir} has no config.json; is it a Qwen3-Omni checkpoint directory?")
     raw = json.loads(path.read_text(encoding="utf-8"))
+    if THINKER_ARCHITECTURE in (raw.get("architectures") or []):
+        raw = {"architectures": [ARCHITECTURE], "thinker_config": raw, "enable_audio_output": False}
     thinker = raw.setdefault("thinker_config", {})
     talker = raw.setdefault("talker_config", {})
     talker_text = talker.setdefault("text_config", {})

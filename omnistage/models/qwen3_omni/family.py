@@ -24,6 +24,7 @@ from omnistage.models.family import (
     PreparedPrompt,
     StageRequest,
     no_args,
+    thinker_layout,
 )
 from omnistage.models.layers.fast_linear import fast_kernels, pack_on_load
 from omnistage.models.layers.quant import QuantFormat
@@ -33,7 +34,7 @@ from omnistage.models.prequantized import read_stored
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.bridges import TalkerToCode2Wav, ThinkerToTalker, talker2code2wav_args
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
-from omnistage.models.qwen3_omni.config import load_config
+from omnistage.models.qwen3_omni.config import ARCHITECTURE, THINKER_ARCHITECTURE, load_config
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders
 from omnistage.models.qwen3_omni.mrope import MediaSpan
 from omnistage.models.qwen3_omni.processor import (
@@ -65,21 +66,22 @@ TOWER_LAYERS = ("audio_tower.layers.", "visual.blocks.")  # (relative to "thinke
 
 
 def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: str, fast: bool,
-                    scheme: QuantScheme | None = None) -> MediaEncoders:
+                    scheme: QuantScheme | None = None, thinker: str = "thinker.") -> MediaEncoders:
     """The Thinker's audio and vision towers, when the checkpoint holds them; ``scheme``: the Thinker part's
-    quantization (names relative to ``thinker.``)."""
+    quantization (names relative to the Thinker's prefix ``thinker``)."""
     names = checkpoint_files(model_dir)
     towers: dict[str, Any] = {}
     # Derived tables (sinusoids, rotary frequencies) are computed here; a checkpoint that stores them anyway
     # is not an error.
-    for attr, prefix, cls, cfg, derived in (
-        ("audio", "thinker.audio_tower.", AudioEncoder, config.thinker_config.audio_config, "positional_embedding."),
-        ("vision", "thinker.visual.", VisionEncoder, config.thinker_config.vision_config, "rotary_pos_emb."),
+    for attr, tower, cls, cfg, derived in (
+        ("audio", "audio_tower.", AudioEncoder, config.thinker_config.audio_config, "positional_embedding."),
+        ("vision", "visual.", VisionEncoder, config.thinker_config.vision_config, "rotary_pos_emb."),
     ):
+        prefix = thinker + tower
         if not any(n.startswith(prefix) for n in names):
             towers[attr] = None
             continue
-        tower_scheme = scheme.within(prefix[len("thinker."):]) if scheme is not None else None
+        tower_scheme = scheme.within(tower) if scheme is not None else None
         with building(dtype, device, init=False):
             tower = cls(cfg)
         load_into(tower, model_dir, prefix, dtype, skip=(derived,), quantize=tower_scheme)
@@ -114,7 +116,7 @@ def quant_scheme(part: str, quantization: Quantization) -> QuantScheme | None:
 class Qwen3OmniFamily(HFChatFamily):
     name = "qwen3_omni"
     tool_calls = QWEN_TOOL_CALLS
-    architectures = ("Qwen3OmniMoeForConditionalGeneration",)
+    architectures = (ARCHITECTURE, THINKER_ARCHITECTURE)
     preset_file = "qwen3_omni.yaml"
     wire_types = (ThinkerMedia, MediaItem, MediaSpan)
     parts = {
@@ -130,6 +132,7 @@ class Qwen3OmniFamily(HFChatFamily):
     def __init__(self, model_dir: str | Path) -> None:
         super().__init__(model_dir)
         self.config = load_config(self.model_dir)
+        self.thinker_prefix, self.parts = thinker_layout(self.model_dir, THINKER_ARCHITECTURE, self.parts)
         self.stored_quantization = read_stored(self.model_dir)  # a pre-quantized checkpoint's scheme (or refusal)
         self.ids = TalkerTokenIds.from_config(self.config)
         talker = self.config.talker_config
@@ -170,9 +173,10 @@ class Qwen3OmniFamily(HFChatFamily):
             scheme = self.quant_scheme(part, ctx.quantization)
             with building(ctx.dtype, ctx.device, init=False):
                 thinker = Thinker(self.config)
-            load_into(thinker, self.model_dir, "thinker.", ctx.dtype, skip=("audio_tower.", "visual."),
+            load_into(thinker, self.model_dir, self.thinker_prefix, ctx.dtype, skip=("audio_tower.", "visual."),
                       quantize=scheme, loaded=pack_on_load(ctx.fast))
-            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast, scheme)
+            encoders = _media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast, scheme,
+                                       self.thinker_prefix)
             return ThinkerStageModel(fast_kernels(thinker.eval(), ctx.fast), encoders)
         if part == "talker":
             scheme = self.quant_scheme(part, ctx.quantization)
@@ -217,7 +221,7 @@ class Qwen3OmniFamily(HFChatFamily):
     @cached_property
     def input_modalities(self) -> tuple[str, ...]:
         """Text, plus audio and image + video for the towers the checkpoint holds (with its processor files)."""
-        return media_modalities(self.model_dir)
+        return media_modalities(self.model_dir, self.thinker_prefix)
 
     def render_prompt(
         self, messages: Sequence[Mapping[str, Any]], use_audio_in_video: bool = False, answer_prefix: str = "",

@@ -82,15 +82,16 @@ class ThinkerMedia:
         return None if self.flat else PromptPositions(self.positions, self.rope_delta)
 
 
-def media_modalities(model_dir: str | Path) -> tuple[str, ...]:
+def media_modalities(model_dir: str | Path, thinker: str = "thinker.") -> tuple[str, ...]:
     """What prompts to a checkpoint may hold: text, plus audio and image + video for the Thinker towers it holds
-    (``thinker.audio_tower.*``, ``thinker.visual.*``), when it has its processor files."""
+    (``thinker.audio_tower.*``, ``thinker.visual.*``; ``thinker``: the Thinker's prefix), when it has its processor
+    files."""
     model_dir = Path(model_dir)
     if not (model_dir / "preprocessor_config.json").is_file():
         return ("text",)
     names = checkpoint_files(model_dir)
-    audio = any(n.startswith("thinker.audio_tower.") for n in names)
-    vision = any(n.startswith("thinker.visual.") for n in names)
+    audio = any(n.startswith(thinker + "audio_tower.") for n in names)
+    vision = any(n.startswith(thinker + "visual.") for n in names)
     return ("text",) + (("audio",) if audio else ()) + (("image", "video") if vision else ())
 
 

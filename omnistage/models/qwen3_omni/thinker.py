@@ -39,7 +39,8 @@ class ThinkerTextModel(PagedDecoder):
 
 
 class Thinker(nn.Module):
-    """Built from the full Qwen3OmniMoeConfig (needs ``thinker_config`` and ``talker_config.accept_hidden_layer``)."""
+    """Built from the full Qwen3OmniMoeConfig (needs ``thinker_config``, and ``talker_config.accept_hidden_layer``
+    where the model speaks)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -47,8 +48,10 @@ class Thinker(nn.Module):
         self.cfg = DecoderConfig.from_hf(text_cfg)
         self.vocab_size = text_cfg.vocab_size
         talker_cfg = getattr(config, "talker_config", None)
-        # transformers' hidden_states[i] is the input of layer i (index num_layers is the final-normed output).
-        self.accept_hidden_layer = int(talker_cfg.accept_hidden_layer) if talker_cfg is not None else 0
+        # transformers' hidden_states[i] is the input of layer i (index num_layers is the final-normed output);
+        # a model that does not speak has no Talker to read them
+        speaks = talker_cfg is not None and getattr(config, "enable_audio_output", True)
+        self.accept_hidden_layer = int(talker_cfg.accept_hidden_layer) if speaks else 0
         if not 0 <= self.accept_hidden_layer <= self.cfg.num_layers:
             raise ValueError(
                 f"accept_hidden_layer={self.accept_hidden_layer} outside [0, {self.cfg.num_layers}] for the Thinker"
