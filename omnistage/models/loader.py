@@ -21,6 +21,14 @@ from omnistage.models.prequantized import Fp8Scale, read_stored, stored_layers, 
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
+_BIN_FILE = "pytorch_model.bin"  # PyTorch's pickled weights, which transformers still reads where no safetensors are
+_BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+# safetensors' names of torch dtypes (what a view's get_dtype says)
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
 _CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Tensors for a module on the meta device are assigned in groups of about this many bytes (one group at a time
 # is held besides the module: a 5 GB bfloat16 shard read whole would hold 10 GB of float32 at once).
@@ -57,24 +65,79 @@ class _SkipInit(TorchFunctionMode):
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
-    """Map each tensor name in the checkpoint to the safetensors file that holds it."""
+    """Map each tensor name in the checkpoint to the file that holds it: safetensors (single, sharded with its
+    index, or any ``*.safetensors``), else, as transformers falls back, PyTorch's ``pytorch_model.bin`` (single or
+    sharded with its index)."""
     root = Path(model_dir)
-    index = root / _INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return {name: root / fname for name, fname in weight_map.items()}
-    single = root / _SINGLE_FILE
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
-    others = sorted(root.glob("*.safetensors"))
-    if others:
-        out: dict[str, Path] = {}
-        for path in others:
-            with safe_open(str(path), framework="pt") as f:
-                out.update({name: path for name in f.keys()})
-        return out
-    raise ValueError(f"{model_dir} holds no safetensors weights ({_SINGLE_FILE} or {_INDEX_FILE})")
+    if (root / _INDEX_FILE).is_file():
+        return _indexed(root / _INDEX_FILE)
+    files = [root / _SINGLE_FILE] if (root / _SINGLE_FILE).is_file() else sorted(root.glob("*.safetensors"))
+    if not files and (root / _BIN_INDEX_FILE).is_file():
+        return _indexed(root / _BIN_INDEX_FILE)
+    if not files and (root / _BIN_FILE).is_file():
+        files = [root / _BIN_FILE]
+    if not files:
+        raise ValueError(f"{model_dir} holds no weights ({_SINGLE_FILE}, {_INDEX_FILE}, {_BIN_FILE} or "
+                         f"{_BIN_INDEX_FILE})")
+    out: dict[str, Path] = {}
+    for path in files:
+        with open_weights(path) as f:
+            out.update({name: path for name in f.keys()})
+    return out
+
+
+def _indexed(index: Path) -> dict[str, Path]:
+    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    return {name: index.parent / fname for name, fname in weight_map.items()}
+
+
+def open_weights(path: Path) -> Any:
+    """One weights file, as safetensors' ``safe_open`` reads it (``keys``, ``get_tensor``, ``get_slice``: a view's
+    shape, dtype and rows): a safetensors file, or PyTorch's pickled weights (memory-mapped: only the tensors read
+    are read)."""
+    return safe_open(str(path), framework="pt") if path.suffix == ".safetensors" else _PickledWeights(path)
+
+
+class _PickledWeights:
+    """``pytorch_model.bin`` behind ``safe_open``'s calls (unpickled tensors only, ``weights_only``)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:  # (a pickle of other objects, or the legacy non-zip format mmap cannot read)
+            raise ValueError(f"{path}: not readable as PyTorch weights ({type(exc).__name__}: {exc})") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise ValueError(f"{path}: not a state dict of tensors")
+        self._state = state
+
+    def __enter__(self) -> _PickledWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._state = {}  # (releases the mapping)
+
+    def keys(self) -> list[str]:
+        return list(self._state)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._state[name].clone()  # (a tensor of its own, not a view on the mapped file)
+
+    def get_slice(self, name: str) -> _PickledView:
+        return _PickledView(self._state[name])
+
+
+class _PickledView:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor.shape)
+
+    def get_dtype(self) -> str:
+        return _SAFETENSORS_DTYPES.get(self._tensor.dtype, str(self._tensor.dtype))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._tensor[index].clone()
 
 
 def _check_dtype(dtype: torch.dtype | None) -> None:
@@ -98,7 +161,7 @@ def load_weights(
             by_file.setdefault(path, []).append(name)
     out: dict[str, torch.Tensor] = {}
     for path, names in sorted(by_file.items()):
-        with safe_open(str(path), framework="pt") as f:
+        with open_weights(path) as f:
             for name in names:
                 tensor = f.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point():
@@ -134,7 +197,7 @@ def load_embedding_rows(model_dir: str | Path, name: str, ids: Sequence[int], dt
     path = checkpoint_files(model_dir).get(name)
     if path is None:
         raise ValueError(f"{model_dir} has no tensor {name!r}")
-    with safe_open(str(path), framework="pt") as f:
+    with open_weights(path) as f:
         view = f.get_slice(name)
         num_rows = view.get_shape()[0]
         bad = [i for i in ids if not 0 <= i < num_rows]
@@ -163,7 +226,7 @@ def _reader(files: dict[Path, list[str]], handles: contextlib.ExitStack) -> Call
     def read(name: str) -> torch.Tensor:
         path = where[name]
         if path not in opened:
-            opened[path] = handles.enter_context(safe_open(str(path), framework="pt"))
+            opened[path] = handles.enter_context(open_weights(path))
         return opened[path].get_tensor(name)
 
     return read
@@ -218,7 +281,7 @@ def load_into(
         if name.startswith(prefix) and not _skipped(key, prefix, skip) and key not in tied:
             files.setdefault(path, []).append(name)
     for path, names in files.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_weights(path) as f:
             for name in names:
                 shapes[name[len(prefix):]] = tuple(f.get_slice(name).get_shape())
     stored = read_stored(model_dir)

@@ -1,6 +1,6 @@
 """What a pipeline will hold in memory, planned before any weight is read, and refused when it cannot fit.
 
-Per stage: the weights its part declares (``PartSpec.weight_prefixes``), sized from the safetensors headers in
+Per stage: the weights its part declares (``PartSpec.weight_prefixes``), sized from the files' headers in
 the serving dtype, and its paged KV pool as the scheduler will size it (``resolve_num_blocks`` over the family's
 ``kv_geometry``). The stages sharing a device are summed and compared with what that device has available
 (``MemAvailable`` for the CPU, ``torch.cuda.mem_get_info`` for a GPU): a pipeline that needs more is refused
@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from omnistage.config import ConfigError, ExecutionType, PipelineConfig
 from omnistage.config.quantization import NO_QUANTIZATION, Quantization
 from omnistage.models.family import ModelFamily
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme
-from omnistage.models.loader import checkpoint_files
+from omnistage.models.loader import checkpoint_files, open_weights
 from omnistage.models.prequantized import read_stored, stored_layers
 
 SKIP_ENV = "OMNISTAGE_SKIP_MEMORY_CHECK"
@@ -60,7 +59,7 @@ def tensor_sizes(model_dir: str | Path) -> dict[str, tuple[tuple[int, ...], int 
         by_file.setdefault(path, []).append(name)
     out: dict[str, tuple[tuple[int, ...], int | None]] = {}
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_weights(path) as f:
             for name in names:
                 view = f.get_slice(name)
                 out[name] = (tuple(view.get_shape()), _STORED_BYTES.get(view.get_dtype()))

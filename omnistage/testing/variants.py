@@ -1,5 +1,5 @@
 """Variants of a built checkpoint for tests: a copy whose config.json is edited and whose tensors are filtered
-(the weights otherwise untouched); the checkpoint in transformers' FP8 format."""
+(the weights otherwise untouched); the checkpoint in transformers' FP8 format, or in PyTorch's pickled files."""
 
 from __future__ import annotations
 
@@ -93,3 +93,27 @@ def _fp8(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Te
         tiles = scale.float()
     full = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1)
     return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def pickled_variant(src: str | Path, dst: str | Path, shards: int = 2) -> Path:
+    """Checkpoint ``src`` with its tensors in PyTorch's pickled files instead of safetensors: one
+    ``pytorch_model.bin``, or ``shards`` of them with ``pytorch_model.bin.index.json``."""
+    from omnistage.models.loader import checkpoint_files
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
+    state = {}
+    for path in sorted(set(checkpoint_files(src).values())):
+        state.update(load_file(str(path)))
+    names = sorted(state)
+    files = {"pytorch_model.bin": names} if shards == 1 else {
+        f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin": names[i::shards] for i in range(shards)}
+    for file, part in files.items():
+        torch.save({name: state[name] for name in part}, dst / file)
+    if shards > 1:
+        weight_map = {name: file for file, part in files.items() for name in part}
+        (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for extra in src.iterdir():
+        if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
+            shutil.copy(extra, dst / extra.name)
+    return dst

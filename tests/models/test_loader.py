@@ -1,4 +1,5 @@
-"""Checkpoint loader: config fix-ups, single vs sharded files, strict loading with named errors, casting."""
+"""Checkpoint loader: config fix-ups, single vs sharded files, PyTorch's pickled files, strict loading with named
+errors, casting."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 from torch import nn
 
 from omnistage.checkpoints.builder import build_checkpoint
-from omnistage.models.loader import load_embedding_rows, load_into, load_weights
+from omnistage.models.loader import checkpoint_files, load_embedding_rows, load_into, load_weights
 from omnistage.models.qwen3_omni.config import load_config
+from omnistage.pipeline.memory_plan import tensor_sizes
+from omnistage.testing.variants import pickled_variant
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +205,38 @@ def test_experts_packed_while_loading_equal_packing_after_it(sharded_ckpt):
         assert d.gate_up_proj.numel() == 0 and all(torch.equal(x, y) for x, y in zip(a.panels, d.panels))
         assert d.pack_weights(16) == 0  # packing again (fast_kernels after the load) leaves them as they are
     assert pack_on_load(False) is None
+
+
+def test_pickled_weights_read_as_their_safetensors_twin(sharded_ckpt, tmp_path):
+    """``pytorch_model.bin`` (read memory-mapped): every tensor, embedding rows, and the headers the memory plan
+    reads (an integer tensor keeps its stored width) equal the safetensors checkpoint's; safetensors win where a
+    directory holds both, as in transformers."""
+    pickled = pickled_variant(sharded_ckpt, tmp_path / "bin", shards=1)
+    assert set(checkpoint_files(pickled).values()) == {pickled / "pytorch_model.bin"}
+    for prefix in ("thinker.", "talker.", "code2wav."):
+        ours, theirs = load_weights(pickled, prefix, None), load_weights(sharded_ckpt, prefix, None)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    rows = [3, 0, 7]
+    assert torch.equal(load_embedding_rows(pickled, "thinker.model.embed_tokens.weight", rows).weight,
+                       load_embedding_rows(sharded_ckpt, "thinker.model.embed_tokens.weight", rows).weight)
+    assert tensor_sizes(pickled) == tensor_sizes(sharded_ckpt)
+    ints = tmp_path / "ints"
+    ints.mkdir()
+    torch.save({"a": torch.zeros(2, 3, dtype=torch.int32), "b": torch.zeros(4)}, ints / "pytorch_model.bin")
+    assert tensor_sizes(ints) == {"a": ((2, 3), 4), "b": ((4,), None)}
+    shutil.copy(sharded_ckpt / "model.safetensors.index.json", pickled)
+    for shard in sharded_ckpt.glob("*.safetensors"):
+        shutil.copy(shard, pickled)
+    assert {p.name for p in checkpoint_files(pickled).values()} == {p.name for p in sharded_ckpt.glob("*.safetensors")}
+
+
+def test_a_pickle_that_is_not_weights_is_refused_naming_the_file(tmp_path):
+    torch.save({"step": 3, "weights": [torch.zeros(2)]}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin: not a state dict of tensors"):
+        checkpoint_files(tmp_path)
+    torch.save({"w": torch.zeros(2), "what": ValueError("a pickled object")}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pytorch_model.bin: not readable as PyTorch weights"):  # (weights_only)
+        checkpoint_files(tmp_path)
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(ValueError, match="holds no weights"):
+        checkpoint_files(tmp_path)

@@ -1,7 +1,7 @@
 """Read a Qwen2.5-Omni checkpoint directory: config, the three parts' weights, speakers.
 
 Weights load strictly by hub name (``thinker.*`` without the audio/vision towers, the towers on their own,
-``talker.*``, ``token2wav.*``) through the shared safetensors loader, into modules built directly in the serving dtype on the
+``talker.*``, ``token2wav.*``) through the shared checkpoint loader, into modules built directly in the serving dtype on the
 serving device; Token2Wav stays float32 whatever the serving dtype, as transformers keeps it (the reference runs
 the ODE and the vocoder in float32).
 """

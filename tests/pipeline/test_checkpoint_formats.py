@@ -1,8 +1,14 @@
-"""Checkpoints in transformers' own FP8 format (``quant_method: fp8``, ``FineGrainedFP8Config``: float8 e4m3
-weights beside a ``weight_scale_inv`` per block) load as transformers loads them without a GPU, each weight
-dequantized to ``value * scale``: text, codes and audio equal transformers' generate on the same checkpoint. Scales
-in float32, bfloat16 and E8M0 (as float8_e8m0fnu and as raw bytes), static activation scales (not applied), and a
-per-tensor scale; what the format can say and omnistage does not read is refused naming it."""
+"""Checkpoint formats transformers reads, read as it reads them.
+
+transformers' own FP8 format (``quant_method: fp8``, ``FineGrainedFP8Config``: float8 e4m3 weights beside a
+``weight_scale_inv`` per block) loads as transformers loads it without a GPU, each weight dequantized to ``value *
+scale``: text, codes and audio equal transformers' generate on the same checkpoint. Scales in float32, bfloat16 and
+E8M0 (as float8_e8m0fnu and as raw bytes), static activation scales (not applied), and a per-tensor scale; what
+the format can say and omnistage does not read is refused naming it.
+
+PyTorch's pickled weights (``pytorch_model.bin``, single or sharded with its index), which transformers reads where
+a checkpoint has no safetensors: the same answers as transformers', the same memory plan as the safetensors twin.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from test_pipeline_parity import (
 from omnistage import Omni
 from omnistage.models.loader import checkpoint_files
 from omnistage.models.prequantized import Fp8Scale, UnsupportedQuantization, parse_config
-from omnistage.testing.variants import FP8_SCALES, fp8_variant
+from omnistage.pipeline.memory_plan import tensor_sizes
+from omnistage.testing.variants import FP8_SCALES, fp8_variant, pickled_variant
 
 
 def test_fp8_variant_holds_every_kind_of_scale(fp8_ckpt):
@@ -95,3 +102,13 @@ def test_stacked_fp8_weights_dequantize_as_their_parts():
     whole = scheme.dequantize(weight, scale)
     assert torch.equal(whole, torch.stack([scheme.dequantize(w, s) for w, s in zip(weight, scale)]))
     assert torch.equal(whole[1, 17, 40], weight[1, 17, 40].float() * scale[1, 1, 1])
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["single", "sharded"])
+def test_pickled_checkpoint_equals_transformers(tiny_ckpt, tmp_path, shards):
+    ckpt = pickled_variant(tiny_ckpt, tmp_path / "ckpt", shards)
+    assert not list(ckpt.glob("*.safetensors"))
+    assert tensor_sizes(ckpt) == tensor_sizes(tiny_ckpt)  # (what the memory plan reads: names, shapes, dtypes)
+    engine = make_engine(ckpt)
+    assert_matches_reference(ckpt, run(engine, {0: [1], 1: [0], 3: [2]}))
+    assert_all_free(engine)
