@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
 from omnistage.models.prequantized import Fp8Scale, read_stored, stored_layers, unpack
+
+logger = logging.getLogger(__name__)
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
@@ -253,8 +256,9 @@ def load_into(
     names minus `prefix`.
 
     Names under a `skip` entry are ignored on both sides (e.g. the thinker's audio/visual towers).
-    Raises ValueError naming every missing, unexpected or shape-mismatched tensor; nothing is loaded then
-    (names and shapes come from the safetensors headers, before any data is read). Data is then read tensor by
+    Raises ValueError naming every missing or shape-mismatched tensor (and the unexpected ones); nothing is loaded
+    then (names and shapes come from the files' headers, before any data is read). Tensors the module does not
+    have, where nothing is missing, are logged and not read, as transformers ignores them. Data is then read tensor by
     tensor and copied into the module's own tensors (cast on the copy), so a model built directly in its
     serving dtype and device needs no second copy of anything but the tensor being read. Parameters on the
     meta device are replaced by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
@@ -309,11 +313,17 @@ def load_into(
         problems.append(f"unexpected in checkpoint: {_summary(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatch: {_summary(mismatched)}")
-    if problems:
+    if missing or mismatched:
         raise ValueError(
             f"cannot load {model_dir} (prefix {prefix!r}) into {type(module).__name__}: "
             + "; ".join(problems)
         )
+    if unexpected:  # tensors the model does not use (e.g. saved rotary tables): transformers ignores them too
+        logger.warning("%s (prefix %r): %d tensors %s does not use are not read: %s", model_dir, prefix,
+                       len(unexpected), type(module).__name__, _summary(unexpected, 5))
+        unused = set(unexpected)
+        for path, names in files.items():  # (a pre-quantized layer's own names go with its weight)
+            files[path] = [n for n in names if _layer_weight(n[len(prefix):], aux) not in unused]
     on_meta = any(t.is_meta for t in expected.values())
     if quantize is not None:
         if on_meta:
@@ -362,6 +372,12 @@ def load_into(
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+
+
+def _layer_weight(key: str, aux: frozenset[str]) -> str:
+    """The weight a checkpoint name belongs to: itself, or for a pre-quantized layer's scale, shape or packed
+    values (``aux``) the layer's ``X.weight``."""
+    return key.rpartition(".")[0] + ".weight" if key in aux else key
 
 
 def _tie_as_stored(module: nn.Module, stored: set[str]) -> dict[str, str]:

@@ -90,17 +90,45 @@ def test_load_into_names_missing_unexpected_and_mismatched(tiny_ckpt):
     assert "linear_fc1.weight (checkpoint (128, 64), module (7, 64))" in msg
 
 
-def test_skip_ignores_towers_relative_or_full_prefix(tiny_ckpt):
+def test_tensors_the_module_does_not_use_are_logged_and_not_read(tiny_ckpt, tmp_path, caplog):
+    """As transformers: a checkpoint with extra tensors (saved rotary tables, a head nothing uses) loads where
+    nothing is missing; the extras are named in the log."""
+    from safetensors.torch import load_file, save_file
+
+    from omnistage.testing.variants import checkpoint_variant
+
+    ckpt = checkpoint_variant(tiny_ckpt, tmp_path / "ckpt", lambda cfg: None)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["talker.text_projection.rotary_emb.inv_freq"] = torch.ones(8)
+    tensors["talker.text_projection.value_head.weight"] = torch.ones(1, 64)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+
+    class Projection(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear_fc1, self.linear_fc2 = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    with caplog.at_level("WARNING", logger="omnistage.models.loader"):
+        ours = load_into(Projection(), ckpt, "talker.text_projection.")
+    assert ours is None and "2 tensors Projection does not use" in caplog.text and "value_head.weight" in caplog.text
+    loaded, want = Projection(), load_weights(tiny_ckpt, "talker.text_projection.")
+    load_into(loaded, ckpt, "talker.text_projection.")
+    assert all(torch.equal(t, want[k]) for k, t in loaded.state_dict().items())
+
+
+def test_skip_ignores_towers_relative_or_full_prefix(tiny_ckpt, caplog):
     class Towers(nn.Module):
         def __init__(self):
             super().__init__()
             self.lm_head = nn.Linear(64, 768, bias=False)
 
     only_head = ("model.", "audio_tower.", "visual.")
-    load_into(Towers(), tiny_ckpt, "thinker.", skip=only_head)
-    load_into(Towers(), tiny_ckpt, "thinker.", skip=tuple("thinker." + s for s in only_head))
-    with pytest.raises(ValueError, match="audio_tower"):
+    with caplog.at_level("WARNING", logger="omnistage.models.loader"):
+        load_into(Towers(), tiny_ckpt, "thinker.", skip=only_head)
+        load_into(Towers(), tiny_ckpt, "thinker.", skip=tuple("thinker." + s for s in only_head))
+        assert not caplog.text  # skipped names are not even looked at
         load_into(Towers(), tiny_ckpt, "thinker.", skip=("model.", "visual."))
+    assert "audio_tower.conv2d1.bias" in caplog.text  # (not skipped: unused, named)
 
 
 def test_load_config_fills_undeclared_fields(tiny_ckpt, tmp_path):
