@@ -284,9 +284,17 @@ class HFChatFamily(ModelFamily):
 
     @cached_property
     def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, rendering with the chat template transformers' processor loads: its legacy
+        ``chat_template.json`` first, else ``chat_template.jinja``, else the tokenizer's own."""
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        legacy, jinja = self.model_dir / "chat_template.json", self.model_dir / "chat_template.jinja"
+        if legacy.is_file():
+            tokenizer.chat_template = json.loads(legacy.read_text(encoding="utf-8"))["chat_template"]
+        elif jinja.is_file():
+            tokenizer.chat_template = jinja.read_text(encoding="utf-8")
+        return tokenizer
 
     @cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -303,6 +311,12 @@ class HFChatFamily(ModelFamily):
         for m in messages:
             if m.get("role") not in self.roles:
                 raise ValueError(f"unsupported message role {m.get('role')!r}; roles: {list(self.roles)}")
+
+    def check_chat_template(self) -> None:
+        """Raises ValueError where the checkpoint has no chat template to render messages with."""
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"the checkpoint {self.model_dir.name} has no chat template to render messages with "
+                             "(none in tokenizer_config.json, chat_template.jinja or chat_template.json)")
 
     def chat_template_ids(self, messages: Sequence[Mapping[str, Any]], answer_prefix: str = "") -> list[int]:
         """Text-only messages rendered with the checkpoint's chat template, assistant header appended (then

@@ -173,6 +173,7 @@ class Qwen25OmniFamily(HFChatFamily):
         if kwargs:
             raise ValueError(f"unknown prompt options {sorted(kwargs)}")
         self.check_roles(messages)
+        self.check_chat_template()
         for m in messages:
             if not isinstance(m.get("content"), (str, list, tuple)):
                 raise ValueError("message content must be a string or a list of content parts")
