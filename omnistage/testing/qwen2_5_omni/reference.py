@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -76,8 +77,6 @@ def reference_speech(
     """transformers' greedy ``generate`` with speech for one prompt: (its generated text ids, waveform), the ODE
     noise seeded as omnistage seeds a request's (``seed``), the checkpoint's EOS ids ending the text, the codec
     pad / end ids the speech; 1.05 is transformers' own default Talker repetition penalty."""
-    import json
-
     hf = load_hf_reference(path)
     tc = hf.config.talker_config
     eos = json.loads((Path(path) / "generation_config.json").read_text())["eos_token_id"]
