@@ -15,23 +15,24 @@ from __future__ import annotations
 import re
 
 import pytest
+import test_pipeline_parity as parity
 import torch
 from safetensors import safe_open
 from test_config_variants import assert_q25_speech_matches_reference
-from test_pipeline_parity import (
-    PROMPTS,
-    assert_all_free,
-    assert_matches_reference,
-    make_engine,
-    reference,
-    run,
-)
 
 from omnistage import Omni
 from omnistage.models.loader import checkpoint_files
 from omnistage.models.prequantized import Fp8Scale, UnsupportedQuantization, parse_config
 from omnistage.pipeline.memory_plan import tensor_sizes
 from omnistage.testing.variants import FP8_SCALES, fp8_variant, pickled_variant
+
+
+def _serves_as_transformers(ckpt) -> None:
+    """Concurrent requests through the default configuration: tokens, codes and audio equal transformers'
+    generate on the same checkpoint, and everything is freed after."""
+    engine = parity.make_engine(ckpt)
+    parity.assert_matches_reference(ckpt, parity.run(engine, {0: [1], 1: [0], 3: [2]}))
+    parity.assert_all_free(engine)
 
 
 def test_fp8_variant_holds_every_kind_of_scale(fp8_ckpt):
@@ -52,12 +53,10 @@ def test_fp8_variant_holds_every_kind_of_scale(fp8_ckpt):
 
 
 def test_fp8_checkpoint_equals_transformers(fp8_ckpt, tiny_ckpt):
-    engine = make_engine(fp8_ckpt)
-    got = run(engine, {0: [1], 1: [0], 3: [2]})
-    assert_all_free(engine)
-    assert_matches_reference(fp8_ckpt, got)
+    _serves_as_transformers(fp8_ckpt)
     # the FP8 values are what was served: the float checkpoint answers otherwise
-    assert any(reference(str(fp8_ckpt), i)[0] != reference(str(tiny_ckpt), i)[0] for i in range(len(PROMPTS)))
+    assert any(parity.reference(str(fp8_ckpt), i)[0] != parity.reference(str(tiny_ckpt), i)[0]
+               for i in range(len(parity.PROMPTS)))
 
 
 def test_qwen2_5_fp8_checkpoint_equals_transformers(q25_ckpt, tmp_path):
@@ -109,6 +108,4 @@ def test_pickled_checkpoint_equals_transformers(tiny_ckpt, tmp_path, shards):
     ckpt = pickled_variant(tiny_ckpt, tmp_path / "ckpt", shards)
     assert not list(ckpt.glob("*.safetensors"))
     assert tensor_sizes(ckpt) == tensor_sizes(tiny_ckpt)  # (what the memory plan reads: names, shapes, dtypes)
-    engine = make_engine(ckpt)
-    assert_matches_reference(ckpt, run(engine, {0: [1], 1: [0], 3: [2]}))
-    assert_all_free(engine)
+    _serves_as_transformers(ckpt)
