@@ -256,9 +256,10 @@ def load_into(
     names minus `prefix`.
 
     Names under a `skip` entry are ignored on both sides (e.g. the thinker's audio/visual towers).
-    Raises ValueError naming every missing or shape-mismatched tensor (and the unexpected ones); nothing is loaded
-    then (names and shapes come from the files' headers, before any data is read). Tensors the module does not
-    have, where nothing is missing, are logged and not read, as transformers ignores them. Data is then read tensor by
+    Raises ValueError naming every missing or shape-mismatched tensor, and any extra tensor of a layer it loads (a
+    scale it would not apply), with the unexpected ones; nothing is loaded then (names and shapes come from the
+    files' headers, before any data is read). Tensors of modules the module does not have, where nothing is
+    missing, are logged and not read, as transformers ignores them. Data is then read tensor by
     tensor and copied into the module's own tensors (cast on the copy), so a model built directly in its
     serving dtype and device needs no second copy of anything but the tensor being read. Parameters on the
     meta device are replaced by the loaded tensors. Afterwards floating-point *parameters* are cast to `dtype` (None: left as they
@@ -301,6 +302,10 @@ def load_into(
             quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
+    # beside a layer the module loads, an extra tensor is data of that layer omnistage would not apply (a scale
+    # of a quantization it does not read): refused; tensors of modules it does not have are only unused
+    loaded_layers = {key.rpartition(".")[0] for key in expected}
+    companions = [k for k in unexpected if k.rpartition(".")[0] in loaded_layers]
     mismatched = sorted(
         f"{k} (checkpoint {shapes[k]}, module {tuple(expected[k].shape)})"
         for k in set(shapes) & set(expected)
@@ -311,9 +316,12 @@ def load_into(
         problems.append(f"missing from checkpoint: {_summary(missing)}")
     if unexpected:
         problems.append(f"unexpected in checkpoint: {_summary(unexpected)}")
+    if companions:
+        problems.append(f"tensors beside loaded layers that nothing reads (a quantization this checkpoint's "
+                        f"config does not declare?): {_summary(companions)}")
     if mismatched:
         problems.append(f"shape mismatch: {_summary(mismatched)}")
-    if missing or mismatched:
+    if missing or mismatched or companions:
         raise ValueError(
             f"cannot load {model_dir} (prefix {prefix!r}) into {type(module).__name__}: "
             + "; ".join(problems)

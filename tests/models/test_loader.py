@@ -114,6 +114,11 @@ def test_tensors_the_module_does_not_use_are_logged_and_not_read(tiny_ckpt, tmp_
     loaded, want = Projection(), load_weights(tiny_ckpt, "talker.text_projection.")
     load_into(loaded, ckpt, "talker.text_projection.")
     assert all(torch.equal(t, want[k]) for k, t in loaded.state_dict().items())
+    # an extra tensor of a layer that is loaded (a scale of a quantization the config does not declare) refuses
+    tensors["talker.text_projection.linear_fc1.weight_scale"] = torch.ones(128, 1)
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"beside loaded layers .*linear_fc1\.weight_scale"):
+        load_into(Projection(), ckpt, "talker.text_projection.")
 
 
 def test_skip_ignores_towers_relative_or_full_prefix(tiny_ckpt, caplog):
