@@ -91,6 +91,9 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 
 def _indexed(index: Path) -> dict[str, Path]:
     weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    absent = sorted({fname for fname in weight_map.values() if not (index.parent / fname).is_file()})
+    if absent:
+        raise ValueError(f"{index} lists weight files that are not there: {_summary(absent)}")
     return {name: index.parent / fname for name, fname in weight_map.items()}
 
 

@@ -263,7 +263,7 @@ def test_pickled_weights_read_as_their_safetensors_twin(sharded_ckpt, tmp_path):
     assert {p.name for p in checkpoint_files(pickled).values()} == {p.name for p in sharded_ckpt.glob("*.safetensors")}
 
 
-def test_a_pickle_that_is_not_weights_is_refused_naming_the_file(tmp_path):
+def test_unreadable_or_absent_weight_files_are_refused_naming_them(tmp_path):
     torch.save({"step": 3, "weights": [torch.zeros(2)]}, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pytorch_model.bin: not a state dict of tensors"):
         checkpoint_files(tmp_path)
@@ -272,4 +272,9 @@ def test_a_pickle_that_is_not_weights_is_refused_naming_the_file(tmp_path):
         checkpoint_files(tmp_path)
     (tmp_path / "pytorch_model.bin").unlink()
     with pytest.raises(ValueError, match="holds no weights"):
+        checkpoint_files(tmp_path)
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"lists weight files that are not there: model-00001-of-00002\.safetensors, "
+                                         r"model-00002-of-00002\.safetensors"):
         checkpoint_files(tmp_path)
