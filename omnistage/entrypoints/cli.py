@@ -1,4 +1,4 @@
-"""The ``omnistage`` command: make-checkpoint, generate, serve, bench (one function per subcommand)."""
+"""The ``omnistage`` command: make-checkpoint, generate, plan, serve, bench (one function per subcommand)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,44 @@ def _with_media(text: str, args: argparse.Namespace):
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """What serving ``args`` would hold per stage and device, and whether it fits, without loading anything."""
+    from omnistage.config import ConfigError
+    from omnistage.pipeline.engine import plan_engine
+    from omnistage.pipeline.memory_plan import check_fits, device_needs
+    from omnistage.pipeline.omni import engine_args
+
+    try:
+        eargs = engine_args(args.model, args.stage_config, args.dtype, args.device, args.fast,
+                            args.distributed_executor_backend, args.quantization, args.quantization_group_size,
+                            args.enable_prefix_caching)
+        plan = plan_engine(eargs)
+    except (ConfigError, ValueError) as exc:
+        print(f"omnistage plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{eargs.model}: {plan.family.name}, stages {', '.join(plan.pipeline.order)}, --dtype {eargs.dtype}, "
+          f"--quantization {eargs.quantization}, backend {plan.backend}")
+    print(f"{'stage':<12}{'device':<10}{'weights':>12}{'KV cache':>12}")
+    for p in plan.memory:
+        print(f"{p.stage:<12}{p.device:<10}{_size(p.weight_bytes):>12}{_size(p.kv_bytes):>12}")
+    if plan.backend == "ray":
+        print("backend ray: Ray places the stages on its machines; not compared with this machine's memory")
+        return 0
+    for need in device_needs(plan.memory):
+        have = "unknown" if need.have is None else _size(need.have)
+        print(f"{need.device}: needs {_size(need.need)}, available {have}: {'fits' if need.fits else 'does not fit'}")
+    try:
+        check_fits(plan.memory)
+    except ConfigError as exc:
+        print(f"omnistage plan: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 28 else f"{n / (1 << 20):.1f} MiB"
+
+
 def _serve(args: argparse.Namespace) -> int:
     from omnistage.entrypoints.serve_args import serve_from_args
 
@@ -135,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     from omnistage.entrypoints.serve_args import add_engine_arguments, add_serve_arguments
 
     add_engine_arguments(p)
+
+    p = sub.add_parser("plan", help="what serving a checkpoint would hold per stage and device (weights, KV), and "
+                                    "whether it fits, before loading anything")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--stage-config", default=None, help="pipeline preset name or YAML path")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    add_engine_arguments(p)
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_serve_arguments(p)

@@ -15,6 +15,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,12 @@ from omnistage.config import (
     without_prefix_caching,
 )
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.models.family import PreparedPrompt
+from omnistage.models.family import ModelFamily, PreparedPrompt
 from omnistage.models.registry import family_for_checkpoint, load_pipeline_config
 from omnistage.pipeline.client import ModelInfo, RequestDelta
 from omnistage.pipeline.engine_args import DTYPES, EngineArgs
 from omnistage.pipeline.faults import FaultInjector
-from omnistage.pipeline.memory_plan import check_fits, plan_memory
+from omnistage.pipeline.memory_plan import StageMemory, check_fits, plan_memory
 from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.pipeline.stage import StepEvents
 from omnistage.pipeline.stage_builder import build_stage
@@ -43,6 +44,38 @@ Messages = Sequence[Mapping[str, Any]]
 Prompt = str | Messages | list[int] | PreparedPrompt
 
 
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an engine will run, decided before anything loads: the checkpoint's family, the stages it serves, each
+    stage's runner, the backend and each stage's memory (``memory_plan.plan_memory``)."""
+
+    family: ModelFamily
+    pipeline: PipelineConfig
+    runners: dict[str, str]
+    backend: str
+    memory: list[StageMemory]
+
+
+def plan_engine(args: EngineArgs, pipeline: PipelineConfig | None = None) -> EnginePlan:
+    """The plan ``OmniEngine(args, pipeline)`` builds from (reads config files and tensor headers only); raises
+    ConfigError for a pipeline the checkpoint cannot serve."""
+    family_cls = family_for_checkpoint(args.model)
+    pipeline = pipeline or load_pipeline_config(args.stage_config or family_cls.name)
+    if pipeline.family != family_cls.name:
+        raise ConfigError(f"the pipeline config is for model family {pipeline.family!r}, but {args.model} "
+                          f"holds a {family_cls.name!r} checkpoint", field="family")
+    family = family_cls(args.model)
+    pipeline = family.serving_pipeline(family_cls.validate_pipeline(pipeline))
+    if not args.enable_prefix_caching:
+        pipeline = without_prefix_caching(pipeline)  # before any stage (or worker) is built
+    runners = validate_pipeline(pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
+    backend = args.distributed_executor_backend or pipeline.distributed_executor_backend
+    placement = {s.name: s.devices if s.devices.startswith(("cpu", "cuda")) else f"cuda:{s.devices.split(',')[0]}"
+                 for s in pipeline.stages if backend == "mp" and s.devices}
+    memory = plan_memory(family, pipeline, DTYPES[args.dtype], args.device, placement, args.quant)
+    return EnginePlan(family, pipeline, runners, backend, memory)
+
+
 class OmniEngine:
     def __init__(
         self,
@@ -51,22 +84,10 @@ class OmniEngine:
         on_step: Callable[[StepEvents], None] | None = None,
     ) -> None:
         self.args = args
-        family_cls = family_for_checkpoint(args.model)
-        pipeline = pipeline or load_pipeline_config(args.stage_config or family_cls.name)
-        if pipeline.family != family_cls.name:
-            raise ConfigError(f"the pipeline config is for model family {pipeline.family!r}, but {args.model} "
-                              f"holds a {family_cls.name!r} checkpoint", field="family")
-        self.family = family_cls(args.model)
-        self.pipeline = self.family.serving_pipeline(family_cls.validate_pipeline(pipeline))
-        if not args.enable_prefix_caching:
-            self.pipeline = without_prefix_caching(self.pipeline)  # before any stage (or worker) is built
-        runners = validate_pipeline(self.pipeline, {p: spec.capabilities for p, spec in family_cls.parts.items()})
-        self.backend = args.distributed_executor_backend or self.pipeline.distributed_executor_backend
+        plan = plan_engine(args, pipeline)
+        self.family, self.pipeline, self.backend, self.memory_plan = plan.family, plan.pipeline, plan.backend, plan.memory
+        family_cls, runners = type(self.family), plan.runners
         # Refuse before loading what cannot fit (Ray places stages on other machines: not checked here).
-        placement = {s.name: s.devices if s.devices.startswith(("cpu", "cuda")) else f"cuda:{s.devices.split(',')[0]}"
-                     for s in self.pipeline.stages if self.backend == "mp" and s.devices}
-        self.memory_plan = plan_memory(self.family, self.pipeline, DTYPES[args.dtype], args.device, placement,
-                                       args.quant)
         if self.backend != "ray":
             check_fits(self.memory_plan)
         self.workers = None

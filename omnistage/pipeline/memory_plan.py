@@ -149,18 +149,41 @@ def available_bytes(device: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class DeviceNeed:
+    """The stages placed on one device, what they need together and what the device has available (None:
+    unknown)."""
+
+    device: str
+    stages: tuple[StageMemory, ...]
+    have: int | None
+
+    @property
+    def need(self) -> int:
+        return sum(p.total for p in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.have is None or self.need <= self.have
+
+
+def device_needs(plans: list[StageMemory], available: Callable[[str], int | None] | None = None) -> list[DeviceNeed]:
+    """Per device (in stage order): its stages and what it has available (``available``, default
+    ``available_bytes``)."""
+    available = available or available_bytes
+    devices = dict.fromkeys(p.device for p in plans)
+    return [DeviceNeed(d, tuple(p for p in plans if p.device == d), available(d)) for d in devices]
+
+
 def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] | None = None) -> None:
     """Raise ConfigError when the stages placed on one device need more than it has available
     (``available(device)``, default ``available_bytes``)."""
-    available = available or available_bytes
     if os.environ.get(SKIP_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
         return
-    for device in dict.fromkeys(p.device for p in plans):
-        here = [p for p in plans if p.device == device]
-        need = sum(p.total for p in here)
-        have = available(device)
-        if have is None or need <= have:
+    for device_need in device_needs(plans, available):
+        if device_need.fits:
             continue
+        device, here, need, have = device_need.device, device_need.stages, device_need.need, device_need.have
         worst = max(here, key=lambda p: p.total)
         parts = ", ".join(f"{p.stage} {p.weight_bytes / _GIB:.2f} GiB weights + {p.kv_bytes / _GIB:.2f} GiB KV"
                           for p in here)

@@ -87,9 +87,10 @@ def _resolve_model(model: str | Path | None) -> str:
     return str(default_model_dir())
 
 
-def _engine_args(model: str | Path | None, stage_config: str | None, dtype: str, device: str, fast: bool,
-                 distributed_executor_backend: str | None, quantization: str = "none",
-                 quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> EngineArgs:
+def engine_args(model: str | Path | None, stage_config: str | None, dtype: str, device: str, fast: bool,
+                distributed_executor_backend: str | None, quantization: str = "none",
+                quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> EngineArgs:
+    """``Omni`` / ``AsyncOmni``'s arguments as EngineArgs (no model: the built-in one)."""
     return EngineArgs(_resolve_model(model), stage_config, dtype, device, fast,
                       distributed_executor_backend=distributed_executor_backend, quantization=quantization,
                       quantization_group_size=quantization_group_size, enable_prefix_caching=enable_prefix_caching)
@@ -103,7 +104,7 @@ class Omni:
                  device: str = "cpu", pipeline=None, fast: bool = True,
                  distributed_executor_backend: str | None = None, quantization: str = "none",
                  quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> None:
-        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
+        self.engine = OmniEngine(engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
                                               quantization, quantization_group_size, enable_prefix_caching), pipeline)
 
     @property
@@ -193,7 +194,7 @@ class AsyncOmni:
                  distributed_executor_backend: str | None = None, quantization: str = "none",
                  quantization_group_size: int | None = None, enable_prefix_caching: bool = True) -> None:
         # on_step(StepEvents) runs on the engine thread after every stage step (metrics hook).
-        self.engine = OmniEngine(_engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
+        self.engine = OmniEngine(engine_args(model, stage_config, dtype, device, fast, distributed_executor_backend,
                                               quantization, quantization_group_size, enable_prefix_caching),
                                  pipeline, on_step)
         self.info = self.engine.info
