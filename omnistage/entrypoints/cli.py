@@ -105,7 +105,7 @@ def _plan(args: argparse.Namespace) -> int:
         have = "unknown" if need.have is None else _size(need.have)
         print(f"{need.device}: needs {_size(need.need)}, available {have}: {'fits' if need.fits else 'does not fit'}")
     try:
-        check_fits(plan.memory)
+        check_fits(plan.memory, dtype=eargs.dtype, quantization=eargs.quantization)
     except ConfigError as exc:
         print(f"omnistage plan: {exc}", file=sys.stderr)
         return 1

@@ -89,7 +89,7 @@ class OmniEngine:
         family_cls, runners = type(self.family), plan.runners
         # Refuse before loading what cannot fit (Ray places stages on other machines: not checked here).
         if self.backend != "ray":
-            check_fits(self.memory_plan)
+            check_fits(self.memory_plan, dtype=args.dtype, quantization=args.quantization)
         self.workers = None
         self._wake = threading.Event()
         if self.backend == "inproc":

@@ -175,9 +175,11 @@ def device_needs(plans: list[StageMemory], available: Callable[[str], int | None
     return [DeviceNeed(d, tuple(p for p in plans if p.device == d), available(d)) for d in devices]
 
 
-def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] | None = None) -> None:
+def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] | None = None,
+               dtype: str = "float32", quantization: str = "none") -> None:
     """Raise ConfigError when the stages placed on one device need more than it has available
-    (``available(device)``, default ``available_bytes``)."""
+    (``available(device)``, default ``available_bytes``); the options it names are those beyond ``dtype`` and
+    ``quantization``, the ones the plan was made with."""
     if os.environ.get(SKIP_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
         return
     for device_need in device_needs(plans, available):
@@ -187,10 +189,15 @@ def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] 
         worst = max(here, key=lambda p: p.total)
         parts = ", ".join(f"{p.stage} {p.weight_bytes / _GIB:.2f} GiB weights + {p.kv_bytes / _GIB:.2f} GiB KV"
                           for p in here)
+        options = []
+        if dtype == "float32":
+            options.append("--dtype bfloat16 (half the weight bytes of float32)")
+        if quantization in ("none", "int8"):
+            options.append(f"--quantization {'int4 or int8' if quantization == 'none' else 'int4'} (weight-only: the "
+                           "decoders' weights in 4 or 8 bits)")
+        options += ["a smaller kv_cache_bytes, max_model_len or max_num_seqs in the stage config",
+                    "stages on other devices (devices: in the stage config, with --distributed-executor-backend mp "
+                    "or ray)"]
         raise ConfigError(
             f"the pipeline needs {need / _GIB:.2f} GiB on {device} ({parts}) but {have / _GIB:.2f} GiB is "
-            f"available; options: --dtype bfloat16 (half the weight bytes of float32), --quantization int4 or int8 "
-            f"(weight-only: the decoders' weights in 4 or 8 bits), a smaller kv_cache_bytes, "
-            f"max_model_len or max_num_seqs in the stage config, stages on other devices (devices: in the stage "
-            f"config, with --distributed-executor-backend mp or ray); {SKIP_ENV}=1 loads anyway",
-            stage=worst.stage)
+            f"available; options: {', '.join(options)}; {SKIP_ENV}=1 loads anyway", stage=worst.stage)

@@ -87,3 +87,18 @@ def test_stages_on_different_devices_are_checked_per_device():
     with pytest.raises(ConfigError, match="needs 6.00 GiB on cuda:1"):
         memory_plan.check_fits(plans, available=lambda d: {"cpu": 4 << 30, "cuda:1": 5 << 30}[d])
     memory_plan.check_fits(plans, available=lambda d: None)  # unknown: not refused
+
+
+def test_the_refusal_names_the_options_beyond_those_already_chosen():
+    plans = [memory_plan.StageMemory("thinker", "cpu", 3 << 30, 1 << 30)]
+
+    def refusal(**chosen) -> str:
+        with pytest.raises(ConfigError) as err:
+            memory_plan.check_fits(plans, available=lambda d: 1 << 30, **chosen)
+        return str(err.value)
+
+    assert "--dtype bfloat16" in refusal() and "--quantization int4 or int8" in refusal()
+    text = refusal(dtype="bfloat16", quantization="int8")
+    assert "--dtype" not in text and "--quantization int4 (" in text
+    text = refusal(dtype="bfloat16", quantization="int4")
+    assert "--dtype" not in text and "--quantization" not in text and "kv_cache_bytes" in text
