@@ -4,6 +4,8 @@ the device is refused with an error naming the stage, the bytes and the options.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +104,26 @@ def test_the_refusal_names_the_options_beyond_those_already_chosen():
     assert "--dtype" not in text and "--quantization int4 (" in text
     text = refusal(dtype="bfloat16", quantization="int4")
     assert "--dtype" not in text and "--quantization" not in text and "kv_cache_bytes" in text
+
+
+def test_the_full_released_model_is_planned_from_its_headers(tmp_path):
+    """Qwen3-Omni-30B-A3B at full depth (35 B parameters, headers only: no data on disk): in bfloat16 the plan
+    is the checkpoint's bytes (Code2Wav in float32 where the CPU has no bfloat16 arithmetic); with int4 the
+    whole model and its default KV budgets fit in 21.5 GiB, the headline's 24 GiB machine."""
+    from omnistage.pipeline.engine import plan_engine
+    from omnistage.testing.header_checkpoint import header_only_checkpoint
+
+    ckpt = header_only_checkpoint(tmp_path / "full")
+    sizes = memory_plan.tensor_sizes(ckpt)
+    assert len(sizes) > 28_000 and sum(p.stat().st_blocks * 512 for p in ckpt.iterdir()) < 64 << 20
+
+    def stored(prefix: str) -> int:
+        return sum(2 * math.prod(shape) for name, (shape, _) in sizes.items() if name.startswith(prefix))
+
+    assert 70.4e9 < stored("") < 70.6e9  # the released checkpoint's 70.5 GB
+    bf16 = {p.stage: p for p in plan_engine(EngineArgs(str(ckpt), dtype="bfloat16")).memory}
+    assert bf16["thinker"].weight_bytes == stored("thinker.") and bf16["talker"].weight_bytes == stored("talker.")
+    assert bf16["code2wav"].weight_bytes == stored("code2wav.") * (1 if cpu_computes_bf16() else 2)
+    int4 = plan_engine(EngineArgs(str(ckpt), dtype="bfloat16", quantization="int4")).memory
+    assert sum(p.total for p in int4) < 21.5 * (1 << 30)
+    assert all(q.weight_bytes < bf16[q.stage].weight_bytes / 3.4 for q in int4 if q.stage != "code2wav")
