@@ -26,6 +26,13 @@ def header_only_checkpoint(out_dir: str | Path, depth: Mapping[str, int] | None 
     directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    probe = out / "hole.probe"  # a filesystem without holes would write the 70 GB
+    with open(probe, "wb") as f:
+        f.truncate(64 << 20)
+    held = probe.stat().st_blocks * 512
+    probe.unlink()
+    if held >= 1 << 20:
+        raise OSError(f"{out}: this filesystem does not keep holes in files (a 64 MiB hole took {held} bytes)")
     _, config = write_config_files(out, real_preset(depth), thinker_vocab=REAL_VOCAB)
     with warnings.catch_warnings(), torch.device("meta"):
         warnings.simplefilter("ignore")
