@@ -148,7 +148,7 @@ class ModelFamily(ABC):
 
     name: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]  # config.json "architectures" this family serves
-    parts: ClassVar[Mapping[str, PartSpec]]
+    parts: Mapping[str, PartSpec]  # declared per class; an instance may narrow a part's weights (thinker_layout)
     bridges: ClassVar[Mapping[str, BridgeSpec]]
     preset_file: ClassVar[str]  # packaged YAML next to the family's modules
     # Dataclasses the family puts in per-request values (StageRequest.data, payloads, outputs): a stage in
