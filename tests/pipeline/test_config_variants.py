@@ -3,7 +3,8 @@ SiLU (transformers' ``ACT2FN`` names) in every part, and scaled rotary embedding
 llama3 in ``rope_parameters``) in every transformer that reads them: Qwen3-Omni's Thinker (MRoPE), Talker, code
 predictor and Code2Wav, Qwen2.5-Omni's Thinker, Talker and DiT. Neither changes a weight, so each test takes a
 built checkpoint and sets them in config.json; text, codes and audio must equal transformers' generate. Rope
-types whose frequencies follow the sequence length are refused at load, naming the type."""
+types whose frequencies follow the sequence length are refused at load, naming the type. The releases' own way of
+writing the rope settings (transformers 4.5x: ``rope_scaling`` + ``rope_theta``) answers as the v5 form."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 LINEAR = {"rope_type": "linear", "factor": 3.0}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
+# the config sections holding each family's rotary settings
+QWEN3_ROPE_PARTS = [("thinker_config", "text_config"), ("talker_config", "text_config"),
+                    ("talker_config", "code_predictor_config"), ("code2wav_config",)]
+QWEN2_5_ROPE_PARTS = [("thinker_config", "text_config"), ("talker_config",), ("token2wav_config", "dit_config")]
 
 
 def _answers_differ(ckpt, other) -> bool:
@@ -62,9 +67,7 @@ def _with_rope(src: Path, dst: Path, parts, scaling: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def scaled(tiny_ckpt, tmp_path_factory):
-    parts = [("thinker_config", "text_config"), ("talker_config", "text_config"),
-             ("talker_config", "code_predictor_config"), ("code2wav_config",)]
-    return _with_rope(tiny_ckpt, tmp_path_factory.mktemp("rope") / "ckpt", parts, [YARN, LINEAR, LLAMA3, YARN])
+    return _with_rope(tiny_ckpt, tmp_path_factory.mktemp("rope") / "ckpt", QWEN3_ROPE_PARTS, [YARN, LINEAR, LLAMA3, YARN])
 
 
 def test_qwen3_scaled_rope_equals_transformers(scaled, tiny_ckpt):
@@ -129,6 +132,38 @@ def test_tied_output_head_equals_transformers(tiny_ckpt, tmp_path, stored):
     assert _answers_differ(ckpt, tiny_ckpt) == (not stored)  # the tied head answers otherwise; a stored one not
 
 
+def _release_style(src: Path, dst: Path, parts, legacy: dict | None = None) -> Path:
+    """The checkpoint's config as the releases write it (transformers 4.5x): each part's rope in ``rope_scaling``,
+    the legacy ``type`` beside ``rope_type``, and ``rope_theta`` beside it, not v5's ``rope_parameters``;
+    ``legacy``: a part's rope given the oldest way instead (``type`` alone, e.g. a yarn scaling)."""
+    def edit(cfg):
+        for keys in parts:
+            part = cfg
+            for key in keys:
+                part = part[key]
+            rope = dict(part.pop("rope_parameters"))
+            part["rope_theta"] = rope.pop("rope_theta")
+            rope.pop("mrope_interleaved", None)  # (not in the releases' files)
+            part["rope_scaling"] = {**rope, "type": rope["rope_type"]}
+            if legacy and keys in legacy:
+                part["rope_scaling"] = {k: v for k, v in part["rope_scaling"].items() if k != "rope_type"} | legacy[keys]
+
+    return checkpoint_variant(src, dst, edit)
+
+
+def test_release_style_rope_configs_equal_transformers(tiny_ckpt, tmp_path):
+    """Qwen3-Omni's released config.json keeps each part's rope in ``rope_scaling`` + ``rope_theta``: the same
+    answers as the v5 form, equal to transformers'; a legacy ``type: yarn`` (no ``rope_type``) scales as yarn."""
+    release = _release_style(tiny_ckpt, tmp_path / "release", QWEN3_ROPE_PARTS)
+    got = run(make_engine(release), {0: [1], 1: [0], 3: [2]})
+    assert_matches_reference(release, got)
+    assert not _answers_differ(release, tiny_ckpt)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    legacy = _release_style(tiny_ckpt, tmp_path / "legacy", QWEN3_ROPE_PARTS, {QWEN3_ROPE_PARTS[1]: yarn})
+    assert_matches_reference(legacy, run(make_engine(legacy), {0: [1], 1: [0], 3: [2]}))
+    assert Talker(load_config(legacy)).model.rotary.scale > 1.1  # (yarn's attention scale: read, not dropped)
+
+
 @pytest.mark.parametrize("kind", [{"rope_type": "dynamic", "factor": 2.0},
                                   {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
                                    "original_max_position_embeddings": 16}])
@@ -143,8 +178,7 @@ TEXT_TOKENS, CODES, SEED = 8, 24, 5
 
 @pytest.fixture(scope="module")
 def q25_scaled(q25_ckpt, tmp_path_factory):
-    parts = [("thinker_config", "text_config"), ("talker_config",), ("token2wav_config", "dit_config")]
-    return _with_rope(q25_ckpt, tmp_path_factory.mktemp("q25-rope") / "ckpt", parts, [YARN, LINEAR, LINEAR])
+    return _with_rope(q25_ckpt, tmp_path_factory.mktemp("q25-rope") / "ckpt", QWEN2_5_ROPE_PARTS, [YARN, LINEAR, LINEAR])
 
 
 def assert_q25_speech_matches_reference(ckpt: Path) -> None:
@@ -164,3 +198,7 @@ def assert_q25_speech_matches_reference(ckpt: Path) -> None:
 
 def test_qwen2_5_scaled_rope_equals_transformers(q25_scaled):
     assert_q25_speech_matches_reference(q25_scaled)
+
+
+def test_qwen2_5_release_style_rope_config_equals_transformers(q25_ckpt, tmp_path):
+    assert_q25_speech_matches_reference(_release_style(q25_ckpt, tmp_path / "release", QWEN2_5_ROPE_PARTS))
