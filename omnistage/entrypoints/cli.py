@@ -82,7 +82,7 @@ def _plan(args: argparse.Namespace) -> int:
     """What serving ``args`` would hold per stage and device, and whether it fits, without loading anything."""
     from omnistage.config import ConfigError
     from omnistage.pipeline.engine import plan_engine
-    from omnistage.pipeline.memory_plan import check_fits, device_needs
+    from omnistage.pipeline.memory_plan import device_needs, refusal
     from omnistage.pipeline.omni import engine_args
 
     try:
@@ -101,14 +101,14 @@ def _plan(args: argparse.Namespace) -> int:
     if plan.backend == "ray":
         print("backend ray: Ray places the stages on its machines; not compared with this machine's memory")
         return 0
-    for need in device_needs(plan.memory):
+    needs = device_needs(plan.memory)
+    for need in needs:
         have = "unknown" if need.have is None else _size(need.have)
         print(f"{need.device}: needs {_size(need.need)}, available {have}: {'fits' if need.fits else 'does not fit'}")
-    try:
-        check_fits(plan.memory, dtype=eargs.dtype, quantization=eargs.quantization)
-    except ConfigError as exc:
-        print(f"omnistage plan: {exc}", file=sys.stderr)
-        return 1
+    for need in needs:
+        if not need.fits:
+            print(f"omnistage plan: {refusal(need, eargs.dtype, eargs.quantization)}", file=sys.stderr)
+            return 1
     return 0
 
 

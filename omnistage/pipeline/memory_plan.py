@@ -182,22 +182,27 @@ def check_fits(plans: list[StageMemory], available: Callable[[str], int | None] 
     ``quantization``, the ones the plan was made with."""
     if os.environ.get(SKIP_ENV, "0").strip().lower() in ("1", "true", "yes", "on"):
         return
-    for device_need in device_needs(plans, available):
-        if device_need.fits:
-            continue
-        device, here, need, have = device_need.device, device_need.stages, device_need.need, device_need.have
-        worst = max(here, key=lambda p: p.total)
-        parts = ", ".join(f"{p.stage} {p.weight_bytes / _GIB:.2f} GiB weights + {p.kv_bytes / _GIB:.2f} GiB KV"
-                          for p in here)
-        options = []
-        if dtype == "float32":
-            options.append("--dtype bfloat16 (half the weight bytes of float32)")
-        if quantization in ("none", "int8"):
-            options.append(f"--quantization {'int4 or int8' if quantization == 'none' else 'int4'} (weight-only: the "
-                           "decoders' weights in 4 or 8 bits)")
-        options += ["a smaller kv_cache_bytes, max_model_len or max_num_seqs in the stage config",
-                    "stages on other devices (devices: in the stage config, with --distributed-executor-backend mp "
-                    "or ray)"]
-        raise ConfigError(
-            f"the pipeline needs {need / _GIB:.2f} GiB on {device} ({parts}) but {have / _GIB:.2f} GiB is "
-            f"available; options: {', '.join(options)}; {SKIP_ENV}=1 loads anyway", stage=worst.stage)
+    for need in device_needs(plans, available):
+        if not need.fits:
+            raise refusal(need, dtype, quantization)
+
+
+def refusal(device_need: DeviceNeed, dtype: str = "float32", quantization: str = "none") -> ConfigError:
+    """The error for a device whose stages do not fit: the bytes per stage, and the options beyond ``dtype`` and
+    ``quantization``, the ones the plan was made with."""
+    device, here, need, have = device_need.device, device_need.stages, device_need.need, device_need.have
+    worst = max(here, key=lambda p: p.total)
+    parts = ", ".join(f"{p.stage} {p.weight_bytes / _GIB:.2f} GiB weights + {p.kv_bytes / _GIB:.2f} GiB KV"
+                      for p in here)
+    options = []
+    if dtype == "float32":
+        options.append("--dtype bfloat16 (half the weight bytes of float32)")
+    if quantization in ("none", "int8"):
+        options.append(f"--quantization {'int4 or int8' if quantization == 'none' else 'int4'} (weight-only: the "
+                       "decoders' weights in 4 or 8 bits)")
+    options += ["a smaller kv_cache_bytes, max_model_len or max_num_seqs in the stage config",
+                "stages on other devices (devices: in the stage config, with --distributed-executor-backend mp "
+                "or ray)"]
+    return ConfigError(
+        f"the pipeline needs {need / _GIB:.2f} GiB on {device} ({parts}) but {have / _GIB:.2f} GiB is "
+        f"available; options: {', '.join(options)}; {SKIP_ENV}=1 loads anyway", stage=worst.stage)

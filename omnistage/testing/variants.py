@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from omnistage.models.loader import load_weights
+
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 FP8_MAX = 448.0  # float8 e4m3's largest finite value
 # transformers' FP8 variant: how each stack's scales are stored (the format allows any float dtype, and E8M0
 # exponents as float8_e8m0fnu or raw bytes); "tensor": one scale for the weight
@@ -44,14 +46,9 @@ def fp8_variant(src: str | Path, dst: str | Path, block: int = 16,
     scheme, blocks of ``block`` x ``block``): every 2-D weight under ``stacks`` (name prefix -> how its scales are
     stored; default ``FP8_SCALES``) but the ``FP8_KEPT`` ones (embeddings, routers, output heads, as released FP8 checkpoints keep them) in float8 e4m3
     with its ``weight_scale_inv`` (and an ``activation_scale``), the scales in a file of their own."""
-    from omnistage.models.loader import checkpoint_files
-
     src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True)
     values, scales = {}, {}
-    for name, path in checkpoint_files(src).items():
-        with safe_open(str(path), "pt") as f:
-            tensor = f.get_tensor(name)
+    for name, tensor in load_weights(src, "", None).items():
         kind = next((k for stack, k in (stacks or FP8_SCALES).items() if name.startswith(stack)), None)
         if kind is None or tensor.dim() != 2 or not name.endswith(".weight") or any(k in name for k in FP8_KEPT):
             values[name] = tensor
@@ -59,14 +56,7 @@ def fp8_variant(src: str | Path, dst: str | Path, block: int = 16,
         base = name[: -len("weight")]
         values[name], scales[base + "weight_scale_inv"] = _fp8(tensor, kind, block)
         scales[base + "activation_scale"] = torch.ones(1)
-    for extra in src.iterdir():
-        if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
-            shutil.copy(extra, dst / extra.name)
-    files = {"model-00001-of-00002.safetensors": values, "model-00002-of-00002.safetensors": scales}
-    for file, tensors in files.items():
-        save_file(tensors, str(dst / file), metadata={"format": "pt"})
-    weight_map = {k: file for file, tensors in files.items() for k in tensors}
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_weights(src, dst, {"model-00001-of-00002.safetensors": values, "model-00002-of-00002.safetensors": scales})
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
                                   "weight_block_size": [block, block], "scale_fmt": "ue8m0",
@@ -98,22 +88,28 @@ def _fp8(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Te
 def pickled_variant(src: str | Path, dst: str | Path, shards: int = 2) -> Path:
     """Checkpoint ``src`` with its tensors in PyTorch's pickled files instead of safetensors: one
     ``pytorch_model.bin``, or ``shards`` of them with ``pytorch_model.bin.index.json``."""
-    from omnistage.models.loader import checkpoint_files
-
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True)
-    state = {}
-    for path in sorted(set(checkpoint_files(src).values())):
-        state.update(load_file(str(path)))
+    state = load_weights(src, "", None)
     names = sorted(state)
     files = {"pytorch_model.bin": names} if shards == 1 else {
         f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin": names[i::shards] for i in range(shards)}
-    for file, part in files.items():
-        torch.save({name: state[name] for name in part}, dst / file)
-    if shards > 1:
-        weight_map = {name: file for file, part in files.items() for name in part}
-        (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_weights(src, dst, {file: {name: state[name] for name in part} for file, part in files.items()})
+    return Path(dst)
+
+
+def write_weights(src: str | Path, dst: str | Path, files: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """A checkpoint at ``dst`` with ``src``'s other files (config, tokenizer, processor, voices) and these weight
+    files (name -> tensors: safetensors, or PyTorch's pickled ``.bin``), indexed where there are several."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True)
     for extra in src.iterdir():
-        if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
+        if extra.suffix not in (".safetensors", ".bin") and extra.name not in WEIGHT_INDEXES:
             shutil.copy(extra, dst / extra.name)
-    return dst
+    for file, tensors in files.items():
+        if file.endswith(".bin"):
+            torch.save(dict(tensors), dst / file)
+        else:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / file), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = WEIGHT_INDEXES[1] if next(iter(files)).endswith(".bin") else WEIGHT_INDEXES[0]
+        weight_map = {name: file for file, tensors in files.items() for name in tensors}
+        (dst / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

@@ -180,9 +180,8 @@ def fp8_twins(twins, tmp_path_factory):
     """``twins``' plain checkpoint with its decoder layers in FP8 (weights, scales and everything else in three
     files, so scales sit in other shards than their weights), and its float32 twin holding the dequantized
     values the FP8 checkpoint stands for."""
-    from safetensors.torch import save_file
-
     from omnistage.models.loader import checkpoint_files
+    from omnistage.testing.variants import write_weights
 
     plain = twins[0]
     root = tmp_path_factory.mktemp("fp8")
@@ -209,16 +208,9 @@ def fp8_twins(twins, tmp_path_factory):
         values[name], scales[name[: -len("weight")] + "weight_scale"], twin[name] = _fp8(tensor, *FP8_GROUPS[stack])
         scales[name[: -len("weight")] + "input_scale"] = torch.ones(1, dtype=torch.bfloat16)  # (not applied)
     assert values and any(s.numel() > 1 and s.dim() == 2 and s.shape[1] > 1 for s in scales.values())
-    for out, shards in ((fp8_dir, {"values": values, "scales": scales, "rest": rest}), (twin_dir, {"all": twin})):
-        out.mkdir()
-        for extra in plain.iterdir():
-            if extra.suffix != ".safetensors" and extra.name != "model.safetensors.index.json":
-                (out / extra.name).write_bytes(extra.read_bytes())
-        weight_map = {}
-        for label, tensors in shards.items():
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / f"{label}.safetensors"))
-            weight_map.update(dict.fromkeys(tensors, f"{label}.safetensors"))
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_weights(plain, fp8_dir, {"values.safetensors": values, "scales.safetensors": scales,
+                                   "rest.safetensors": rest})
+    write_weights(plain, twin_dir, {"all.safetensors": twin})
     (fp8_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     return fp8_dir, twin_dir
 

@@ -14,22 +14,28 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
+def _getter(cfg: Any) -> Any:
+    """A field of a config object or of its config.json section (None where absent)."""
+    return cfg.get if isinstance(cfg, Mapping) else lambda name: getattr(cfg, name, None)
+
+
 def rope_kind(cfg: Any) -> str:
     """A transformers config's rope type (v5 ``rope_parameters`` or the older ``rope_scaling``), from the config
     object or its config.json section."""
-    get = cfg.get if isinstance(cfg, Mapping) else lambda name: getattr(cfg, name, None)
+    get = _getter(cfg)
     params = get("rope_parameters") or {}
     scaling = get("rope_scaling") or {}
     return params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default"))) or "default"
 
 
-def rope_theta(cfg: Any) -> float:
-    """The rotary base of a transformers text config (v5 ``rope_parameters`` or the older flat fields)."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
-    if theta is None:
+def rope_theta(cfg: Any, default: float | None = None) -> float:
+    """The rotary base of a transformers config or its config.json section (v5 ``rope_parameters`` or the older
+    flat field); ``default`` where it has none (None: an error)."""
+    get = _getter(cfg)
+    theta = (get("rope_parameters") or {}).get("rope_theta", get("rope_theta"))
+    if theta is None and default is None:
         raise ValueError("config has no rope_theta")
-    return float(theta)
+    return float(default if theta is None else theta)
 
 
 def rope_frequencies(cfg: Any, head_dim: int) -> tuple[tuple[float, ...] | None, float]:

@@ -44,7 +44,7 @@ from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
 from omnistage.models.layers.mlp import activation
-from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies, rope_kind
+from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies, rope_kind, rope_theta
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.stream_step import StreamStep
@@ -137,8 +137,6 @@ class Code2WavConfig:
                 return hf_config.get(name, default)
             return getattr(hf_config, name, default)
 
-        rope = get("rope_parameters") or get("rope_scaling") or {}
-        rope_theta = rope.get("rope_theta", get("rope_theta", 10000.0))
         scaled: dict[str, Any] = {}
         if rope_kind(hf_config) != "default":  # computed as transformers does
             hf = Qwen3OmniMoeCode2WavConfig(**hf_config) if isinstance(hf_config, Mapping) else hf_config
@@ -153,7 +151,7 @@ class Code2WavConfig:
             # None means "use the default", except for sliding_window where None means full causal.
             if value is not missing and (value is not None or name == "sliding_window"):
                 kwargs[name] = value
-        return cls(rope_theta=float(rope_theta), **scaled, **kwargs)
+        return cls(rope_theta=rope_theta(hf_config, default=10000.0), **scaled, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------
