@@ -12,6 +12,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
 )
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
+from omnistage.models.layers.rotary import RotaryEmbedding
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 
 TOL = 1e-4
@@ -196,5 +197,12 @@ def test_config_from_json_dict():
         Code2WavConfig(num_attention_heads=16, num_key_value_heads=3)
     yarn = Code2WavConfig.from_hf({**section, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     assert yarn.rope_scale > 1.0 and len(yarn.rope_inv_freq) == yarn.resolved_head_dim // 2  # (as transformers')
-    with pytest.raises(ValueError, match="rope_type 'dynamic' changes its frequencies"):
-        Code2WavConfig.from_hf({**section, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
+    # A rope that follows the forward's length keeps its base frequencies within transformers' 325-frame chunks
+    # (the released original length is 8000); below that it would follow each chunk's length: refused.
+    dynamic = Code2WavConfig.from_hf({**section, "max_position_embeddings": 8000,
+                                      "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})
+    assert torch.equal(torch.tensor(dynamic.rope_inv_freq),
+                       RotaryEmbedding(dynamic.resolved_head_dim, dynamic.rope_theta).inv_freq)
+    with pytest.raises(ValueError, match="rope_type 'dynamic' with an original length of 300 frames"):
+        Code2WavConfig.from_hf({**section, "max_position_embeddings": 300,
+                                "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}})

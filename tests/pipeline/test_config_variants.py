@@ -3,7 +3,8 @@ SiLU (transformers' ``ACT2FN`` names) in every part, and scaled rotary embedding
 llama3 in ``rope_parameters``) in every transformer that reads them: Qwen3-Omni's Thinker (MRoPE), Talker, code
 predictor and Code2Wav, Qwen2.5-Omni's Thinker, Talker and DiT. Neither changes a weight, so each test takes a
 built checkpoint and sets them in config.json; text, codes and audio must equal transformers' generate. Rope
-types whose frequencies follow the sequence length are refused at load, naming the type. The releases' own way of
+types whose frequencies follow the forward's length (dynamic NTK, longrope) too, each row rotated as transformers'
+generate rotates it. The releases' own way of
 writing the rope settings (transformers 4.5x: ``rope_scaling`` + ``rope_theta``) answers as the v5 form."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 from test_pipeline_parity import (
     PROMPTS,
+    _hf,
     assert_all_free,
     assert_matches_reference,
     make_engine,
@@ -24,15 +26,19 @@ from test_pipeline_parity import (
 
 from omnistage import Omni
 from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.loader import load_weights
 from omnistage.models.qwen3_omni.code2wav import Code2WavConfig, Code2WavTransformer
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.registry import load_pipeline_config
+from omnistage.pipeline.engine import OmniEngine
+from omnistage.pipeline.engine_args import EngineArgs
+from omnistage.testing.qwen2_5_omni.reference import load_hf_reference as load_q25_reference
 from omnistage.testing.qwen2_5_omni.reference import reference_speech
 from omnistage.testing.reference import load_hf_reference
-from omnistage.testing.variants import checkpoint_variant
+from omnistage.testing.variants import checkpoint_variant, write_weights
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 LINEAR = {"rope_type": "linear", "factor": 3.0}
@@ -164,13 +170,150 @@ def test_release_style_rope_configs_equal_transformers(tiny_ckpt, tmp_path):
     assert Talker(load_config(legacy)).model.rotary.scale > 1.1  # (yarn's attention scale: read, not dropped)
 
 
-@pytest.mark.parametrize("kind", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                                   "original_max_position_embeddings": 16}])
-def test_rope_types_that_follow_the_sequence_length_are_refused(tiny_ckpt, tmp_path, kind):
-    ckpt = _with_rope(tiny_ckpt, tmp_path / "ckpt", [("thinker_config", "text_config")], [kind])
-    with pytest.raises(ValueError, match=f"rope_type '{kind['rope_type']}' changes its frequencies"):
-        Thinker(load_config(ckpt))
+# Rope types whose frequencies follow the forward's length: the Thinker's prompts are 10, 25 and 50 rows long and
+# answer 6-9 tokens, so at 28 one answer crosses the original length while decoding, one prompt is past it; each
+# Talker prompt is longer than the Thinker's and answers 24 codes, so at 40 they cross or start past it; a code
+# predictor frame crosses 6 from its 7th position. Code2Wav's original length is the released one.
+QWEN3_LENGTH_ROPES = [
+    {"rope_type": "dynamic", "factor": 4.0, "max_position_embeddings": 28},
+    {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 40,
+     "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]},
+    {"rope_type": "dynamic", "factor": 3.0, "max_position_embeddings": 6},
+    {"rope_type": "dynamic", "factor": 2.0},
+]
+
+
+def _with_length_rope(src: Path, dst: Path, parts, ropes) -> Path:
+    """``_with_rope``, a part's ``max_position_embeddings`` (dynamic's original length) set where given."""
+    split = [({k: v for k, v in r.items() if k != "max_position_embeddings"}, r.get("max_position_embeddings"))
+             for r in ropes]
+
+    def edit(cfg):
+        for keys, (_, mpe) in zip(parts, split):
+            part = cfg
+            for key in keys:
+                part = part[key]
+            if mpe is not None:
+                part["max_position_embeddings"] = mpe
+
+    return checkpoint_variant(_with_rope(src, dst.with_name(dst.name + "-rope"), parts, [r for r, _ in split]), dst,
+                              edit)
+
+
+def fresh_rotaries(hf) -> None:
+    """transformers' dynamic rope modules keep the frequencies of the longest forward they saw, until a forward
+    shorter than the original length resets them: each reference request starts from a freshly loaded model's."""
+    for m in hf.modules():
+        if hasattr(m, "original_inv_freq") and hasattr(m, "max_seq_len_cached"):
+            m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
+            m.max_seq_len_cached = m.original_max_seq_len
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with its q / k norm weights x4: its random weights attend almost uniformly, where
+    rotary frequencies hardly change an answer; sharper attention shows them."""
+    state = load_weights(tiny_ckpt, "", None)
+    dst = tmp_path_factory.mktemp("sharp") / "ckpt"
+    sharpened = {n: t * 4 if n.endswith(("q_norm.weight", "k_norm.weight")) else t for n, t in state.items()}
+    write_weights(tiny_ckpt, dst, {"model.safetensors": sharpened})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def length_scaled(sharp, tmp_path_factory):
+    return _with_length_rope(sharp, tmp_path_factory.mktemp("rope-len") / "ckpt", QWEN3_ROPE_PARTS,
+                             QWEN3_LENGTH_ROPES)
+
+
+@pytest.mark.parametrize("scheduler", [{}, {"max_num_batched_tokens": 7, "max_num_seqs": 4, "block_size": 4}],
+                         ids=["whole", "chunked"])
+def test_qwen3_rope_following_the_length_equals_transformers(length_scaled, sharp, scheduler):
+    """dynamic NTK and longrope in every part: each row rotated with the frequencies of the forward transformers'
+    generate computes it in (prompt rows: the prompt's length, however the prefill is chunked; decode rows: their
+    own), for requests that cross the original length while decoding and ones whose prompt is past it, batched
+    together; asked again, they take the cached blocks before the original length and answer the same."""
+    engine = make_engine(length_scaled, thinker={"scheduler": scheduler}, talker={"scheduler": scheduler})
+    got = run(engine, {0: [1, 2], 1: [0]})
+    assert_all_free(engine)
+    again = run(engine, {0: [0, 1, 2]})
+    assert engine.resource_stats()["thinker"]["prefix_cache_hits"] > 0
+    for i in range(len(PROMPTS)):
+        assert again[i]["tokens"] == got[i]["tokens"] and torch.equal(again[i]["codes"], got[i]["codes"])
+    assert_matches_fresh_reference(length_scaled, got)
+    # past their original lengths the frequencies change the answers (the first prompt's text never gets there)
+    assert [got[i]["tokens"] != reference(str(sharp), i)[0] for i in range(len(PROMPTS))] == [False, True, True]
+    assert not any(torch.equal(got[i]["codes"], reference(str(sharp), i)[1]) for i in range(len(PROMPTS)))
+
+
+def assert_matches_fresh_reference(ckpt: Path, got) -> None:
+    """``assert_matches_reference``, each prompt against a freshly loaded transformers model's generate."""
+    hf = _hf(str(ckpt))
+    for i in range(len(PROMPTS)):
+        fresh_rotaries(hf)
+        assert_matches_reference(ckpt, got, [i])
+
+
+def test_qwen3_rope_following_the_length_on_the_graph_runner_and_after_preemption(length_scaled):
+    """The CUDA-graph runner's static decode steps take each row's frequencies as a row-aligned input; Talker
+    requests preempted and recomputed rotate their decode rows as when they were decoded."""
+    from omnistage.runner.graph_runner import CUDAGraphARRunner
+
+    small_pool = {"scheduler": {"block_size": 4, "num_blocks": 24, "max_model_len": 80}, "sampling": {"max_tokens": 32}}
+    eng = OmniEngine(EngineArgs(str(length_scaled)), load_pipeline_config(
+        "qwen3_omni", {"runner": "cuda_graph", "stages": {"talker": small_pool}}))
+    assert isinstance(eng.orchestrator.stages["talker"].runner, CUDAGraphARRunner)
+    sched = eng.orchestrator.stages["talker"].scheduler
+    preempted, original = [], sched._preempt
+    sched._preempt = lambda request: preempted.append(request.req_id) or original(request)
+    got = run(eng, {0: [0, 1, 2]})
+    assert preempted, "the pool was meant to be too small for three talkers at once"
+    assert eng.orchestrator.stages["talker"].runner.stats.static_steps > 0
+    assert_all_free(eng)
+    assert_matches_fresh_reference(length_scaled, got)
+
+
+@torch.no_grad()
+def test_rope_following_the_length_tables_equal_transformers(length_scaled):
+    """A row's cos / sin for a forward of a given length equal transformers' rotary module's after a forward that
+    long (the base ones at or below the original length), 3-D and 1-D positions."""
+    hf = load_hf_reference(length_scaled)
+    config = load_config(length_scaled)
+    thinker, talker = Thinker(config), Talker(config)
+    x = torch.zeros(1)
+    for length in (5, 28, 29, 41, 60):
+        pos = torch.stack([torch.arange(length), torch.arange(length) // 3, torch.arange(length) % 5])
+        for rotary, theirs, ours in (
+            (thinker.model.rotary, hf.thinker.model.language_model.rotary_emb,
+             lambda p, f: mrope_cos_sin(p, thinker.model.rotary, thinker.mrope_axis, torch.float32, f)),
+            (talker.model.rotary, hf.talker.model.rotary_emb,
+             lambda p, f: talker.model.rotary(p, torch.float32, f)),
+        ):
+            fresh_rotaries(hf)
+            cos, sin = theirs(x, pos[:, None].float())
+            got = ours(pos.t().float(), rotary.row_frequencies([float(length)] * length))
+            assert torch.equal(got[0], cos[0]) and torch.equal(got[1], sin[0])
+    # the code predictor's frame: rows 0-1 one prefill forward, each later row a forward of its own
+    cp, q = talker.code_predictor.model, talker.num_code_groups
+    rotary = hf.talker.code_predictor.model.rotary_emb
+    for p in range(q):
+        fresh_rotaries(hf)
+        cos, sin = rotary(x, torch.arange(max(p + 1, 2))[None])
+        assert torch.equal(cp.rope_cos[p], cos[0, p]) and torch.equal(cp.rope_sin[p], sin[0, p])
+
+
+def test_rope_following_the_length_keeps_rows_past_it_out_of_the_prefix_cache(length_scaled):
+    """Rows rotated past the original length depend on their forward's length, not on the rows: no block holding
+    one is registered or reused; blocks before it are, as for any rope."""
+    from omnistage.core.request import Request
+    from omnistage.models.qwen3_omni.stage_models import ThinkerStageModel
+
+    model = ThinkerStageModel(Thinker(load_config(length_scaled)))
+    short, long_ = Request("a", list(range(20)), SamplingParams()), Request("b", list(range(30)), SamplingParams())
+    assert model.block_extra_key({}, short, 0, 16) == b""
+    assert model.block_extra_key({}, short, 16, 28) == b""  # decode rows up to position 27: length 28
+    assert model.block_extra_key({}, short, 16, 32) is None
+    assert model.block_extra_key({}, long_, 0, 16) is None  # a prompt of 30 rows: its prefill is past 28
 
 
 TEXT_TOKENS, CODES, SEED = 8, 24, 5
@@ -181,9 +324,9 @@ def q25_scaled(q25_ckpt, tmp_path_factory):
     return _with_rope(q25_ckpt, tmp_path_factory.mktemp("q25-rope") / "ckpt", QWEN2_5_ROPE_PARTS, [YARN, LINEAR, LINEAR])
 
 
-def assert_q25_speech_matches_reference(ckpt: Path) -> None:
+def assert_q25_speech_matches_reference(ckpt: Path):
     """A Qwen2.5-Omni checkpoint's greedy text and one-shot speech equal transformers' generate (audio within
-    1e-4)."""
+    1e-4); returns omnistage's output."""
     params = {"thinker": SamplingParams(temperature=0.0, max_tokens=TEXT_TOKENS),
               "talker": SamplingParams(temperature=0.0, max_tokens=CODES, repetition_penalty=1.05, seed=SEED)}
     one_shot = {"stages": {"token2wav": {"bridge_args": {"chunk_blocks": 10_000, "past_blocks": 0,
@@ -194,6 +337,7 @@ def assert_q25_speech_matches_reference(ckpt: Path) -> None:
     tokens, wav = reference_speech(ckpt, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)
     assert out.token_ids == (tokens[:-1] if tokens[-1] in eos else tokens)
     assert out.audio.shape == wav.shape and (out.audio - wav).abs().max().item() <= 1e-4
+    return out
 
 
 def test_qwen2_5_scaled_rope_equals_transformers(q25_scaled):
@@ -202,3 +346,30 @@ def test_qwen2_5_scaled_rope_equals_transformers(q25_scaled):
 
 def test_qwen2_5_release_style_rope_config_equals_transformers(q25_ckpt, tmp_path):
     assert_q25_speech_matches_reference(_release_style(q25_ckpt, tmp_path / "release", QWEN2_5_ROPE_PARTS))
+
+
+# The spoken prompt is 123 rows, past the Thinker's 100 (Qwen3-Omni's test crosses it while decoding);
+# the Talker's prompt is 125 rows and answers 24 codes: at 135 they cross it; the DiT's one forward over 48 mel
+# frames is past 16.
+QWEN2_5_LENGTH_ROPES = [
+    {"rope_type": "dynamic", "factor": 4.0, "max_position_embeddings": 100},
+    {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 135,
+     "short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0], "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]},
+    {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 16,
+     "short_factor": [1.0] * 8, "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]},
+]
+
+
+def test_qwen2_5_rope_following_the_length_equals_transformers(q25_ckpt, tmp_path):
+    """Qwen2.5-Omni's Thinker (dynamic NTK), Talker and DiT (longrope) as transformers' generate rotates them."""
+    state = load_weights(q25_ckpt, "", None)
+    sharp = tmp_path / "sharp"  # (queries x4: attention peaks enough for the frequencies to show)
+    write_weights(q25_ckpt, sharp, {"model.safetensors": {
+        n: t * 4 if ".self_attn.q_proj." in n else t for n, t in state.items()}})
+    ckpt = _with_length_rope(sharp, tmp_path / "ckpt", QWEN2_5_ROPE_PARTS, QWEN2_5_LENGTH_ROPES)
+    fresh_rotaries(load_q25_reference(ckpt))
+    out = assert_q25_speech_matches_reference(ckpt)
+    # past their original lengths the frequencies change the answers
+    tokens, wav = reference_speech(sharp, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)
+    assert out.token_ids != tokens[: len(out.token_ids)]
+    assert out.audio.shape != wav.shape or (out.audio - wav).abs().max().item() > 1e-2

@@ -18,7 +18,13 @@ from omnistage.models.layers.moe import SparseMoE
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.quant import decoder_kernel_weight
 from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
-from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies, rope_theta
+from omnistage.models.layers.rotary import (
+    LengthScaling,
+    RotaryEmbedding,
+    length_scaling,
+    rope_frequencies,
+    rope_theta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ class DecoderConfig:
     # A scaled rope type's inverse frequencies and cos/sin scale (``rotary.rope_frequencies``); None: theta's.
     rope_inv_freq: tuple[float, ...] | None = None
     rope_scale: float = 1.0
+    # Where the rope's frequencies follow the forward's length (``rotary.length_scaling``); None: fixed.
+    rope_length: LengthScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -137,11 +145,12 @@ class DecoderConfig:
             hidden_act=getattr(cfg, "hidden_act", None) or "silu",
             rope_inv_freq=inv_freq,
             rope_scale=rope_scale,
+            rope_length=length_scaling(cfg),
         )
 
     def rotary(self) -> RotaryEmbedding:
         """The decoder's rotary tables (theta's frequencies, or its scaled rope type's)."""
-        return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_inv_freq, self.rope_scale)
+        return RotaryEmbedding(self.head_dim, self.rope_theta, self.rope_inv_freq, self.rope_scale, self.rope_length)
 
 
 class DecoderLayer(nn.Module):
@@ -400,18 +409,20 @@ class PagedDecoder(nn.Module):
         attn_meta: AttentionMetadata,
         capture_layer: int | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rope_freqs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [N, H] layer-0 input -> (final-normed [N, H], hidden entering layer ``capture_layer`` or None).
 
         ``capture_layer == num_layers`` captures the final-normed output (what transformers reports last).
-        ``rope``: the rows' (cos, sin) when the caller computes them (default: ``self.rotary`` at ``positions``).
+        ``rope``: the rows' (cos, sin) when the caller computes them (default: ``self.rotary`` at ``positions``,
+        with each row's frequencies ``rope_freqs`` where given: ``RotaryEmbedding.row_frequencies``).
         """
-        h, captured, _ = self._layers(h, positions, kv_caches, attn_meta, capture_layer, rope, None)
+        h, captured, _ = self._layers(h, positions, kv_caches, attn_meta, capture_layer, rope, None, rope_freqs)
         return h, captured
 
     def run_layers_with_head(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata,
-        head: tuple[torch.Tensor, int],
+        head: tuple[torch.Tensor, int], rope_freqs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``run_layers`` without a capture: (final-normed [N, H], every row's logits through ``head`` = (an output
         head's ``pack_linear`` panels, vocabulary size), computed in the decode step's kernel call, or None where
@@ -419,20 +430,20 @@ class PagedDecoder(nn.Module):
         step starts cold (a 1-row Talker step's codec head took 0.38 ms for 6.3 MB). Released widths, forward and
         logits per Talker step, alternating in one engine: 1 request bfloat16 2.53 -> 2.47 ms, float32 2.57 ->
         2.48 ms; 16 requests 0.98x / 0.99x."""
-        h, _, logits = self._layers(h, positions, kv_caches, attn_meta, None, None, head)
+        h, _, logits = self._layers(h, positions, kv_caches, attn_meta, None, None, head, rope_freqs)
         return h, logits
 
     def _layers(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata,
         capture_layer: int | None, rope: tuple[torch.Tensor, torch.Tensor] | None,
-        head: tuple[torch.Tensor, int] | None,
+        head: tuple[torch.Tensor, int] | None, rope_freqs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         num_layers = len(self.layers)
         if len(kv_caches) != num_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for {num_layers} layers")
         if positions.shape[0] != h.shape[0]:
             raise ValueError(f"positions has {positions.shape[0]} rows, hidden has {h.shape[0]}")
-        cos, sin = self.rotary(positions, h.dtype) if rope is None else rope
+        cos, sin = self.rotary(positions, h.dtype, rope_freqs) if rope is None else rope
         split = capture_layer if capture_layer is not None and capture_layer < num_layers else num_layers
         captured, start = None, 0
         if split < num_layers:

@@ -7,6 +7,7 @@ text-only input the three ids are equal, so the interleaving is the identity and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,16 +40,13 @@ def rope_theta(cfg: Any, default: float | None = None) -> float:
 
 
 def rope_frequencies(cfg: Any, head_dim: int) -> tuple[tuple[float, ...] | None, float]:
-    """(inverse frequencies, cos/sin scale) of a scaled rope type, as transformers computes them (``linear``,
-    ``yarn``, ``llama3``, ...); (None, 1.0) for the default one (``RotaryEmbedding`` computes it from theta).
-    Types whose frequencies change with the sequence length (``dynamic``, ``longrope``: transformers recomputes
-    them every forward) are refused: cached keys keep the frequencies of the step that wrote them."""
+    """(inverse frequencies, cos/sin scale) of a scaled rope type, as transformers computes them at load
+    (``linear``, ``yarn``, ``llama3``, ...; for ``dynamic`` and ``longrope`` the frequencies of rows at or below
+    their original length: ``length_scaling`` gives the others); (None, 1.0) for the default one
+    (``RotaryEmbedding`` computes it from theta)."""
     kind = rope_kind(cfg)
     if kind == "default":
         return None, 1.0
-    if "dynamic" in kind or kind == "longrope":
-        raise ValueError(f"rope_type {kind!r} changes its frequencies with the sequence length: not supported "
-                         "(a cached key keeps the frequencies it was rotated with)")
     if kind not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {kind!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
     inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg)
@@ -58,12 +56,67 @@ def rope_frequencies(cfg: Any, head_dim: int) -> tuple[tuple[float, ...] | None,
     return tuple(inv_freq.float().tolist()), float(scale)
 
 
+@dataclass(frozen=True)
+class LengthScaling:
+    """A rope type whose frequencies follow the length of the forward a row is computed in (``dynamic`` NTK,
+    ``longrope``): transformers recomputes them each forward from its largest position + 1 (``seq_len``), the
+    type's base frequencies at or below ``original``. A row's length is what that forward would have been in
+    transformers' generate: its prompt's for prompt rows, its own position + 1 for a decode row. Cached keys
+    keep the frequencies they were rotated with, as there."""
+
+    kind: str
+    original: float
+    config: Any = field(compare=False, repr=False)  # what transformers' rope function reads
+    _cache: dict[float, torch.Tensor] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def frequencies(self, length: float) -> torch.Tensor | None:
+        """[head_dim / 2] float32 inverse frequencies of a row whose forward is ``length`` long; None: the
+        base ones (``rope_frequencies``)."""
+        if length <= self.original:
+            return None
+        if self.kind == "longrope":
+            length = self.original + 1  # (one long set past the original length, as transformers keeps it)
+        freqs = self._cache.get(length)
+        if freqs is None:
+            if len(self._cache) >= _MAX_CACHED_LENGTHS:  # (decode lengths only grow: start over, never unbounded)
+                self._cache.clear()
+            # seq_len as transformers passes it (a tensor: its arithmetic is float32's, not Python's)
+            seq_len = torch.tensor(int(length) if float(length).is_integer() else float(length))
+            freqs = ROPE_INIT_FUNCTIONS[self.kind](self.config, None, seq_len=seq_len)[0].float()
+            self._cache[length] = freqs
+        return freqs
+
+
+_MAX_CACHED_LENGTHS = 4096
+
+
+def length_scaling(cfg: Any) -> LengthScaling | None:
+    """The config's rope as a ``LengthScaling`` where its frequencies follow the sequence length (transformers'
+    ``dynamic_rope_update``: a type containing ``dynamic``, or ``longrope``), else None. ``cfg``: the config
+    object transformers' rope functions read."""
+    kind = rope_kind(cfg)
+    if "dynamic" not in kind and kind != "longrope":
+        return None
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unknown rope_type {kind!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    if kind == "longrope":
+        original = (_getter(cfg)("rope_parameters") or {}).get("original_max_position_embeddings")
+    else:
+        original = _getter(cfg)("max_position_embeddings")
+    if original is None:
+        raise ValueError(f"rope_type {kind!r} needs the original length its frequencies scale from "
+                         f"({'original_max_position_embeddings' if kind == 'longrope' else 'max_position_embeddings'})")
+    return LengthScaling(kind, float(original), cfg)
+
+
 class RotaryEmbedding(nn.Module):
     """Computes cos/sin tables for a step's positions once; every layer reuses them. ``inv_freq`` / ``scale``: a
-    scaled rope type's frequencies and cos/sin factor (``rope_frequencies``); default: theta's."""
+    scaled rope type's frequencies and cos/sin factor (``rope_frequencies``); default: theta's. ``length``: the
+    rope type's scaling where its frequencies follow the forward's length (callers then give each row's
+    frequencies: ``row_frequencies``)."""
 
     def __init__(self, head_dim: int, theta: float, inv_freq: Sequence[float] | None = None,
-                 scale: float = 1.0) -> None:
+                 scale: float = 1.0, length: LengthScaling | None = None) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embedding, got {head_dim}")
@@ -75,11 +128,23 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"{freqs.numel()} rotary frequencies for head_dim {head_dim}")
         self.inv_freq = nn.Buffer(freqs, persistent=False)
         self.scale = scale
+        self.length = length
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [...] integer -> (cos, sin) of shape [..., head_dim] in ``dtype``."""
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
-        return cos_sin(torch.cat((freqs, freqs), dim=-1), self.scale, dtype)
+    def row_frequencies(self, lengths: Sequence[float]) -> torch.Tensor:
+        """[N, head_dim / 2] float32 inverse frequencies of N rows whose forwards are ``lengths`` long (a
+        ``length`` scaling's; the base ones where the rope does not follow the length)."""
+        base = self.inv_freq.cpu()
+        scaled = self.length.frequencies if self.length is not None else lambda _length: None
+        rows = [scaled(n) for n in lengths]
+        return torch.stack([base if f is None else f for f in rows]) if rows else base.new_empty(0, base.numel())
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [N] -> (cos, sin) of shape [N, head_dim] in ``dtype``; ``freqs``: each row's inverse
+        frequencies [N, head_dim / 2] (``row_frequencies``), default the rope's own."""
+        inv_freq = self.inv_freq if freqs is None else freqs
+        angles = positions[..., None].float() * inv_freq.to(positions.device)
+        return cos_sin(torch.cat((angles, angles), dim=-1), self.scale, dtype)
 
 
 def cos_sin(angles: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

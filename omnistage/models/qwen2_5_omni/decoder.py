@@ -51,13 +51,13 @@ class Qwen2PagedDecoder(PagedDecoder):
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], attn_meta: AttentionMetadata,
-        mrope_axis: torch.Tensor | None = None,
+        mrope_axis: torch.Tensor | None = None, rope_freqs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h: [N, H] layer-0 input rows -> final-normed [N, H]; ``mrope_axis`` (``sectioned_axis_of_frequency``)
-        for ``[N, 3]`` positions."""
+        for ``[N, 3]`` positions; ``rope_freqs`` each row's frequencies (``RotaryEmbedding.row_frequencies``)."""
         rope = None
         if positions.dim() == 2:
             if mrope_axis is None:
                 raise ValueError("3-D positions need the mrope axis of each frequency")
-            rope = mrope_cos_sin(positions, self.rotary, mrope_axis, h.dtype)
-        return self.run_layers(h, positions, kv_caches, attn_meta, rope=rope)[0]
+            rope = mrope_cos_sin(positions, self.rotary, mrope_axis, h.dtype, rope_freqs)
+        return self.run_layers(h, positions, kv_caches, attn_meta, rope=rope, rope_freqs=rope_freqs)[0]

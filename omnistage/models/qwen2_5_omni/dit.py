@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers.fast_linear import pack_amx_layers
-from omnistage.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_frequencies, rope_theta
+from omnistage.models.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary,
+    length_scaling,
+    rope_frequencies,
+    rope_theta,
+)
 
 _TIME_FREQ_DIM = 256
 _TIME_SCALE = 1000.0
@@ -378,7 +384,8 @@ class DiT(nn.Module):
         self.time_embed = TimestepEmbedding(cfg.hidden_size)
         self.text_embed = CodecEmbedding(cfg.num_embeds, cfg.emb_dim, cfg.repeats)
         self.input_embed = InputEmbedding(cfg)
-        self.rotary = RotaryEmbedding(cfg.head_dim, rope_theta(cfg), *rope_frequencies(cfg, cfg.head_dim))
+        self.rotary = RotaryEmbedding(cfg.head_dim, rope_theta(cfg), *rope_frequencies(cfg, cfg.head_dim),
+                                      length=length_scaling(cfg))
         ahead, back = set(cfg.look_ahead_layers), set(cfg.look_backward_layers)
         self.transformer_blocks = nn.ModuleList(
             DiTBlock(cfg, int(i in back), int(i in ahead)) for i in range(cfg.num_hidden_layers)
@@ -419,7 +426,9 @@ class DiT(nn.Module):
                 self.input_embed.constant_part(spk_uncond, null_emb, torch.zeros_like(cond)),
             )
         )
-        cos, sin = self.rotary(torch.arange(t, device=codes.device), constant.dtype)
+        # (one forward over the t mel frames, as in transformers: a rope that follows the forward's length)
+        freqs = self.rotary.row_frequencies([t] * t).to(codes.device)
+        cos, sin = self.rotary(torch.arange(t, device=codes.device), constant.dtype, freqs)
         spans: dict[tuple[int, int], BlockSpan] = {}
         for blk in self.transformer_blocks:
             key = (blk.look_back, blk.look_ahead)

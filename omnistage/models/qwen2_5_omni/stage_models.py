@@ -37,7 +37,7 @@ from omnistage.models.qwen2_5_omni.talker_inputs import (
 from omnistage.models.qwen2_5_omni.thinker import Thinker
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavWindow
 from omnistage.models.qwen2_5_omni.voices import Speaker
-from omnistage.models.qwen3_omni.mrope import step_positions
+from omnistage.models.qwen3_omni.mrope import step_positions, step_rope_freqs
 from omnistage.models.qwen3_omni.stage_models import ThinkerStageModel as MediaThinkerStageModel
 from omnistage.runner.outputs import OmniOutput, StepContext
 
@@ -172,9 +172,11 @@ class TalkerStageModel:
         decode_rows: list[int] = []
         decode_steps: list[int] = []
         owners: list[int] = []
+        num_prefill: list[int] = []
         for i, req_id in enumerate(ctx.req_ids):
             st = ctx.states[i]
             prefill = self._prefill(req_id, st)
+            num_prefill.append(prefill.shape[0])
             if st.get("prefill_embeds") is None:
                 updates[i] = {"prefill_embeds": prefill, "prompt_rows": None}  # the rows live on in the prefill
             s, e = ctx.spans[req_id]
@@ -198,12 +200,17 @@ class TalkerStageModel:
             with torch.inference_mode():
                 embeds[rows] = self.talker.embed_codec(input_ids[rows]) + text.to(embeds.dtype)
         prompts = [st.get(TALKER_POSITIONS_KEY) for st in ctx.states]
-        positions = step_positions(positions, ctx.num_computed, [ctx.spans[r] for r in ctx.req_ids], prompts)
-        return {"inputs_embeds": embeds, "positions": positions}, updates
+        spans = [ctx.spans[r] for r in ctx.req_ids]
+        positions = step_positions(positions, ctx.num_computed, spans, prompts)
+        kwargs = {"inputs_embeds": embeds, "positions": positions}
+        kwargs.update(step_rope_freqs(self.talker.model.rotary, positions, ctx.num_computed, spans, prompts,
+                                      num_prefill))
+        return kwargs, updates
 
-    def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions) -> OmniOutput:
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions,
+                rope_freqs: torch.Tensor | None = None) -> OmniOutput:
         with torch.inference_mode():
-            hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta)
+            hidden = self.talker(inputs_embeds, positions, kv_caches, attn_meta, rope_freqs)
         return OmniOutput(hidden_states=hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -97,10 +97,12 @@ class Talker(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        rope_freqs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """inputs_embeds: [N, embedding_size] rows in the Thinker's width -> final-normed [N, H]; positions [N] or
-        [N, 3] (the prefill of an image/video prompt)."""
-        return self.model(self.thinker_to_talker_proj(inputs_embeds), positions, kv_caches, attn_meta, self.mrope_axis)
+        [N, 3] (the prefill of an image/video prompt); ``rope_freqs`` each row's rotary frequencies."""
+        return self.model(self.thinker_to_talker_proj(inputs_embeds), positions, kv_caches, attn_meta, self.mrope_axis,
+                          rope_freqs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, H] -> [M, vocab]; codec_bos is -inf (generate's ``suppress_tokens``)."""

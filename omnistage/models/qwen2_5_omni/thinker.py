@@ -66,11 +66,13 @@ class Thinker(nn.Module):
         attn_meta: AttentionMetadata,
         mm_rows: torch.Tensor | None = None,
         mm_embeds: torch.Tensor | None = None,
+        rope_freqs: torch.Tensor | None = None,
     ) -> ThinkerOutput:
         embeds = self.embed(input_ids)
         if mm_rows is not None and mm_rows.numel():
             embeds = embeds.index_copy(0, mm_rows, mm_embeds.to(embeds.dtype))
-        return ThinkerOutput(hidden=self.model(embeds, positions, kv_caches, attn_meta, self.mrope_axis), embeds=embeds)
+        hidden = self.model(embeds, positions, kv_caches, attn_meta, self.mrope_axis, rope_freqs)
+        return ThinkerOutput(hidden=hidden, embeds=embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -44,12 +44,22 @@ from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers
 from omnistage.models.layers.mlp import activation
-from omnistage.models.layers.rotary import RotaryEmbedding, rope_frequencies, rope_kind, rope_theta
+from omnistage.models.layers.rotary import (
+    RotaryEmbedding,
+    length_scaling,
+    rope_frequencies,
+    rope_kind,
+    rope_theta,
+)
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.stream_step import StreamStep
 
 DEFAULT_SAMPLE_RATE = 24000
+
+# The longest forward transformers' generate runs Code2Wav with: ``chunked_decode``'s 300 frames + 25 of context.
+LONGEST_REFERENCE_FORWARD = 325
+
 
 @dataclass(frozen=True)
 class Code2WavConfig:
@@ -142,6 +152,16 @@ class Code2WavConfig:
             hf = Qwen3OmniMoeCode2WavConfig(**hf_config) if isinstance(hf_config, Mapping) else hf_config
             head_dim = get("head_dim") or get("hidden_size") // get("num_attention_heads")
             scaled["rope_inv_freq"], scaled["rope_scale"] = rope_frequencies(hf, head_dim)
+            length = length_scaling(hf)
+            if length is not None and length.original < LONGEST_REFERENCE_FORWARD:
+                # transformers' generate decodes chunks of up to 325 frames: at or below the original length
+                # a rope that follows the forward's length keeps its base frequencies, which a stream can use;
+                # past it they would follow a chunk's length, which a stream does not know.
+                raise ValueError(
+                    f"code2wav_config: rope_type {length.kind!r} with an original length of {length.original:g} "
+                    f"frames scales with the length of each decoded chunk (up to {LONGEST_REFERENCE_FORWARD} "
+                    "frames in transformers): not supported for streaming; it needs at least "
+                    f"{LONGEST_REFERENCE_FORWARD}")
         missing = object()
         kwargs = {}
         for name, spec in cls.__dataclass_fields__.items():

@@ -155,8 +155,12 @@ class CodePredictorModel(nn.Module):
         self.windows = tuple(d.window(i) for i in range(d.num_layers))  # sliding-window layers' windows
         # Rotary tables of the frame's Q positions, computed once in float32 (the values a per-pass
         # computation gives): a compiled graph indexes them instead of computing cos/sin with its own
-        # kernels, whose last bits differ from eager torch's.
-        cos, sin = d.rotary()(torch.arange(cfg.num_code_groups), torch.float32)
+        # kernels, whose last bits differ from eager torch's. Each frame is a generate of its own in
+        # transformers: positions 0 and 1 its prefill, each later one a decode forward (a rope that follows the
+        # forward's length: ``rotary.LengthScaling``).
+        rotary = d.rotary()
+        lengths = [max(p + 1, 2) for p in range(cfg.num_code_groups)]
+        cos, sin = rotary(torch.arange(cfg.num_code_groups), torch.float32, rotary.row_frequencies(lengths))
         self.rope_cos = nn.Buffer(cos, persistent=False)
         self.rope_sin = nn.Buffer(sin, persistent=False)
         self.codec_embedding = StackedTables(cfg.num_code_groups - 1, cfg.vocab_size, d.hidden_size)

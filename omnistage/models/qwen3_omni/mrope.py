@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from omnistage.models.layers.rotary import RotaryEmbedding, cos_sin
+from omnistage.models.layers.rotary import LengthScaling, RotaryEmbedding, cos_sin
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,52 @@ def step_positions(
     return pos3.to(positions.device)
 
 
+def step_rope_freqs(
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    num_computed: Sequence[int],
+    spans: Sequence[tuple[int, int]],
+    prompts: Sequence[PromptPositions | None],
+    num_prompt: Sequence[int],
+) -> dict[str, torch.Tensor]:
+    """``{"rope_freqs": each row's inverse frequencies}`` where ``rotary``'s follow the forward's length
+    (``rotary.LengthScaling``), else nothing. A row's length is the forward's in transformers' generate: a
+    prompt row's is its prompt's largest position + 1 (the prefill is one forward however the step chunks it),
+    a later row's its own position + 1 (one decode forward each, also when recomputed after preemption).
+
+    positions: the step's ``[N]`` or ``[N, 3]`` float positions (``step_positions``); request i owns rows
+    ``spans[i]`` from index ``num_computed[i]``, its prompt has ``num_prompt[i]`` rows at ``prompts[i]``
+    (None: plain indices). Padding rows get the base frequencies."""
+    if rotary.length is None:
+        return {}
+    top = (positions if positions.dim() == 1 else positions.amax(dim=-1)).tolist()
+    lengths = [0.0] * positions.shape[0]
+    for (s, e), lo, p, n in zip(spans, num_computed, prompts, num_prompt):
+        prompt_len = _prompt_length(p, n)
+        for row in range(s, e):
+            lengths[row] = prompt_len if lo + row - s < n else top[row] + 1.0
+    return {"rope_freqs": rotary.row_frequencies(lengths).to(positions.device)}
+
+
+def _prompt_length(prompt: PromptPositions | None, num_prompt: int) -> float:
+    """The prefill forward's length: its largest position + 1."""
+    return float(num_prompt) if prompt is None else float(prompt.table.max()) + 1.0
+
+
+def rows_beyond_length(rotary: RotaryEmbedding, start: int, end: int, prompt: PromptPositions | None,
+                       num_prompt: int) -> bool:
+    """Whether any of a request's rows [start, end) has a forward length (``step_rope_freqs``) past the original
+    one of ``rotary``'s length scaling: their keys then depend on how long that forward was, not on the rows
+    alone (never, for a rope that does not follow the length)."""
+    if rotary.length is None:
+        return False
+    original = rotary.length.original
+    if start < num_prompt and _prompt_length(prompt, num_prompt) > original:
+        return True
+    delta = 0.0 if prompt is None else prompt.delta
+    return end > num_prompt and end + delta > original  # the last decode row's position + 1
+
+
 def mrope_sections(text_config: Any, head_dim: int) -> list[int]:
     """The config's ``mrope_section``, else transformers' default [24, 20, 20] (sized for head_dim 128)."""
     rope = getattr(text_config, "rope_parameters", None) or {}
@@ -238,24 +284,26 @@ def mrope_axis_of_frequency(head_dim: int, sections: Sequence[int]) -> torch.Ten
 
 
 def mrope_cos_sin(
-    positions: torch.Tensor, rotary: RotaryEmbedding, axis: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, rotary: RotaryEmbedding, axis: torch.Tensor, dtype: torch.dtype,
+    freqs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [N, 3] (T, H, W ids) -> cos, sin [N, head_dim] for ``apply_rotary``, with ``rotary``'s
-    frequencies and scale."""
+    frequencies (or each row's: ``freqs`` [N, head_dim / 2]) and scale."""
     pos = positions.float()[:, axis.to(positions.device)]  # [N, head_dim / 2]: each frequency's own axis
-    freqs = pos * rotary.inv_freq.to(positions.device)
-    return cos_sin(torch.cat((freqs, freqs), dim=-1), rotary.scale, dtype)
+    angles = pos * (rotary.inv_freq if freqs is None else freqs).to(positions.device)
+    return cos_sin(torch.cat((angles, angles), dim=-1), rotary.scale, dtype)
 
 
 class MRopeRotary(RotaryEmbedding):
     """Rotary tables for ``[N]`` positions (equal ids on every axis: plain RoPE) or ``[N, 3]`` (T, H, W) ids."""
 
     def __init__(self, head_dim: int, theta: float, sections: Sequence[int], inv_freq: Sequence[float] | None = None,
-                 scale: float = 1.0) -> None:
-        super().__init__(head_dim, theta, inv_freq, scale)
+                 scale: float = 1.0, length: LengthScaling | None = None) -> None:
+        super().__init__(head_dim, theta, inv_freq, scale, length)
         self.axis = torch.nn.Buffer(mrope_axis_of_frequency(head_dim, sections), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 2:
-            return mrope_cos_sin(positions, self, self.axis, dtype)
-        return super().forward(positions, dtype)
+            return mrope_cos_sin(positions, self, self.axis, dtype, freqs)
+        return super().forward(positions, dtype, freqs)

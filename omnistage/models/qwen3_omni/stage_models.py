@@ -24,7 +24,13 @@ from omnistage.core.request import Request
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, Code2WavStreamState
 from omnistage.models.qwen3_omni.encoder_cache import MediaEncoders, item_span
-from omnistage.models.qwen3_omni.mrope import MediaSpan, PromptPositions, step_positions
+from omnistage.models.qwen3_omni.mrope import (
+    MediaSpan,
+    PromptPositions,
+    rows_beyond_length,
+    step_positions,
+    step_rope_freqs,
+)
 from omnistage.models.qwen3_omni.processor import MediaItem, thinker_media
 from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.qwen3_omni.talker_inputs import (
@@ -69,11 +75,15 @@ class ThinkerStageModel:
         self.encoders.release(req_id)
 
     # ---- prefix caching (see docs/prefix_caching.md) -------------------------------------------------
-    def block_extra_key(self, state: Mapping[str, Any], request: Request, start: int, end: int) -> bytes:
+    def block_extra_key(self, state: Mapping[str, Any], request: Request, start: int, end: int) -> bytes | None:
         """What besides the token ids decides the KV of rows [start, end): the content key and output
         rows of every media item that fills some of them, and their 3-D positions where those are not the
-        plain index (image/video prompts, rows after them)."""
+        plain index (image/video prompts, rows after them). None where a rope that follows the forward's
+        length rotated them past its original length (their keys depend on that length)."""
         media = thinker_media(state)
+        prompt = None if media is None else media.prompt_positions
+        if rows_beyond_length(self.thinker.model.rotary, start, end, prompt, request.num_prompt_tokens):
+            return None
         if media is None:
             return b""
         parts = []
@@ -111,13 +121,14 @@ class ThinkerStageModel:
         ``[N]`` when every row is text-like, ``[N, 3]`` when a chunk covers prompt rows of an image/video
         request; media rows and deepstack rows are added for prefill chunks that reach them."""
         media = [thinker_media(state) for state in ctx.states]
-        if not any(m is not None for m in media):
-            return {"input_ids": input_ids, "positions": positions.float()}, [_NO_UPDATES] * len(ctx.req_ids)
         spans = [ctx.spans[r] for r in ctx.req_ids]
-        pos = step_positions(
-            positions, ctx.num_computed, spans, [None if m is None else m.prompt_positions for m in media]
-        )
+        prompts = [None if m is None else m.prompt_positions for m in media]
+        pos = step_positions(positions, ctx.num_computed, spans, prompts)
         kwargs = {"input_ids": input_ids, "positions": pos}
+        kwargs.update(step_rope_freqs(self.thinker.model.rotary, pos, ctx.num_computed, spans, prompts,
+                                      [r.num_prompt_tokens for r in ctx.requests]))
+        if not any(m is not None for m in media):
+            return kwargs, [_NO_UPDATES] * len(ctx.req_ids)
         # Encoder rows for the prompt rows [a, b) each request's chunk covers (host bookkeeping).
         needs: list[tuple[str, MediaItem]] = []
         picks: list[tuple[MediaItem, int, int, torch.Tensor]] = []  # item, [o1, o2), step rows
@@ -286,10 +297,12 @@ class TalkerStageModel:
         prefill = state.get("prefill_embeds")
         if prefill is None or end > prefill.shape[0]:
             return None
+        positions = state.get("prefill_positions")
+        if rows_beyond_length(self.talker.model.rotary, start, end, positions, prefill.shape[0]):
+            return None
         rows = prefill[start:end].detach().contiguous().cpu()
         h = hashlib.sha256(rows.view(torch.uint8).numpy().tobytes())
         h.update(str(rows.dtype).encode())
-        positions = state.get("prefill_positions")
         if positions is not None:
             h.update(positions.table[start:end].contiguous().numpy().tobytes())
         return h.digest()
@@ -384,12 +397,18 @@ class TalkerStageModel:
             for k, i in enumerate(idx):
                 updates[i] = {"decode_embeds": (*ctx.states[i].get("decode_embeds", ()), step_in[k].clone())}
         prompts = [st.get("prefill_positions") for st in ctx.states]
-        positions = step_positions(positions, ctx.num_computed, [ctx.spans[r] for r in ctx.req_ids], prompts)
-        return {"inputs_embeds": embeds, "positions": positions, "frames": frames}, updates
+        spans = [ctx.spans[r] for r in ctx.req_ids]
+        positions = step_positions(positions, ctx.num_computed, spans, prompts)
+        kwargs = {"inputs_embeds": embeds, "positions": positions, "frames": frames}
+        kwargs.update(step_rope_freqs(self.talker.model.rotary, positions, ctx.num_computed, spans, prompts,
+                                      [st["prefill_embeds"].shape[0] for st in ctx.states]))
+        return kwargs, updates
 
-    def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames) -> OmniOutput:
+    def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames,
+                rope_freqs: torch.Tensor | None = None) -> OmniOutput:
         with torch.inference_mode():
-            hidden, logits = self.talker.forward_with_logits(inputs_embeds, positions, kv_caches, attn_meta)
+            hidden, logits = self.talker.forward_with_logits(inputs_embeds, positions, kv_caches, attn_meta,
+                                                             rope_freqs)
         return OmniOutput(hidden_states=hidden, multimodal_outputs={"codes.audio": frames}, logits=logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

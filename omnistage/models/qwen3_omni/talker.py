@@ -60,7 +60,7 @@ class Talker(nn.Module):
         self.model = TalkerTextModel(self.cfg, self.vocab_size)
         sections = mrope_sections(text_cfg, self.cfg.head_dim)
         self.model.rotary = MRopeRotary(self.cfg.head_dim, self.cfg.rope_theta, sections, self.cfg.rope_inv_freq,
-                                        self.cfg.rope_scale)
+                                        self.cfg.rope_scale, self.cfg.rope_length)
         # The Talker's own 3-D positions over its prompt read these (transformers: its talker config's values).
         self.spatial_merge_size = int(tcfg.spatial_merge_size)
         self.position_id_per_seconds = float(tcfg.position_id_per_seconds)
@@ -95,8 +95,9 @@ class Talker(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        rope_freqs: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden, _ = self.model.run_layers(inputs_embeds, positions, kv_caches, attn_meta)
+        hidden, _ = self.model.run_layers(inputs_embeds, positions, kv_caches, attn_meta, rope_freqs=rope_freqs)
         return hidden
 
     def forward_with_logits(
@@ -105,14 +106,15 @@ class Talker(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        rope_freqs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward``, and every row's ``compute_logits`` (the same bits) where a decode step's layers and the codec
         head run in one kernel call (the ``fast`` option on CPU, the head on panels); else None."""
         panels = getattr(self.codec_head, "panels", None)  # (None for a head on AMX or oneDNN, or unpacked)
         if panels is None:
-            return self.forward(inputs_embeds, positions, kv_caches, attn_meta), None
+            return self.forward(inputs_embeds, positions, kv_caches, attn_meta, rope_freqs), None
         hidden, logits = self.model.run_layers_with_head(inputs_embeds, positions, kv_caches, attn_meta,
-                                                         (panels, self.vocab_size))
+                                                         (panels, self.vocab_size), rope_freqs)
         return hidden, None if logits is None else logits.masked_fill_(self.suppressed, float("-inf"))
 
     def compute_logits(self, hidden: torch.Tensor, suppress: bool = True) -> torch.Tensor:

@@ -77,6 +77,7 @@ class Thinker(nn.Module):
         mm_embeds: torch.Tensor | None = None,
         deepstack_rows: torch.Tensor | None = None,
         deepstack: torch.Tensor | None = None,
+        rope_freqs: torch.Tensor | None = None,
     ) -> ThinkerOutput:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -89,9 +90,9 @@ class Thinker(nn.Module):
         if positions.shape[0] != embeds.shape[0]:
             raise ValueError(f"positions has {positions.shape[0]} rows, embeddings have {embeds.shape[0]}")
         if positions.dim() == 2:
-            cos, sin = mrope_cos_sin(positions, self.model.rotary, self.mrope_axis, embeds.dtype)
+            cos, sin = mrope_cos_sin(positions, self.model.rotary, self.mrope_axis, embeds.dtype, rope_freqs)
         else:
-            cos, sin = self.model.rotary(positions, embeds.dtype)
+            cos, sin = self.model.rotary(positions, embeds.dtype, rope_freqs)
         num_deepstack = 0 if deepstack_rows is None or not deepstack_rows.numel() else deepstack.shape[0]
         if not num_deepstack:
             h, accept = self.model.run_layers(embeds, positions, kv_caches, attn_meta, self.accept_hidden_layer,
