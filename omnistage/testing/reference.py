@@ -32,12 +32,23 @@ def load_hf_reference(path: str | Path):
     Shared between callers: do not modify it. Greedy audio generation needs the checkpoint's own ids, e.g.
     `generate(ids, return_audio=True, thinker_max_new_tokens=n, thinker_eos_token_id=config.im_end_token_id,
     thinker_do_sample=False, talker_do_sample=False, talker_repetition_penalty=1.0, speaker="ethan",
-    talker_max_new_tokens=m)`.
+    talker_max_new_tokens=m)`. Each call hands it back as freshly loaded (``fresh_rotaries``).
     """
-    return _cached(str(Path(path).resolve()))
+    return fresh_rotaries(_cached(str(Path(path).resolve())))
 
 
 _cached = functools.cache(load_hf_model)
+
+
+def fresh_rotaries(model):
+    """``model`` with its rotary modules as loaded: transformers' dynamic rope modules keep the frequencies of the
+    longest forward they saw until a forward shorter than their original length resets them, so a cached model's
+    next generate would depend on the previous one's."""
+    for m in model.modules():
+        if hasattr(m, "original_inv_freq") and hasattr(m, "max_seq_len_cached"):
+            m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
+            m.max_seq_len_cached = m.original_max_seq_len
+    return model
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Variants of a built checkpoint for tests: a copy whose config.json is edited and whose tensors are filtered
-(the weights otherwise untouched); the checkpoint in transformers' FP8 format, or in PyTorch's pickled files."""
+(the weights otherwise untouched), or some of whose tensors are scaled; the checkpoint in transformers' FP8 format,
+or in PyTorch's pickled files."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ FP8_SCALES = {"thinker.": "float32", "talker.model.": "bfloat16", "talker.code_p
 FP8_KEPT = ("embed", "lm_head", "mlp.gate.", "shared_expert_gate", "norm")  # (weights left in float)
 
 
+def qk_norms(name: str) -> bool:
+    """Qwen3's query and key norm weights (``scaled_variant`` x4: attention logits x16)."""
+    return name.endswith(("q_norm.weight", "k_norm.weight"))
+
+
 def checkpoint_variant(src: str | Path, dst: str | Path, edit: Callable[[dict[str, Any]], None],
                        drop: Callable[[str], bool] | None = None) -> Path:
     """Copy checkpoint ``src`` to ``dst``, let ``edit`` change its config.json contents in place, and leave out
@@ -38,6 +44,15 @@ def checkpoint_variant(src: str | Path, dst: str | Path, edit: Callable[[dict[st
             tensors = {k: v for k, v in load_file(str(f)).items() if not drop(k)}
             save_file(tensors, str(f), metadata={"format": "pt"})
     return dst
+
+
+def scaled_variant(src: str | Path, dst: str | Path, pick: Callable[[str], bool], factor: float) -> Path:
+    """Checkpoint ``src`` with the tensors ``pick`` selects by name multiplied by ``factor`` (e.g. sharper
+    attention: a tiny random checkpoint attends almost uniformly, where rotary positions hardly change an
+    answer)."""
+    state = load_weights(src, "", None)
+    write_weights(src, dst, {"model.safetensors": {n: t * factor if pick(n) else t for n, t in state.items()}})
+    return Path(dst)
 
 
 def fp8_variant(src: str | Path, dst: str | Path, block: int = 16,

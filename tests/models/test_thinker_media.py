@@ -37,6 +37,7 @@ from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
 from omnistage.testing.reference import load_hf_reference
+from omnistage.testing.variants import checkpoint_variant, qk_norms, scaled_variant
 
 # transformers' processor warns about numpy copy semantics of its own tensors; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -249,6 +250,24 @@ def test_other_activations_give_transformers_tokens(act_ckpt, ckpt):
     got, _ = _run(_engine(act), names)
     assert got == {name: _reference_tokens(act, name) for name in names}
     assert got != {name: _reference_tokens(ckpt, name) for name in names}
+
+
+def test_rope_following_the_length_gives_transformers_tokens(tiny_ckpt, ckpt, tmp_path):
+    """A Thinker whose rope follows the forward's length (dynamic NTK from 8): a media prompt's rows rotate for
+    its largest 3-D position + 1 (fewer than its rows: vision rows share positions), batched and chunked; its
+    decode rows for their own position (``index + rope_delta``)."""
+    def dynamic(cfg):
+        text = cfg["thinker_config"]["text_config"]
+        text["rope_parameters"] = {**text["rope_parameters"], "rope_type": "dynamic", "factor": 4.0}
+        text["max_position_embeddings"] = 8
+
+    sharp = scaled_variant(tiny_ckpt, tmp_path / "sharp", qk_norms, 4.0)  # (frequencies show in the answers)
+    scaled = ckpt_str(checkpoint_variant(sharp, tmp_path / "dynamic", dynamic))
+    names = ["audio+image", "video+audio", "image"]
+    want = {name: _reference_tokens(scaled, name) for name in names}
+    assert want != {name: _reference_tokens(ckpt_str(sharp), name) for name in names}
+    for engine in (_engine(scaled), _engine(scaled, max_num_batched_tokens=7, max_num_seqs=4)):
+        assert _run(engine, names)[0] == want
 
 
 def test_identical_items_encode_once_and_abort_mid_prefill_frees(ckpt):

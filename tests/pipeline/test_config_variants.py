@@ -16,7 +16,6 @@ import pytest
 import torch
 from test_pipeline_parity import (
     PROMPTS,
-    _hf,
     assert_all_free,
     assert_matches_reference,
     make_engine,
@@ -26,7 +25,6 @@ from test_pipeline_parity import (
 
 from omnistage import Omni
 from omnistage.core.sampling_params import SamplingParams
-from omnistage.models.loader import load_weights
 from omnistage.models.qwen3_omni.code2wav import Code2WavConfig, Code2WavTransformer
 from omnistage.models.qwen3_omni.config import load_config
 from omnistage.models.qwen3_omni.mrope import mrope_cos_sin
@@ -35,10 +33,9 @@ from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
-from omnistage.testing.qwen2_5_omni.reference import load_hf_reference as load_q25_reference
 from omnistage.testing.qwen2_5_omni.reference import reference_speech
-from omnistage.testing.reference import load_hf_reference
-from omnistage.testing.variants import checkpoint_variant, write_weights
+from omnistage.testing.reference import fresh_rotaries, load_hf_reference
+from omnistage.testing.variants import checkpoint_variant, qk_norms, scaled_variant
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 LINEAR = {"rope_type": "linear", "factor": 3.0}
@@ -200,24 +197,11 @@ def _with_length_rope(src: Path, dst: Path, parts, ropes) -> Path:
                               edit)
 
 
-def fresh_rotaries(hf) -> None:
-    """transformers' dynamic rope modules keep the frequencies of the longest forward they saw, until a forward
-    shorter than the original length resets them: each reference request starts from a freshly loaded model's."""
-    for m in hf.modules():
-        if hasattr(m, "original_inv_freq") and hasattr(m, "max_seq_len_cached"):
-            m.register_buffer("inv_freq", m.original_inv_freq.clone(), persistent=False)
-            m.max_seq_len_cached = m.original_max_seq_len
-
-
 @pytest.fixture(scope="module")
 def sharp(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with its q / k norm weights x4: its random weights attend almost uniformly, where
     rotary frequencies hardly change an answer; sharper attention shows them."""
-    state = load_weights(tiny_ckpt, "", None)
-    dst = tmp_path_factory.mktemp("sharp") / "ckpt"
-    sharpened = {n: t * 4 if n.endswith(("q_norm.weight", "k_norm.weight")) else t for n, t in state.items()}
-    write_weights(tiny_ckpt, dst, {"model.safetensors": sharpened})
-    return dst
+    return scaled_variant(tiny_ckpt, tmp_path_factory.mktemp("sharp") / "ckpt", qk_norms, 4.0)
 
 
 @pytest.fixture(scope="module")
@@ -240,18 +224,10 @@ def test_qwen3_rope_following_the_length_equals_transformers(length_scaled, shar
     assert engine.resource_stats()["thinker"]["prefix_cache_hits"] > 0
     for i in range(len(PROMPTS)):
         assert again[i]["tokens"] == got[i]["tokens"] and torch.equal(again[i]["codes"], got[i]["codes"])
-    assert_matches_fresh_reference(length_scaled, got)
+    assert_matches_reference(length_scaled, got)
     # past their original lengths the frequencies change the answers (the first prompt's text never gets there)
     assert [got[i]["tokens"] != reference(str(sharp), i)[0] for i in range(len(PROMPTS))] == [False, True, True]
     assert not any(torch.equal(got[i]["codes"], reference(str(sharp), i)[1]) for i in range(len(PROMPTS)))
-
-
-def assert_matches_fresh_reference(ckpt: Path, got) -> None:
-    """``assert_matches_reference``, each prompt against a freshly loaded transformers model's generate."""
-    hf = _hf(str(ckpt))
-    for i in range(len(PROMPTS)):
-        fresh_rotaries(hf)
-        assert_matches_reference(ckpt, got, [i])
 
 
 def test_qwen3_rope_following_the_length_on_the_graph_runner_and_after_preemption(length_scaled):
@@ -270,7 +246,7 @@ def test_qwen3_rope_following_the_length_on_the_graph_runner_and_after_preemptio
     assert preempted, "the pool was meant to be too small for three talkers at once"
     assert eng.orchestrator.stages["talker"].runner.stats.static_steps > 0
     assert_all_free(eng)
-    assert_matches_fresh_reference(length_scaled, got)
+    assert_matches_reference(length_scaled, got)
 
 
 @torch.no_grad()
@@ -362,12 +338,9 @@ QWEN2_5_LENGTH_ROPES = [
 
 def test_qwen2_5_rope_following_the_length_equals_transformers(q25_ckpt, tmp_path):
     """Qwen2.5-Omni's Thinker (dynamic NTK), Talker and DiT (longrope) as transformers' generate rotates them."""
-    state = load_weights(q25_ckpt, "", None)
-    sharp = tmp_path / "sharp"  # (queries x4: attention peaks enough for the frequencies to show)
-    write_weights(q25_ckpt, sharp, {"model.safetensors": {
-        n: t * 4 if ".self_attn.q_proj." in n else t for n, t in state.items()}})
+    # (queries x4: attention peaks enough for the frequencies to show)
+    sharp = scaled_variant(q25_ckpt, tmp_path / "sharp", lambda name: ".self_attn.q_proj." in name, 4.0)
     ckpt = _with_length_rope(sharp, tmp_path / "ckpt", QWEN2_5_ROPE_PARTS, QWEN2_5_LENGTH_ROPES)
-    fresh_rotaries(load_q25_reference(ckpt))
     out = assert_q25_speech_matches_reference(ckpt)
     # past their original lengths the frequencies change the answers
     tokens, wav = reference_speech(sharp, out.prompt_token_ids, TEXT_TOKENS, CODES, SEED)

@@ -21,7 +21,7 @@ from omnistage.models.qwen3_omni.talker import Talker
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
-from omnistage.testing.reference import captured_codes
+from omnistage.testing.reference import captured_codes, load_hf_reference
 
 PROMPTS = [
     "Hi",
@@ -99,7 +99,7 @@ def reference(ckpt_str: str, i: int, repetition_penalty: float = 1.0):
     """transformers' greedy generate for prompt i: (generated ids, codes [Q, T], waveform)."""
     from transformers import AutoTokenizer
 
-    hf = _hf(ckpt_str)
+    hf = load_hf_reference(ckpt_str)
     tok = AutoTokenizer.from_pretrained(ckpt_str)
     prompt = PROMPTS[i]
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -121,13 +121,6 @@ def reference(ckpt_str: str, i: int, repetition_penalty: float = 1.0):
                 talker_repetition_penalty=repetition_penalty,
             )
     return seq[0, input_ids.shape[1] :].tolist(), captured["codes"], wav.reshape(-1)
-
-
-@functools.cache
-def _hf(ckpt_str: str):
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt_str, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +298,7 @@ def test_offline_text_api_matches_transformers_greedy_generate(tiny_ckpt):
     from omnistage import Omni
 
     omni = Omni(tiny_ckpt)
-    hf, tok = _hf(str(tiny_ckpt)), AutoTokenizer.from_pretrained(str(tiny_ckpt))
+    hf, tok = load_hf_reference(tiny_ckpt), AutoTokenizer.from_pretrained(str(tiny_ckpt))
     outs = omni.generate(PROMPTS, modalities=["text"], sampling_params=SamplingParams(temperature=0.0, max_tokens=8))
     assert len({o.request_id for o in outs}) == len(PROMPTS)  # one output per prompt, in prompt order below
     for prompt, out in zip(PROMPTS, outs):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from omnistage.models.qwen2_5_omni.loading import quiet_config_checks
+from omnistage.testing.reference import fresh_rotaries
 
 
 @functools.cache
@@ -47,8 +48,9 @@ def _load(path: str):
 def load_hf_reference(path: str | Path):
     """``Qwen2_5OmniForConditionalGeneration`` in float32, eval mode, cached per resolved path (shared: do not
     modify). Greedy speech with the checkpoint's own ids: ``generate(ids, speaker=..., thinker_do_sample=False,
-    talker_do_sample=False, talker_eos_token_id=[codec_pad, codec_eos], talker_max_new_tokens=n)``."""
-    return _load(str(Path(path).resolve()))
+    talker_do_sample=False, talker_eos_token_id=[codec_pad, codec_eos], talker_max_new_tokens=n)``; each call
+    hands it back as freshly loaded (``reference.fresh_rotaries``)."""
+    return fresh_rotaries(_load(str(Path(path).resolve())))
 
 
 @contextlib.contextmanager
