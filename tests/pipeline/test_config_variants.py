@@ -278,6 +278,17 @@ def test_rope_following_the_length_tables_equal_transformers(length_scaled):
         assert torch.equal(cp.rope_cos[p], cos[0, p]) and torch.equal(cp.rope_sin[p], sin[0, p])
 
 
+def test_rope_parameters_transformers_cannot_compute_are_refused_naming_them(tiny_ckpt, tmp_path):
+    """A longrope whose original length is 1 divides by log(1) in transformers' own load: refused at load with the
+    rope's parameters, not a ZeroDivisionError from inside."""
+    bad = {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": 1,
+           "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    ckpt = _with_rope(tiny_ckpt, tmp_path / "ckpt", [QWEN3_ROPE_PARTS[2]], [bad])
+    with pytest.raises(ValueError, match="rope_type 'longrope': its parameters give no frequencies.*"
+                                         "'original_max_position_embeddings': 1"):
+        Talker(load_config(ckpt))
+
+
 def test_rope_following_the_length_keeps_rows_past_it_out_of_the_prefix_cache(length_scaled):
     """Rows rotated past the original length depend on their forward's length, not on the rows: no block holding
     one is registered or reused; blocks before it are, as for any rope."""

@@ -49,7 +49,11 @@ def rope_frequencies(cfg: Any, head_dim: int) -> tuple[tuple[float, ...] | None,
         return None, 1.0
     if kind not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {kind!r}; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg)
+    try:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg)
+    except (ArithmeticError, KeyError, TypeError, ValueError) as exc:  # (transformers' own load fails alike)
+        raise ValueError(f"rope_type {kind!r}: its parameters give no frequencies ({type(exc).__name__}: {exc}); "
+                         f"rope_parameters {_getter(cfg)('rope_parameters') or _getter(cfg)('rope_scaling')}") from None
     if inv_freq.numel() != head_dim // 2:
         raise ValueError(f"rope_type {kind!r} rotates {2 * inv_freq.numel()} of {head_dim} head dims: a partial "
                          "rotary embedding is not supported")
@@ -62,7 +66,10 @@ class LengthScaling:
     ``longrope``): transformers recomputes them each forward from its largest position + 1 (``seq_len``), the
     type's base frequencies at or below ``original``. A row's length is what that forward would have been in
     transformers' generate: its prompt's for prompt rows, its own position + 1 for a decode row. Cached keys
-    keep the frequencies they were rotated with, as there."""
+    keep the frequencies they were rotated with, as there. (transformers' module also keeps the frequencies of the
+    longest forward it saw until a forward *shorter* than ``original`` resets them, so there a request whose
+    prompt is exactly ``original`` long, or a code-predictor frame when ``original`` is 2, takes the previous
+    one's; here every forward's are what a freshly loaded model computes.)"""
 
     kind: str
     original: float
