@@ -7,7 +7,8 @@ import contextlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from omnistage.models.layers.quant import QuantFormat
 from omnistage.models.layers.quant_layers import QuantScheme, pack_if_complete, quantize_targets
-from omnistage.models.prequantized import Fp8Scale, read_stored, stored_layers, unpack
+from omnistage.models.prequantized import Fp8Scale, PackedInt, read_stored, stored_layers, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -238,12 +239,26 @@ def _reader(files: dict[Path, list[str]], handles: contextlib.ExitStack) -> Call
     return read
 
 
-def _float_weight(read: Callable[[str], torch.Tensor], name: str, fp8: Fp8Scale | None) -> torch.Tensor:
-    """Tensor ``name`` as its module takes it: an FP8 layer's weight dequantized with its scale."""
-    tensor = read(name)
-    if fp8 is None:
-        return tensor
-    return fp8.dequantize(tensor, read(name[: -len("weight")] + fp8.scale_name))
+@dataclass(frozen=True)
+class _Dequantized:
+    """A checkpoint's layers read as float weights: FP8 weights with their scales, GPTQ / AWQ layers from their
+    packed tensors (``prequantized.StoredLayers``); ``aux``: those layers' other tensors."""
+
+    fp8: Mapping[str, Fp8Scale]
+    packed_int: Mapping[str, PackedInt]
+    aux: frozenset[str]
+
+    def weight(self, read: Callable[[str], torch.Tensor], name: str, key: str) -> tuple[str, torch.Tensor] | None:
+        """(state-dict key, tensor as the module takes it) for checkpoint tensor ``name`` (``key`` relative to the
+        load's prefix); None for a pre-quantized layer's other tensors, read with its weight."""
+        if key in self.aux:
+            if not key.endswith(".qweight"):
+                return None
+            weight = key[: -len("qweight")] + "weight"
+            return weight, self.packed_int[weight].dequantize(read, name[: -len(".qweight")])
+        tensor = read(name)
+        fp8 = self.fp8.get(key)
+        return key, tensor if fp8 is None else fp8.dequantize(tensor, read(name[: -len("weight")] + fp8.scale_name))
 
 
 def load_into(
@@ -294,13 +309,13 @@ def load_into(
                 shapes[name[len(prefix):]] = tuple(f.get_slice(name).get_shape())
     stored = read_stored(model_dir)
     packed: dict[str, QuantFormat] = {}
-    fp8: dict[str, Fp8Scale] = {}
-    aux: frozenset[str] = frozenset()
+    dequantized = _Dequantized({}, {}, frozenset())
     if stored is not None:  # pre-quantized layers stand in for their float weights (name, shape) in the checks
         layers = stored_layers(shapes, stored, prefix)
         layers.stand_in(shapes, lambda shape: shape)
         packed = {k: fmt for k, (_, fmt) in layers.packed.items()}
-        fp8, aux = layers.fp8, layers.aux  # (aux: read with their layers' weights)
+        # (aux: read with their layers' weights)
+        dequantized = _Dequantized(layers.fp8, {k: scheme for k, (_, scheme) in layers.packed_int.items()}, layers.aux)
         if packed:
             quantize = QuantScheme(quantize.formats if quantize is not None else {}, exact=packed)
     missing = sorted(set(expected) - set(shapes))
@@ -334,18 +349,18 @@ def load_into(
                        len(unexpected), type(module).__name__, _summary(unexpected, 5))
         unused = set(unexpected)
         for path, names in files.items():  # (a pre-quantized layer's own names go with its weight)
-            files[path] = [n for n in names if _layer_weight(n[len(prefix):], aux) not in unused]
+            files[path] = [n for n in names if _layer_weight(n[len(prefix):], dequantized.aux) not in unused]
     on_meta = any(t.is_meta for t in expected.values())
     if quantize is not None:
         if on_meta:
             raise ValueError("a quantizing load needs the module's tensors allocated, not on the meta device")
-        _load_quantizing(module, files, prefix, expected, quantize, dtype, packed, fp8, aux)
+        _load_quantizing(module, files, prefix, expected, quantize, dtype, packed, dequantized)
         return
     waiting: Counter[str] = Counter()  # per owning module: its tensors not read yet (``loaded``)
     if loaded is not None and not on_meta:
         modules = dict(module.named_modules())
-        owners = _owners(modules, [key for names in files.values() for name in names
-                                   if (key := name[len(prefix):]) not in aux])
+        owners = _owners(modules, sorted({_layer_weight(name[len(prefix):], dequantized.aux)
+                                          for names in files.values() for name in names}))
         waiting.update(owners.values())
     with contextlib.ExitStack() as handles:
         read = _reader(files, handles)
@@ -353,10 +368,10 @@ def load_into(
             part: dict[str, torch.Tensor] = {}
             held = 0
             for name in names:
-                key = name[len(prefix):]
-                if key in aux:
+                weight = dequantized.weight(read, name, name[len(prefix):])
+                if weight is None:
                     continue
-                tensor = _float_weight(read, name, fp8.get(key))
+                key, tensor = weight
                 if not on_meta:  # straight into the module's tensor (copy_ casts): no converted copy
                     with torch.no_grad():  # (popped: a fused part's view would keep a packed tensor alive)
                         expected.pop(key).copy_(tensor)
@@ -427,7 +442,7 @@ def _owners(names: dict[str, nn.Module], keys: list[str]) -> dict[str, str]:
 
 def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: str,
                      expected: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype | None,
-                     packed: dict[str, QuantFormat], fp8: dict[str, Fp8Scale], aux: frozenset[str]) -> None:
+                     packed: dict[str, QuantFormat], dequantized: _Dequantized) -> None:
     targets = quantize_targets(module, expected, scheme, dtype or torch.float32)
     pending = {id(t.module): t.module for t in targets.values()}
     with torch.no_grad(), contextlib.ExitStack() as handles:
@@ -435,9 +450,7 @@ def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: st
         for _, names in sorted(files.items()):
             for name in names:
                 key = name[len(prefix):]
-                if key in aux:
-                    if not key.endswith(".weight_packed"):
-                        continue  # (scales, shapes: read with their layer's values)
+                if key.endswith(".weight_packed") and key in dequantized.aux:
                     base = key.rpartition(".")[0]
                     key = base + ".weight"
                     shape = tuple(read(prefix + base + ".weight_shape").tolist())
@@ -449,7 +462,10 @@ def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: st
                     target.buffer.write_quantized(target.start, values, scales)
                     del values, scales
                 else:
-                    tensor = _float_weight(read, name, fp8.get(key))
+                    weight = dequantized.weight(read, name, key)
+                    if weight is None:
+                        continue  # (scales, shapes: read with their layer's values)
+                    key, tensor = weight
                     target = targets.get(key)
                     if target is None:
                         expected[key].copy_(tensor.to(dtype) if dtype is not None and tensor.is_floating_point()

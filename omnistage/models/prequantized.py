@@ -22,6 +22,16 @@ activations stay in the serving dtype, as everywhere in omnistage (weight-only).
 float formats such as NVFP4, integer activation schemes, other formats or methods) is refused with an error
 naming the scheme.
 
+GPTQ (``quant_method: gptq``) and AWQ (``quant_method: awq``, version ``gemm``), as transformers reads them
+through gptqmodel: a linear layer ``X`` stores ``X.qweight`` (int32; GPTQ: 32 / bits values per word down the input
+dimension, [K * bits / 32, N]; AWQ: 8 nibbles per word along the outputs in the order 0 2 4 6 1 3 5 7, [K, N / 8]),
+``X.qzeros`` (packed along the outputs, [groups, N * bits / 32]; GPTQ's original ``gptq`` checkpoint format stores
+each zero point minus one, ``gptq_v2`` as is), ``X.scales`` ([groups, N], float16 or bfloat16) and, for GPTQ,
+``X.g_idx`` (each input's group: act-order). They are *dequantized* as read to ``(q - zero) * scale`` rounded to
+the scales' dtype, the weight transformers' kernels multiply by (float16 or bfloat16 values: a float32 model
+gives exactly their outputs), then cast to the serving dtype or quantized where ``--quantization`` asks. 4 and
+8 bits (AWQ: 4); other bit widths and kernel formats (marlin, exllama, GEMV) are refused naming them.
+
 transformers' FP8 (``FineGrainedFP8Config``: ``weight_block_size`` [bn, bk], or null for one scale per tensor):
 ``X.weight`` in float8 e4m3 beside ``X.weight_scale_inv``, which despite its name multiplies (per block, or [1]);
 scales in float32 / bfloat16, or as E8M0 exponents (``scale_fmt: ue8m0``; raw bytes 2^(b - 127)). Read as
@@ -37,7 +47,7 @@ import math
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +76,7 @@ class StoredQuantization:
     # FP8 config groups: (targets, strategy, block_structure [bn, bk] or None)
     fp8_groups: tuple[tuple[tuple[str, ...], str, tuple[int, int] | None], ...] = ()
     fp8_scale_name: str = "weight_scale"  # an FP8 layer X's scale tensor: X.<this>
+    packed_int: PackedInt | None = None  # GPTQ / AWQ: every layer stored with a qweight
 
     def format_for(self, module: str, in_features: int) -> QuantFormat | None:
         """The stored format of module ``module`` (full checkpoint name, no ``.weight``); None: not quantized."""
@@ -128,6 +139,88 @@ class Fp8Scale:
         return weight.float() * s
 
 
+@dataclass(frozen=True)
+class PackedInt:
+    """GPTQ / AWQ integer weights (the module docstring): ``method`` gptq or awq, ``bits``, ``group_size`` (-1: one
+    group over the inputs), ``zero_offset`` added to each stored zero point (1 in GPTQ's original format)."""
+
+    method: str
+    bits: int
+    group_size: int
+    zero_offset: int = 0
+
+    NAMES = ("qweight", "qzeros", "scales", "g_idx")
+
+    def weight_shape(self, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
+        """[N, K] of the float weight a ``qweight`` of this shape stands for."""
+        rows, cols = qweight_shape
+        per = 32 // self.bits
+        return (cols, rows * per) if self.method == "gptq" else (cols * per, rows)
+
+    def dequantize(self, read: Any, module: str) -> torch.Tensor:
+        """Layer ``module``'s float32 weight [N, K] from its stored tensors (``read(name)``)."""
+        if sys.byteorder != "little":
+            raise UnsupportedQuantization(f"reading {self.method} weights needs a little-endian host")
+        qweight, qzeros, scales = (read(f"{module}.{n}") for n in self.NAMES[:3])
+        n, k = self.weight_shape(tuple(qweight.shape))
+        if self.method == "gptq":
+            values = _unpack_words(qweight.t(), self.bits).t()  # [K, N]
+        else:
+            values = _awq_order(_unpack_words(qweight, self.bits))  # [K, N]
+        zeros = _unpack_words(qzeros, self.bits)
+        zeros = (_awq_order(zeros) if self.method == "awq" else zeros) + self.zero_offset  # [groups, N]
+        groups = 1 if self.group_size == -1 else -(-k // self.group_size)
+        if tuple(scales.shape) != (groups, n) or tuple(zeros.shape) != (groups, n):
+            raise UnsupportedQuantization(
+                f"{module}: scales {list(scales.shape)} / qzeros {list(qzeros.shape)} do not fit a [{n}, {k}] weight "
+                f"in groups of {self.group_size} ({groups} groups)")
+        if self.method == "gptq":
+            group = read(f"{module}.g_idx").long()
+            if tuple(group.shape) != (k,) or int(group.min()) < 0 or int(group.max()) >= groups:
+                raise UnsupportedQuantization(f"{module}: g_idx must give each of the {k} inputs a group below "
+                                              f"{groups}")
+        else:
+            group = torch.arange(k) // (k if self.group_size == -1 else self.group_size)
+        weight = (values - zeros[group]).float() * scales.float()[group]  # [K, N]
+        return weight.to(scales.dtype).float().t().contiguous()
+
+
+def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] -> int32 [R, C * 32 / bits]: value j of word c is bits j * bits.. (lowest first)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (words.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+    return values.flatten(-2)
+
+
+def _awq_order(values: torch.Tensor) -> torch.Tensor:
+    """AWQ's packing order (0 2 4 6 1 3 5 7 within each word) back to the columns' order."""
+    cols = values.shape[-1]
+    return values[..., torch.arange(cols).view(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].flatten()]
+
+
+def _packed_int(config: Mapping[str, Any]) -> StoredQuantization:
+    """transformers' GPTQ / AWQ ``quantization_config`` (what gptqmodel writes): every layer stored with a
+    ``qweight`` is dequantized as read."""
+    method = config["quant_method"]
+    bits, group = config.get("bits", 4), config.get("group_size", 128)
+    fmt = config.get("checkpoint_format") or config.get("format") or ("gptq" if method == "gptq" else "gemm")
+    if method == "awq":
+        fmt = config.get("version", fmt)
+    problems = []
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        problems.append(f"bits {bits!r}")
+    if not isinstance(group, int) or not (group == -1 or group > 0):
+        problems.append(f"group_size {group!r}")
+    if fmt not in (("gptq", "gptq_v2") if method == "gptq" else ("gemm",)):
+        problems.append(f"{'checkpoint_format' if method == 'gptq' else 'version'} {fmt!r}")
+    if method == "awq" and config.get("zero_point", True) is not True:
+        problems.append("zero_point false")
+    if problems:
+        raise UnsupportedQuantization(f"{method} quantization_config: {'; '.join(problems)} is not supported "
+                                      f"(omnistage reads {'4 or 8 bits, checkpoint_format gptq or gptq_v2' if method == 'gptq' else '4 bits, version gemm, with zero points'})")
+    return StoredQuantization((), (), packed_int=PackedInt(method, bits, group, 1 if fmt == "gptq" else 0))
+
+
 def _targeted(targets: tuple[str, ...], module: str) -> bool:
     return any(t == "Linear" or _matches(t, module) for t in targets)
 
@@ -152,10 +245,12 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
     method = config.get("quant_method")
     if method == "fp8":
         return _fine_grained_fp8(config)
+    if method in ("gptq", "awq"):
+        return _packed_int(config)
     if method != "compressed-tensors":
         raise UnsupportedQuantization(f"checkpoint quantization method {method!r} is not supported (omnistage reads "
-                                      "compressed-tensors pack-quantized and float-quantized checkpoints, and "
-                                      "transformers' fp8)")
+                                      "compressed-tensors pack-quantized and float-quantized checkpoints, "
+                                      "transformers' fp8, gptq and awq)")
     fmt = config.get("format")
     groups, fp8_groups = [], []
     for name, group in (config.get("config_groups") or {}).items():
@@ -228,13 +323,15 @@ class StoredLayers:
     packed: dict[str, tuple[tuple[int, int], QuantFormat]]
     fp8: dict[str, Fp8Scale]
     aux: frozenset[str]
+    # GPTQ / AWQ: ``X.weight`` -> ([N, K], scheme), dequantized as read (``X.qweight`` brings it in)
+    packed_int: dict[str, tuple[tuple[int, int], PackedInt]] = field(default_factory=dict)
 
     def stand_in(self, shapes: dict[str, Any], packed_value: Any) -> None:
         """``shapes`` (name -> anything, e.g. a shape) as the float checkpoint would list it: the aux names
         dropped, each packed layer's ``X.weight`` in as ``packed_value(shape)``."""
         for name in self.aux:
             shapes.pop(name, None)
-        for name, (shape, _) in self.packed.items():
+        for name, (shape, _) in (*self.packed.items(), *self.packed_int.items()):
             shapes[name] = packed_value(shape)
 
 
@@ -243,8 +340,18 @@ def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantizat
     """The checkpoint's packed and FP8 layers, from the files' headers (packed: K = words * 32 / bits), named as
     in ``shapes`` (relative to ``prefix``; the config's targets match the full names). Raises
     UnsupportedQuantization for a packed layer no config group covers, or one without its scale."""
-    packed, fp8, aux = {}, {}, set()
+    packed, fp8, aux, packed_int = {}, {}, set(), {}
     for name, shape in shapes.items():
+        if stored.packed_int is not None and name.endswith(".qweight"):
+            module = name[: -len(".qweight")]
+            needed = PackedInt.NAMES[: 4 if stored.packed_int.method == "gptq" else 3]
+            absent = [n for n in needed if f"{module}.{n}" not in shapes]
+            if absent or len(shape) != 2:
+                raise UnsupportedQuantization(f"{prefix}{module}: a {stored.packed_int.method} layer needs "
+                                              f"{', '.join(needed)} (2-D qweight); {absent or list(shape)}")
+            packed_int[module + ".weight"] = (stored.packed_int.weight_shape(shape), stored.packed_int)
+            aux.update(f"{module}.{n}" for n in needed)
+            continue
         if name.endswith(".weight") and name[: -len("weight")] + stored.fp8_scale_name in shapes:
             module = name[: -len(".weight")]
             scale = stored.fp8_scheme(prefix + module)
@@ -267,7 +374,7 @@ def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantizat
                                           "covers it (or it is listed in ignore)")
         packed[module + ".weight"] = ((shape[0], shape[-1] * 32 // fmt.bits), fmt)
         aux.update(n for n in (f"{module}.{suffix}" for suffix in SUFFIXES) if n in shapes)
-    return StoredLayers(packed, fp8, frozenset(aux))
+    return StoredLayers(packed, fp8, frozenset(aux), packed_int)
 
 
 def unpack(packed: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:

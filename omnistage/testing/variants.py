@@ -1,6 +1,6 @@
 """Variants of a built checkpoint for tests: a copy whose config.json is edited and whose tensors are filtered
 (the weights otherwise untouched), or some of whose tensors are scaled; the checkpoint in transformers' FP8 format,
-or in PyTorch's pickled files."""
+as GPTQ or AWQ, or in PyTorch's pickled files."""
 
 from __future__ import annotations
 
@@ -98,6 +98,81 @@ def _fp8(w: torch.Tensor, kind: str, block: int) -> tuple[torch.Tensor, torch.Te
         tiles = scale.float()
     full = tiles.repeat_interleave(block, 0).repeat_interleave(block, 1)
     return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def packed_int_variant(src: str | Path, dst: str | Path, method: str, modules: Callable[[str], bool],
+                       bits: int = 4, group_size: int = 32, sym: bool = True, act_order: bool = False,
+                       checkpoint_format: str = "gptq", seed: int = 0, **config: Any) -> Path:
+    """Checkpoint ``src`` as gptqmodel writes GPTQ (``method`` gptq: ``checkpoint_format`` gptq stores each zero
+    point minus one, gptq_v2 as is; ``act_order``: inputs in a random group order, ``g_idx``) or AWQ (awq, GEMM,
+    4 bits): every 2-D ``X.weight`` whose module ``modules`` selects (where its shape packs), quantized in groups of
+    ``group_size``
+    (symmetric: zero point 2^(bits-1)), scales in float16. ``config``: more quantization_config fields (e.g.
+    transformers' ``block_name_to_quantize`` / ``modules_to_not_convert``)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in load_weights(src, "", None).items():
+        module = name[: -len(".weight")]
+        n, k = tensor.shape if tensor.dim() == 2 else (0, 0)
+        # (layers whose outputs fill no whole word or whose inputs no whole group stay float, as gptqmodel leaves them)
+        if not (name.endswith(".weight") and n and modules(module) and n % (32 // bits) == 0 and k % group_size == 0):
+            out[name] = tensor
+            continue
+        group = torch.arange(k) // group_size
+        if act_order:
+            group = group[torch.randperm(k, generator=gen)]
+        values, zeros, scales = _quantize_groups(tensor.float(), group, bits, sym)
+        per = 32 // bits
+        if method == "gptq":
+            offset = 1 if checkpoint_format == "gptq" else 0
+            out[f"{module}.qweight"] = _pack_words(values, bits).t().contiguous()  # [K / per, N]
+            out[f"{module}.qzeros"] = _pack_words(zeros - offset, bits)
+            out[f"{module}.g_idx"] = group.to(torch.int32)
+        else:  # AWQ: [K, N / 8] in its nibble order
+            order = torch.arange(n).view(-1, per)[:, [0, 2, 4, 6, 1, 3, 5, 7]].flatten()
+            out[f"{module}.qweight"] = _pack_words(values.t()[:, order].contiguous(), bits)
+            out[f"{module}.qzeros"] = _pack_words(zeros[:, order].contiguous(), bits)
+        out[f"{module}.scales"] = scales.half()
+    write_weights(src, dst, {"model.safetensors": out})
+    cfg = json.loads((Path(dst) / "config.json").read_text())
+    quant = {"quant_method": method, "bits": bits, "group_size": group_size, **config}
+    if method == "gptq":
+        quant.update(sym=sym, desc_act=act_order, checkpoint_format=checkpoint_format)
+    else:
+        quant.update(version="gemm", zero_point=True)
+    cfg["quantization_config"] = quant
+    (Path(dst) / "config.json").write_text(json.dumps(cfg, indent=2))
+    return Path(dst)
+
+
+def _quantize_groups(w: torch.Tensor, group: torch.Tensor, bits: int,
+                     sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K], each input's group -> (values [N, K], zero points [groups, N], float16-valued scales [groups, N]),
+    each in [0, 2^bits)."""
+    top = (1 << bits) - 1
+    groups = int(group.max()) + 1
+    zeros = torch.empty(groups, w.shape[0], dtype=torch.int32)
+    scales = torch.empty(groups, w.shape[0])
+    values = torch.empty(w.shape, dtype=torch.int32)
+    for g in range(groups):
+        cols = w[:, group == g]
+        if sym:
+            scale, zero = cols.abs().amax(1).clamp_min(1e-6) / (top / 2), torch.full((w.shape[0],), (top + 1) // 2)
+        else:
+            lo, hi = cols.amin(1).clamp_max(0), cols.amax(1).clamp_min(0)
+            scale = ((hi - lo) / top).clamp_min(1e-6)
+            zero = (-lo / scale).round().clamp(0, top).to(torch.int32)
+        scale = scale.half().float()
+        values[:, group == g] = (cols / scale[:, None] + zero[:, None]).round().clamp(0, top).to(torch.int32)
+        zeros[g], scales[g] = zero, scale
+    return values, zeros, scales
+
+
+def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """int [R, C * 32 / bits] in [0, 2^bits) -> int32 [R, C]: value j of a word at bits j * bits.. (lowest first)."""
+    per = 32 // bits
+    parts = values.to(torch.int64).view(values.shape[0], -1, per) << (torch.arange(per) * bits)
+    return (parts.sum(-1) & 0xFFFFFFFF).to(torch.uint32).view(torch.int32)
 
 
 def pickled_variant(src: str | Path, dst: str | Path, shards: int = 2) -> Path:

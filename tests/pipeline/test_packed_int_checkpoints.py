@@ -1,0 +1,147 @@
+"""GPTQ and AWQ checkpoints, as gptqmodel writes them and transformers reads them through it: each quantized
+layer dequantized as read to the weight transformers' kernels multiply by, so a float32 model answers as
+transformers' does. Qwen2.5-Omni's Thinker (the layers its official GPTQ / AWQ releases quantize): GPTQ in its
+original format (zero points minus one) and in gptq_v2, symmetric and with zero points, act-order (``g_idx``), 4 and
+8 bits; AWQ (GEMM, zero points). transformers runs in a process of its own (``packed_int_reference``: importing
+gptqmodel patches torch process-wide); its kernels are CPU ones (``gptq_torch``, ``awq_torch_aten``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import test_pipeline_parity as parity
+import torch
+
+from omnistage import Omni
+from omnistage.core.sampling_params import SamplingParams
+from omnistage.models.loader import load_weights
+from omnistage.models.prequantized import PackedInt, UnsupportedQuantization, parse_config, stored_layers
+from omnistage.models.registry import load_pipeline_config
+from omnistage.pipeline.memory_plan import tensor_sizes
+from omnistage.testing.variants import packed_int_variant, write_weights
+
+PROMPT, TOKENS = "Hi there, who are you?", 16
+BLOCK = "thinker.model.language_model.layers"  # (transformers' name: without it, it finds no GPTQ block)
+FLOAT_PARTS = ["talker", "token2wav", "audio_tower", "visual", "lm_head"]  # (AWQ: what transformers leaves float)
+VARIANTS = {
+    "gptq": dict(method="gptq", block_name_to_quantize=BLOCK),
+    "gptq-zero-points-act-order": dict(method="gptq", sym=False, act_order=True, block_name_to_quantize=BLOCK),
+    "gptq_v2-g64": dict(method="gptq", sym=False, group_size=64, checkpoint_format="gptq_v2",
+                        block_name_to_quantize=BLOCK),
+    "gptq-8bit": dict(method="gptq", bits=8, block_name_to_quantize=BLOCK),
+    "awq": dict(method="awq", sym=False, modules_to_not_convert=FLOAT_PARTS),
+}
+
+
+def _thinker_layers(module: str) -> bool:
+    return module.startswith("thinker.model.layers.")
+
+
+@pytest.fixture(scope="module")
+def variants(q25_ckpt, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed-int")
+    return {name: packed_int_variant(q25_ckpt, root / name, modules=_thinker_layers, **kw)
+            for name, kw in VARIANTS.items()}
+
+
+def _answer(ckpt) -> tuple[list[int], list[int]]:
+    """omnistage's greedy text in the default configuration: (prompt ids, answer ids)."""
+    with Omni(str(ckpt), pipeline=load_pipeline_config("qwen2_5_omni")) as omni:
+        out = omni.generate([PROMPT], ["text"], SamplingParams(temperature=0.0, max_tokens=TOKENS,
+                                                               min_tokens=TOKENS))[0]
+    return out.prompt_token_ids, out.token_ids
+
+
+def _transformers(ckpt, prompt_ids: list[int]) -> dict:
+    """transformers' greedy Thinker text for the checkpoint, through gptqmodel, in a process of its own."""
+    if importlib.util.find_spec("gptqmodel") is None:
+        why = "gptqmodel is not installed (.ci/run installs it: transformers reads GPTQ / AWQ through it)"
+        pytest.fail(why) if os.environ.get("CI") == "true" else pytest.skip(why)
+    run = subprocess.run([sys.executable, "-m", "omnistage.testing.packed_int_reference", str(ckpt), str(TOKENS),
+                          *map(str, prompt_ids)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_packed_int_checkpoint_answers_as_transformers(variants, q25_ckpt, name):
+    prompt_ids, tokens = _answer(variants[name])
+    reference = _transformers(variants[name], prompt_ids)
+    assert reference["kernels"] and all(k.startswith(("Torch", "AwqTorch")) for k in reference["kernels"])
+    assert tokens == reference["tokens"]
+    if name in ("gptq", "gptq-zero-points-act-order", "awq"):  # (4 bits in groups of 32: the answer moves)
+        assert tokens != _answer(q25_ckpt)[1]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_dequantized_weights_are_the_stored_steps_of_the_float_ones(variants, q25_ckpt, name):
+    """Every quantized layer reads back within half a step of the float weight it was made from (the packing's
+    orientation, AWQ's nibble order and the zero-point offset of each format), and not as that float weight."""
+    ckpt = variants[name]
+    stored = parse_config(json.loads((ckpt / "config.json").read_text())["quantization_config"])
+    layers = stored_layers({n: s for n, (s, _) in tensor_sizes(ckpt).items()}, stored)
+    assert len(layers.packed_int) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    floats, stored_tensors = load_weights(q25_ckpt, "", None), load_weights(ckpt, "", None)
+    bits = VARIANTS[name].get("bits", 4)
+    for weight, (shape, scheme) in layers.packed_int.items():
+        got = scheme.dequantize(stored_tensors.__getitem__, weight[: -len(".weight")])
+        want = floats[weight].float()
+        assert got.shape == shape == want.shape
+        step = stored_tensors[weight[: -len("weight")] + "scales"].float().amax()
+        assert (got - want).abs().max() <= step / 2 * 1.01 + 1e-3 and not torch.equal(got, want), weight
+        assert (got - want).abs().max() > 0 if bits == 4 else True
+
+
+def test_qwen3_gptq_layers_and_experts_load_as_their_dequantized_weights(tiny_ckpt, tmp_path):
+    """Qwen3-Omni with its Thinker's and Talker's layers in GPTQ, routed experts included (transformers' own
+    Qwen3-Omni keeps experts in fused tensors, which gptqmodel does not convert, so it has no reference here): the
+    same tokens, codes and audio as a float checkpoint holding the dequantized weights; planned as that float
+    checkpoint; with ``quantization`` int8 dequantized as read and quantized, and it speaks."""
+    gptq = packed_int_variant(tiny_ckpt, tmp_path / "gptq", "gptq", sym=False, act_order=True,
+                              modules=lambda m: m.startswith(("thinker.model.layers.", "talker.model.layers."))
+                              and not m.endswith(("mlp.gate", "shared_expert_gate")))  # (routers stay float)
+    stored = load_weights(gptq, "", None)
+    layers = stored_layers({n: s for n, (s, _) in tensor_sizes(gptq).items()},
+                           parse_config(json.loads((gptq / "config.json").read_text())["quantization_config"]))
+    assert any(".experts." in w for w in layers.packed_int) and any(".self_attn." in w for w in layers.packed_int)
+    twin = load_weights(tiny_ckpt, "", None)
+    for weight, (_, scheme) in layers.packed_int.items():
+        twin[weight] = scheme.dequantize(stored.__getitem__, weight[: -len(".weight")])
+    write_weights(tiny_ckpt, tmp_path / "twin", {"model.safetensors": twin})
+    got, want = (parity.run(parity.make_engine(path), {0: [1], 1: [0], 3: [2]}) for path in (gptq, tmp_path / "twin"))
+    for i in range(len(parity.PROMPTS)):
+        assert got[i]["tokens"] == want[i]["tokens"] and torch.equal(got[i]["codes"], want[i]["codes"])
+        assert torch.equal(got[i]["audio"], want[i]["audio"])
+    assert any(got[i]["tokens"] != parity.reference(str(tiny_ckpt), i)[0] for i in range(len(parity.PROMPTS)))
+    plans = []
+    for path in (gptq, tiny_ckpt):
+        with Omni(str(path), dtype="float32", quantization="int8") as omni:
+            plans.append([p.weight_bytes for p in omni.engine.memory_plan])
+            out = omni.generate(["Hello!"], modalities=["text", "audio"])[0]
+            assert out.text and out.audio is not None and out.audio.numel() > 0
+    assert plans[0] == plans[1]
+
+
+def test_packed_int_configs_read_and_refused_naming_the_field():
+    assert parse_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True,
+                         "checkpoint_format": "gptq"}).packed_int == PackedInt("gptq", 4, 128, 1)
+    assert parse_config({"quant_method": "gptq", "bits": 8, "group_size": -1, "format": "gptq_v2"}).packed_int == \
+        PackedInt("gptq", 8, -1, 0)
+    assert parse_config({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+                         "zero_point": True}).packed_int == PackedInt("awq", 4, 128, 0)
+    for config, field in (({"quant_method": "gptq", "bits": 3}, "bits 3"),
+                          ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+                          ({"quant_method": "gptq", "group_size": 0}, "group_size 0"),
+                          ({"quant_method": "awq", "version": "gemv"}, "version 'gemv'"),
+                          ({"quant_method": "awq", "bits": 8}, "bits 8"),
+                          ({"quant_method": "awq", "zero_point": False}, "zero_point false")):
+        with pytest.raises(UnsupportedQuantization, match=field):
+            parse_config(config)
+    scheme = parse_config({"quant_method": "gptq"})
+    with pytest.raises(UnsupportedQuantization, match=r"x: a gptq layer needs qweight, qzeros, scales, g_idx.*g_idx"):
+        stored_layers({"x.qweight": (8, 64), "x.qzeros": (1, 8), "x.scales": (1, 64)}, scheme)
