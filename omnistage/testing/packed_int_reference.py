@@ -1,4 +1,4 @@
-"""transformers' greedy Thinker text for a GPTQ / AWQ Qwen2.5-Omni checkpoint, through gptqmodel's pure-torch CPU
+"""transformers' greedy Thinker text for a GPTQ / AWQ Qwen2.5-Omni or Qwen3-Omni checkpoint, through gptqmodel's pure-torch CPU
 kernels (``gptq_torch`` pinned, ``awq_torch_aten`` as chosen on a CPU: they multiply by the dequantized weight in
 the model's dtype; the output names the kernels that ran). Run in a process of its own (``python -m
 omnistage.testing.packed_int_reference CKPT NEW_TOKENS ID...``, prints the generated ids as JSON): importing
@@ -15,13 +15,16 @@ def main(argv: list[str]) -> None:
     ckpt, new_tokens, prompt = argv[0], int(argv[1]), [int(i) for i in argv[2:]]
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))  # (its default asks for more)
     import torch
-    from transformers import GPTQConfig, Qwen2_5OmniForConditionalGeneration
+    import transformers
+    from transformers import GPTQConfig
 
-    config = json.loads(open(os.path.join(ckpt, "config.json"), encoding="utf-8").read())["quantization_config"]
+    full = json.loads(open(os.path.join(ckpt, "config.json"), encoding="utf-8").read())
+    model_class = getattr(transformers, full["architectures"][0])
+    config = full["quantization_config"]
     kwargs = {}
     if config["quant_method"] == "gptq":  # (AwqConfig does not take the aten kernel by name: it is auto's on CPU)
         kwargs["quantization_config"] = GPTQConfig(bits=config["bits"], backend="gptq_torch")
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32, **kwargs).eval()
+    model = model_class.from_pretrained(ckpt, dtype=torch.float32, **kwargs).eval()
     eos = json.loads(open(os.path.join(ckpt, "generation_config.json"), encoding="utf-8").read())["eos_token_id"]
     with torch.no_grad():
         seq = model.thinker.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -1,8 +1,8 @@
 """GPTQ and AWQ checkpoints, as gptqmodel writes them and transformers reads them through it: each quantized
 layer dequantized as read to the weight transformers' kernels multiply by, so a float32 model answers as
-transformers' does. Qwen2.5-Omni's Thinker (the layers its official GPTQ / AWQ releases quantize): GPTQ in its
-original format (zero points minus one) and in gptq_v2, symmetric and with zero points, act-order (``g_idx``), 4 and
-8 bits; AWQ (GEMM, zero points). transformers runs in a process of its own (``packed_int_reference``: importing
+transformers' does. Qwen2.5-Omni's Thinker layers: GPTQ in its original format (zero points minus one) and in
+gptq_v2, symmetric and with zero points, act-order (``g_idx``), 4 and 8 bits; AWQ (GEMM, zero points). Qwen3-Omni's
+Thinker attention in GPTQ and AWQ. transformers runs in a process of its own (``packed_int_reference``: importing
 gptqmodel patches torch process-wide); its kernels are CPU ones (``gptq_torch``, ``awq_torch_aten``)."""
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from omnistage import Omni
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.loader import load_weights
 from omnistage.models.prequantized import PackedInt, UnsupportedQuantization, parse_config, stored_layers
-from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.memory_plan import tensor_sizes
 from omnistage.testing.variants import packed_int_variant, write_weights
 
 PROMPT, TOKENS = "Hi there, who are you?", 16
 BLOCK = "thinker.model.language_model.layers"  # (transformers' name: without it, it finds no GPTQ block)
 FLOAT_PARTS = ["talker", "token2wav", "audio_tower", "visual", "lm_head"]  # (AWQ: what transformers leaves float)
+# Qwen3-Omni: its Thinker's attention layers (transformers keeps its experts in fused tensors gptqmodel does not
+# convert; test_qwen3_gptq_layers_and_experts_load_as_their_dequantized_weights covers GPTQ experts)
+QWEN3_FLOAT_PARTS = ["talker", "code2wav", "audio_tower", "visual", "lm_head", "mlp"]
 VARIANTS = {
     "gptq": dict(method="gptq", block_name_to_quantize=BLOCK),
     "gptq-zero-points-act-order": dict(method="gptq", sym=False, act_order=True, block_name_to_quantize=BLOCK),
@@ -35,23 +37,30 @@ VARIANTS = {
                         block_name_to_quantize=BLOCK),
     "gptq-8bit": dict(method="gptq", bits=8, block_name_to_quantize=BLOCK),
     "awq": dict(method="awq", sym=False, modules_to_not_convert=FLOAT_PARTS),
+    "qwen3-gptq-zero-points-act-order": dict(method="gptq", sym=False, act_order=True, block_name_to_quantize=BLOCK),
+    "qwen3-awq": dict(method="awq", sym=False, modules_to_not_convert=QWEN3_FLOAT_PARTS),
 }
+MOVED = ("gptq", "gptq-zero-points-act-order", "awq", "qwen3-gptq-zero-points-act-order", "qwen3-awq")
 
 
-def _thinker_layers(module: str) -> bool:
-    return module.startswith("thinker.model.layers.")
+def _quantized(name: str):
+    """The layers a variant quantizes: Qwen2.5-Omni's Thinker layers, Qwen3-Omni's Thinker attention."""
+    if name.startswith("qwen3"):
+        return lambda module: module.startswith("thinker.model.layers.") and ".self_attn." in module
+    return lambda module: module.startswith("thinker.model.layers.")
 
 
 @pytest.fixture(scope="module")
-def variants(q25_ckpt, tmp_path_factory):
+def variants(q25_ckpt, tiny_ckpt, tmp_path_factory):
     root = tmp_path_factory.mktemp("packed-int")
-    return {name: packed_int_variant(q25_ckpt, root / name, modules=_thinker_layers, **kw)
+    return {name: packed_int_variant(tiny_ckpt if name.startswith("qwen3") else q25_ckpt, root / name,
+                                     modules=_quantized(name), **kw)
             for name, kw in VARIANTS.items()}
 
 
 def _answer(ckpt) -> tuple[list[int], list[int]]:
     """omnistage's greedy text in the default configuration: (prompt ids, answer ids)."""
-    with Omni(str(ckpt), pipeline=load_pipeline_config("qwen2_5_omni")) as omni:
+    with Omni(str(ckpt)) as omni:
         out = omni.generate([PROMPT], ["text"], SamplingParams(temperature=0.0, max_tokens=TOKENS,
                                                                min_tokens=TOKENS))[0]
     return out.prompt_token_ids, out.token_ids
@@ -69,24 +78,25 @@ def _transformers(ckpt, prompt_ids: list[int]) -> dict:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_packed_int_checkpoint_answers_as_transformers(variants, q25_ckpt, name):
+def test_packed_int_checkpoint_answers_as_transformers(variants, q25_ckpt, tiny_ckpt, name):
     prompt_ids, tokens = _answer(variants[name])
     reference = _transformers(variants[name], prompt_ids)
     assert reference["kernels"] and all(k.startswith(("Torch", "AwqTorch")) for k in reference["kernels"])
     assert tokens == reference["tokens"]
-    if name in ("gptq", "gptq-zero-points-act-order", "awq"):  # (4 bits in groups of 32: the answer moves)
-        assert tokens != _answer(q25_ckpt)[1]
+    if name in MOVED:  # (4 bits in groups of 32: the answer moves)
+        assert tokens != _answer(tiny_ckpt if name.startswith("qwen3") else q25_ckpt)[1]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_dequantized_weights_are_the_stored_steps_of_the_float_ones(variants, q25_ckpt, name):
+def test_dequantized_weights_are_the_stored_steps_of_the_float_ones(variants, q25_ckpt, tiny_ckpt, name):
     """Every quantized layer reads back within half a step of the float weight it was made from (the packing's
     orientation, AWQ's nibble order and the zero-point offset of each format), and not as that float weight."""
     ckpt = variants[name]
     stored = parse_config(json.loads((ckpt / "config.json").read_text())["quantization_config"])
     layers = stored_layers({n: s for n, (s, _) in tensor_sizes(ckpt).items()}, stored)
-    assert len(layers.packed_int) == 14  # 2 layers x (q, k, v, o, gate, up, down)
-    floats, stored_tensors = load_weights(q25_ckpt, "", None), load_weights(ckpt, "", None)
+    assert len(layers.packed_int) == (8 if name.startswith("qwen3") else 14)  # 2 layers x (q, k, v, o[, MLP's 3])
+    floats = load_weights(tiny_ckpt if name.startswith("qwen3") else q25_ckpt, "", None)
+    stored_tensors = load_weights(ckpt, "", None)
     bits = VARIANTS[name].get("bits", 4)
     for weight, (shape, scheme) in layers.packed_int.items():
         got = scheme.dequantize(stored_tensors.__getitem__, weight[: -len(".weight")])
