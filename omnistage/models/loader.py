@@ -252,10 +252,11 @@ class _Dequantized:
         """(state-dict key, tensor as the module takes it) for checkpoint tensor ``name`` (``key`` relative to the
         load's prefix); None for a pre-quantized layer's other tensors, read with its weight."""
         if key in self.aux:
-            if not key.endswith(".qweight"):
-                return None
-            weight = key[: -len("qweight")] + "weight"
-            return weight, self.packed_int[weight].dequantize(read, name[: -len(".qweight")])
+            base, _, stored = key.rpartition(".")
+            scheme = self.packed_int.get(base + ".weight")
+            if scheme is None or stored != scheme.names[0]:
+                return None  # (an FP8 scale, a packed layer's other tensors)
+            return base + ".weight", scheme.dequantize(read, name.rpartition(".")[0])
         tensor = read(name)
         fp8 = self.fp8.get(key)
         return key, tensor if fp8 is None else fp8.dequantize(tensor, read(name[: -len("weight")] + fp8.scale_name))
@@ -450,7 +451,7 @@ def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: st
         for _, names in sorted(files.items()):
             for name in names:
                 key = name[len(prefix):]
-                if key.endswith(".weight_packed") and key in dequantized.aux:
+                if key.endswith(".weight_packed") and key[: -len("_packed")] in packed:  # (stored as it is)
                     base = key.rpartition(".")[0]
                     key = base + ".weight"
                     shape = tuple(read(prefix + base + ".weight_shape").tolist())

@@ -10,16 +10,19 @@ pack-quantized``, ``config_groups`` (each: module ``targets`` and its ``weights`
 little-endian host the int32 words of 4-bit values are, byte by byte, ``quant.pack_nibbles``' layout (even
 column in the low nibble, offset 8), and those of 8-bit values are the values offset by 128.
 
-Supported: integer weights, symmetric, 4 or 8 bits, strategy ``group`` or ``channel``, no activation
-quantization. Layers keep the stored values: no re-quantization.
+Supported: integer weights, 4 or 8 bits, strategy ``group`` or ``channel``, no activation quantization. Symmetric
+layers keep the stored values: no re-quantization. Layers with zero points (``symmetric: false``: llm-compressor's
+``W4A16_ASYM``, e.g. its AWQ) store ``X.weight_zero_point`` too, packed down the outputs; omnistage's int4 layers
+have none, so they are dequantized as read to ``(q - zero) * scale`` in the scales' dtype, as the library
+decompresses them (``PackedInt``, method ``pack-quantized``).
 
 FP8 (format ``float-quantized``: ``X.weight`` in float8 e4m3 and ``X.weight_scale`` per ``tensor`` [1], per
 ``channel`` [N, 1] or per ``block`` [ceil(N / bn), ceil(K / bk)] of ``block_structure`` [bn, bk]) is
 *dequantized* as it is read, tensor by tensor, to ``value * scale`` in float32, then cast to the serving dtype, or
 quantized to int8 / int4 where ``--quantization`` asks (the full model's 35 GB of FP8 does not fit a 24 GiB
 machine as bfloat16). Its activation scheme (FP8 per token or per tensor, ``X.input_scale``) is not applied:
-activations stay in the serving dtype, as everywhere in omnistage (weight-only). Anything else (asymmetric, other
-float formats such as NVFP4, integer activation schemes, other formats or methods) is refused with an error
+activations stay in the serving dtype, as everywhere in omnistage (weight-only). Anything else (other float
+formats such as NVFP4, integer activation schemes, other formats or methods) is refused with an error
 naming the scheme.
 
 GPTQ (``quant_method: gptq``) and AWQ (``quant_method: awq``, version ``gemm``), as transformers reads them
@@ -58,7 +61,7 @@ from omnistage.models.layers.quant import QuantFormat, pack_nibbles
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")
 FP8_SUFFIXES = ("input_scale", "activation_scale")  # (beside an FP8 layer's X.weight and its scale: not applied)
 FP8_STRATEGIES = ("tensor", "channel", "block")
-_SUPPORTED = ("pack-quantized: int weights, symmetric, 4 or 8 bits, strategy group or channel, no activation "
+_SUPPORTED = ("pack-quantized: int weights, 4 or 8 bits, strategy group or channel, no activation "
               "quantization; float-quantized: float 8-bit weights, strategy tensor, channel or block")
 
 
@@ -77,6 +80,17 @@ class StoredQuantization:
     fp8_groups: tuple[tuple[tuple[str, ...], str, tuple[int, int] | None], ...] = ()
     fp8_scale_name: str = "weight_scale"  # an FP8 layer X's scale tensor: X.<this>
     packed_int: PackedInt | None = None  # GPTQ / AWQ: every layer stored with a qweight
+    # compressed-tensors pack-quantized groups with zero points (dequantized as read): (targets, bits, group or None)
+    asymmetric: tuple[tuple[tuple[str, ...], int, int | None], ...] = ()
+
+    def asymmetric_for(self, module: str) -> PackedInt | None:
+        """Module ``module``'s pack-quantized scheme where a config group with zero points covers it."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, bits, group in self.asymmetric:
+            if _targeted(targets, module):
+                return PackedInt("pack-quantized", bits, -1 if group is None else group)
+        return None
 
     def format_for(self, module: str, in_features: int) -> QuantFormat | None:
         """The stored format of module ``module`` (full checkpoint name, no ``.weight``); None: not quantized."""
@@ -149,31 +163,43 @@ class PackedInt:
     group_size: int
     zero_offset: int = 0
 
-    NAMES = ("qweight", "qzeros", "scales", "g_idx")
+    @property
+    def names(self) -> tuple[str, ...]:
+        """A layer's stored tensors, the first bringing its weight in (``X.<name>``)."""
+        if self.method == "pack-quantized":
+            return ("weight_packed", "weight_zero_point", "weight_scale", "weight_shape")
+        return ("qweight", "qzeros", "scales", "g_idx") if self.method == "gptq" else ("qweight", "qzeros", "scales")
 
-    def weight_shape(self, qweight_shape: tuple[int, ...]) -> tuple[int, int]:
-        """[N, K] of the float weight a ``qweight`` of this shape stands for."""
-        rows, cols = qweight_shape
+    def weight_shape(self, packed_shape: tuple[int, ...]) -> tuple[int, int]:
+        """[N, K] of the float weight a ``qweight`` (``weight_packed``) of this shape stands for."""
+        rows, cols = packed_shape
         per = 32 // self.bits
-        return (cols, rows * per) if self.method == "gptq" else (cols * per, rows)
+        if self.method == "awq":
+            return cols * per, rows
+        return (cols, rows * per) if self.method == "gptq" else (rows, cols * per)
 
     def dequantize(self, read: Any, module: str) -> torch.Tensor:
         """Layer ``module``'s float32 weight [N, K] from its stored tensors (``read(name)``)."""
         if sys.byteorder != "little":
             raise UnsupportedQuantization(f"reading {self.method} weights needs a little-endian host")
-        qweight, qzeros, scales = (read(f"{module}.{n}") for n in self.NAMES[:3])
-        n, k = self.weight_shape(tuple(qweight.shape))
-        if self.method == "gptq":
-            values = _unpack_words(qweight.t(), self.bits).t()  # [K, N]
+        packed, qzeros, scales = (read(f"{module}.{name}") for name in self.names[:3])
+        n, k = self.weight_shape(tuple(packed.shape))
+        if self.method == "pack-quantized":  # (values and zero points both offset by 2^(bits-1): it cancels)
+            n, k = (int(d) for d in read(f"{module}.weight_shape").tolist())
+            values = _unpack_words(packed, self.bits)[:, :k].t()  # [K, N]
+            zeros = _unpack_words(qzeros.t(), self.bits)[:, :n]  # [groups, N] (packed down the outputs)
+            scales = scales.t()
+        elif self.method == "gptq":
+            values = _unpack_words(packed.t(), self.bits).t()  # [K, N]
+            zeros = _unpack_words(qzeros, self.bits) + self.zero_offset  # [groups, N]
         else:
-            values = _awq_order(_unpack_words(qweight, self.bits))  # [K, N]
-        zeros = _unpack_words(qzeros, self.bits)
-        zeros = (_awq_order(zeros) if self.method == "awq" else zeros) + self.zero_offset  # [groups, N]
+            values = _awq_order(_unpack_words(packed, self.bits))  # [K, N]
+            zeros = _awq_order(_unpack_words(qzeros, self.bits))
         groups = 1 if self.group_size == -1 else -(-k // self.group_size)
         if tuple(scales.shape) != (groups, n) or tuple(zeros.shape) != (groups, n):
             raise UnsupportedQuantization(
-                f"{module}: scales {list(scales.shape)} / qzeros {list(qzeros.shape)} do not fit a [{n}, {k}] weight "
-                f"in groups of {self.group_size} ({groups} groups)")
+                f"{module}: {self.names[2]} {list(scales.shape)} / {self.names[1]} {list(qzeros.shape)} do not fit a "
+                f"[{n}, {k}] weight in groups of {self.group_size} ({groups} groups)")
         if self.method == "gptq":
             group = read(f"{module}.g_idx").long()
             if tuple(group.shape) != (k,) or int(group.min()) < 0 or int(group.max()) >= groups:
@@ -252,7 +278,7 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
                                       "compressed-tensors pack-quantized and float-quantized checkpoints, "
                                       "transformers' fp8, gptq and awq)")
     fmt = config.get("format")
-    groups, fp8_groups = [], []
+    groups, fp8_groups, asymmetric = [], [], []
     for name, group in (config.get("config_groups") or {}).items():
         group_format = group.get("format") or fmt
         w = group.get("weights") or {}
@@ -264,7 +290,7 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
             raise UnsupportedQuantization(f"compressed-tensors format {group_format!r} (config group {name!r}) is not "
                                           "supported; omnistage reads pack-quantized and float-quantized (FP8)")
         if (group.get("input_activations") or group.get("output_activations") or w.get("type") != "int"
-                or w.get("symmetric") is not True or w.get("num_bits") not in (4, 8)
+                or w.get("symmetric") not in (True, False) or w.get("num_bits") not in (4, 8)
                 or w.get("strategy") not in ("group", "channel")
                 or (w.get("strategy") == "group" and not isinstance(w.get("group_size"), int))):
             activations = {k: group.get(k) for k in ("input_activations", "output_activations") if group.get(k)}
@@ -272,10 +298,12 @@ def parse_config(config: Mapping[str, Any]) -> StoredQuantization:
                                           f"weights {scheme}{f', activations {activations}' if activations else ''} "
                                           f"(supported: {_SUPPORTED})")
         group_size = w["group_size"] if w["strategy"] == "group" else None
-        groups.append((tuple(group.get("targets") or ()), int(w["num_bits"]), group_size))
-    if not groups and not fp8_groups:
+        entry = (tuple(group.get("targets") or ()), int(w["num_bits"]), group_size)
+        (groups if w["symmetric"] else asymmetric).append(entry)
+    if not groups and not fp8_groups and not asymmetric:
         raise UnsupportedQuantization("compressed-tensors quantization_config has no config_groups")
-    return StoredQuantization(tuple(groups), tuple(config.get("ignore") or ()), tuple(fp8_groups))
+    return StoredQuantization(tuple(groups), tuple(config.get("ignore") or ()), tuple(fp8_groups),
+                              asymmetric=tuple(asymmetric))
 
 
 def _fine_grained_fp8(config: Mapping[str, Any]) -> StoredQuantization:
@@ -342,15 +370,20 @@ def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantizat
     UnsupportedQuantization for a packed layer no config group covers, or one without its scale."""
     packed, fp8, aux, packed_int = {}, {}, set(), {}
     for name, shape in shapes.items():
+        scheme = None
         if stored.packed_int is not None and name.endswith(".qweight"):
-            module = name[: -len(".qweight")]
-            needed = PackedInt.NAMES[: 4 if stored.packed_int.method == "gptq" else 3]
-            absent = [n for n in needed if f"{module}.{n}" not in shapes]
+            scheme, module = stored.packed_int, name[: -len(".qweight")]
+        elif stored.asymmetric and name.endswith(".weight_packed"):
+            module = name[: -len(".weight_packed")]
+            scheme = stored.asymmetric_for(prefix + module)
+        if scheme is not None:
+            absent = [n for n in scheme.names if f"{module}.{n}" not in shapes]
             if absent or len(shape) != 2:
-                raise UnsupportedQuantization(f"{prefix}{module}: a {stored.packed_int.method} layer needs "
-                                              f"{', '.join(needed)} (2-D qweight); {absent or list(shape)}")
-            packed_int[module + ".weight"] = (stored.packed_int.weight_shape(shape), stored.packed_int)
-            aux.update(f"{module}.{n}" for n in needed)
+                raise UnsupportedQuantization(f"{prefix}{module}: a {scheme.method} layer needs "
+                                              f"{', '.join(scheme.names)} (2-D {scheme.names[0]}); "
+                                              f"{absent or list(shape)}")
+            packed_int[module + ".weight"] = (scheme.weight_shape(shape), scheme)
+            aux.update(f"{module}.{n}" for n in scheme.names)
             continue
         if name.endswith(".weight") and name[: -len("weight")] + stored.fp8_scale_name in shapes:
             module = name[: -len(".weight")]

@@ -145,6 +145,40 @@ def packed_int_variant(src: str | Path, dst: str | Path, method: str, modules: C
     return Path(dst)
 
 
+def compressed_asymmetric_variant(src: str | Path, dst: str | Path, modules: Callable[[str], bool], bits: int = 4,
+                                  group_size: int | None = 32) -> Path:
+    """Checkpoint ``src`` in compressed-tensors' pack-quantized format with zero points (what llm-compressor's AWQ /
+    GPTQ with ``W4A16_ASYM`` writes), packed by the compressed-tensors library itself: every 2-D ``X.weight``
+    whose module ``modules`` selects, in groups of ``group_size`` (None: per channel), scales in bfloat16."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out: dict[str, torch.Tensor] = {}
+    offset = 1 << (bits - 1)
+    for name, tensor in load_weights(src, "", None).items():
+        module = name[: -len(".weight")]
+        n, k = tensor.shape if tensor.dim() == 2 else (0, 0)
+        group = group_size or k
+        if not (name.endswith(".weight") and n and modules(module) and k % group == 0 and k * bits % 32 == 0):
+            out[name] = tensor
+            continue
+        values, zeros, scales = _quantize_groups(tensor.float(), torch.arange(k) // group, bits, sym=False)
+        out[f"{module}.weight_packed"] = pack_to_int32((values - offset).to(torch.int8), bits)
+        out[f"{module}.weight_zero_point"] = pack_to_int32((zeros.t() - offset).to(torch.int8), bits, packed_dim=0)
+        out[f"{module}.weight_scale"] = scales.t().contiguous().to(torch.bfloat16)
+        out[f"{module}.weight_shape"] = torch.tensor([n, k])
+    write_weights(src, dst, {"model.safetensors": out})
+    cfg = json.loads((Path(dst) / "config.json").read_text())
+    weights = {"num_bits": bits, "type": "int", "symmetric": False, "strategy": "group" if group_size else "channel",
+               "group_size": group_size, "dynamic": False, "actorder": None, "observer": "minmax"}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "quantization_status": "compressed", "ignore": [], "kv_cache_scheme": None,
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                "input_activations": None,
+                                                                "output_activations": None}}}
+    (Path(dst) / "config.json").write_text(json.dumps(cfg, indent=2))
+    return Path(dst)
+
+
 def _quantize_groups(w: torch.Tensor, group: torch.Tensor, bits: int,
                      sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K], each input's group -> (values [N, K], zero points [groups, N], float16-valued scales [groups, N]),

@@ -21,6 +21,7 @@ from omnistage.models.layers.quant import QuantFormat, quantize
 from omnistage.models.layers.quant_layers import QuantExperts, QuantLinear
 from omnistage.models.prequantized import (
     Fp8Scale,
+    PackedInt,
     UnsupportedQuantization,
     pack,
     parse_config,
@@ -63,9 +64,9 @@ def test_unsupported_schemes_are_refused_naming_them():
     assert parse_config(good).format_for("model.layers.0.q_proj", 64) == INT4
     assert parse_config(good).format_for("lm_head", 64) is None
     asymmetric = json.loads(json.dumps(good))
-    asymmetric["config_groups"]["group_0"]["weights"]["symmetric"] = False
-    with pytest.raises(UnsupportedQuantization, match="group_0.*'symmetric': False"):
-        parse_config(asymmetric)
+    asymmetric["config_groups"]["group_0"]["weights"]["symmetric"] = False  # (zero points: dequantized as read)
+    assert parse_config(asymmetric).asymmetric_for("model.layers.0.q_proj") == PackedInt("pack-quantized", 4, 32)
+    assert parse_config(asymmetric).format_for("model.layers.0.q_proj", 64) is None
     w4a8 = json.loads(json.dumps(good))
     w4a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
     with pytest.raises(UnsupportedQuantization, match="activations"):

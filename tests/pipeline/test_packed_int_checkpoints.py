@@ -22,7 +22,7 @@ from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.loader import load_weights
 from omnistage.models.prequantized import PackedInt, UnsupportedQuantization, parse_config, stored_layers
 from omnistage.pipeline.memory_plan import tensor_sizes
-from omnistage.testing.variants import packed_int_variant, write_weights
+from omnistage.testing.variants import compressed_asymmetric_variant, packed_int_variant, write_weights
 
 PROMPT, TOKENS = "Hi there, who are you?", 16
 BLOCK = "thinker.model.language_model.layers"  # (transformers' name: without it, it finds no GPTQ block)
@@ -107,27 +107,66 @@ def test_dequantized_weights_are_the_stored_steps_of_the_float_ones(variants, q2
         assert (got - want).abs().max() > 0 if bits == 4 else True
 
 
+def _LAYERS(module: str) -> bool:  # noqa: N802 (a constant selection)
+    """Qwen3-Omni's Thinker and Talker layers, routed experts included (routers stay float, as quantizers leave them)."""
+    return (module.startswith(("thinker.model.layers.", "talker.model.layers."))
+            and not module.endswith(("mlp.gate", "shared_expert_gate")))
+
+
+def assert_serves_as_its_dequantized_twin(ckpt, src, twin_dir, moves: bool = True) -> None:
+    """A pre-quantized Qwen3-Omni checkpoint (made from ``src``): the same tokens, codes and audio as the float
+    checkpoint holding its layers' dequantized weights, experts and attention among them; ``moves``: and other
+    answers than ``src``'s."""
+    stored = load_weights(ckpt, "", None)
+    layers = stored_layers({n: s for n, (s, _) in tensor_sizes(ckpt).items()},
+                           parse_config(json.loads((ckpt / "config.json").read_text())["quantization_config"]))
+    assert any(".experts." in w for w in layers.packed_int) and any(".self_attn." in w for w in layers.packed_int)
+    twin = load_weights(src, "", None)
+    for weight, (_, scheme) in layers.packed_int.items():
+        twin[weight] = scheme.dequantize(stored.__getitem__, weight[: -len(".weight")])
+    write_weights(src, twin_dir, {"model.safetensors": twin})
+    got, want = (parity.run(parity.make_engine(path), {0: [1], 1: [0], 3: [2]}) for path in (ckpt, twin_dir))
+    for i in range(len(parity.PROMPTS)):
+        assert got[i]["tokens"] == want[i]["tokens"] and torch.equal(got[i]["codes"], want[i]["codes"])
+        assert torch.equal(got[i]["audio"], want[i]["audio"])
+    moved = [got[i]["tokens"] != parity.reference(str(src), i)[0] for i in range(len(parity.PROMPTS))]
+    assert any(moved) == moves, moved
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, None)], ids=["int4-g32", "int8-channel"])
+def test_compressed_tensors_with_zero_points_load_as_their_dequantized_weights(tiny_ckpt, tmp_path, bits, group):
+    """compressed-tensors pack-quantized with zero points (llm-compressor's W4A16_ASYM, e.g. its AWQ), packed by the
+    library: each layer dequantized as the library decompresses it, served as its dequantized float twin."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    forward = pytest.importorskip("compressed_tensors.quantization.lifecycle.forward")
+    from compressed_tensors.quantization import QuantizationArgs
+
+    ckpt = compressed_asymmetric_variant(tiny_ckpt, tmp_path / "ckpt", _LAYERS, bits, group)
+    stored = load_weights(ckpt, "", None)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group" if group else "channel",
+                            group_size=group)
+    layers = stored_layers({n: s for n, (s, _) in tensor_sizes(ckpt).items()},
+                           parse_config(json.loads((ckpt / "config.json").read_text())["quantization_config"]))
+    for weight, (shape, scheme) in list(layers.packed_int.items())[:6]:
+        base = weight[: -len(".weight")]
+        scale = stored[base + ".weight_scale"]
+        zero = helpers.unpack_from_int32(stored[base + ".weight_zero_point"], bits, (shape[0], scale.shape[1]),
+                                         packed_dim=0)
+        values = helpers.unpack_from_int32(stored[base + ".weight_packed"], bits, torch.Size(shape))
+        library = forward.dequantize(x_q=values, scale=scale, zero_point=zero, args=args)
+        assert torch.equal(scheme.dequantize(stored.__getitem__, base), library.float()), weight
+    # (at 8 bits per channel the tiny checkpoint's greedy answers do not move: the weights above are the
+    # library's, not the float ones)
+    assert_serves_as_its_dequantized_twin(ckpt, tiny_ckpt, tmp_path / "twin", moves=bits == 4)
+
+
 def test_qwen3_gptq_layers_and_experts_load_as_their_dequantized_weights(tiny_ckpt, tmp_path):
     """Qwen3-Omni with its Thinker's and Talker's layers in GPTQ, routed experts included (transformers' own
     Qwen3-Omni keeps experts in fused tensors, which gptqmodel does not convert, so it has no reference here): the
     same tokens, codes and audio as a float checkpoint holding the dequantized weights; planned as that float
     checkpoint; with ``quantization`` int8 dequantized as read and quantized, and it speaks."""
-    gptq = packed_int_variant(tiny_ckpt, tmp_path / "gptq", "gptq", sym=False, act_order=True,
-                              modules=lambda m: m.startswith(("thinker.model.layers.", "talker.model.layers."))
-                              and not m.endswith(("mlp.gate", "shared_expert_gate")))  # (routers stay float)
-    stored = load_weights(gptq, "", None)
-    layers = stored_layers({n: s for n, (s, _) in tensor_sizes(gptq).items()},
-                           parse_config(json.loads((gptq / "config.json").read_text())["quantization_config"]))
-    assert any(".experts." in w for w in layers.packed_int) and any(".self_attn." in w for w in layers.packed_int)
-    twin = load_weights(tiny_ckpt, "", None)
-    for weight, (_, scheme) in layers.packed_int.items():
-        twin[weight] = scheme.dequantize(stored.__getitem__, weight[: -len(".weight")])
-    write_weights(tiny_ckpt, tmp_path / "twin", {"model.safetensors": twin})
-    got, want = (parity.run(parity.make_engine(path), {0: [1], 1: [0], 3: [2]}) for path in (gptq, tmp_path / "twin"))
-    for i in range(len(parity.PROMPTS)):
-        assert got[i]["tokens"] == want[i]["tokens"] and torch.equal(got[i]["codes"], want[i]["codes"])
-        assert torch.equal(got[i]["audio"], want[i]["audio"])
-    assert any(got[i]["tokens"] != parity.reference(str(tiny_ckpt), i)[0] for i in range(len(parity.PROMPTS)))
+    gptq = packed_int_variant(tiny_ckpt, tmp_path / "gptq", "gptq", sym=False, act_order=True, modules=_LAYERS)
+    assert_serves_as_its_dequantized_twin(gptq, tiny_ckpt, tmp_path / "twin")
     plans = []
     for path in (gptq, tiny_ckpt):
         with Omni(str(path), dtype="float32", quantization="int8") as omni:
