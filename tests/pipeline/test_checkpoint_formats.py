@@ -67,16 +67,20 @@ def test_qwen2_5_fp8_checkpoint_equals_transformers(q25_ckpt, tmp_path):
     assert_q25_speech_matches_reference(ckpt)
 
 
-def test_fp8_checkpoint_is_planned_at_the_serving_width_and_quantizes_online(fp8_ckpt, tiny_ckpt):
-    """The memory plan counts each FP8 weight as the float weight it loads as (the float checkpoint's plan); with
-    ``quantization`` int8 the FP8 weights are dequantized as read and quantized, and the engine speaks."""
+def assert_planned_as_float_and_quantizes_online(ckpt, float_ckpt) -> None:
+    """A checkpoint whose layers load dequantized: its memory plan counts each as the float weight it loads as
+    (``float_ckpt``'s plan); with ``quantization`` int8 they are dequantized as read and quantized, and it speaks."""
     plans = []
-    for path in (fp8_ckpt, tiny_ckpt):
+    for path in (ckpt, float_ckpt):
         with Omni(str(path), dtype="float32", quantization="int8") as omni:
             plans.append([p.weight_bytes for p in omni.engine.memory_plan])
             out = omni.generate(["Hello!"], modalities=["text", "audio"])[0]
             assert out.text and out.audio is not None and out.audio.numel() > 0
     assert plans[0] == plans[1]
+
+
+def test_fp8_checkpoint_is_planned_at_the_serving_width_and_quantizes_online(fp8_ckpt, tiny_ckpt):
+    assert_planned_as_float_and_quantizes_online(fp8_ckpt, tiny_ckpt)
 
 
 def test_fp8_config_read_and_refused_naming_the_field():

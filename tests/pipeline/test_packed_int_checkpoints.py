@@ -16,6 +16,7 @@ import sys
 import pytest
 import test_pipeline_parity as parity
 import torch
+from test_checkpoint_formats import assert_planned_as_float_and_quantizes_online
 
 from omnistage import Omni
 from omnistage.core.sampling_params import SamplingParams
@@ -107,7 +108,7 @@ def test_dequantized_weights_are_the_stored_steps_of_the_float_ones(variants, q2
         assert (got - want).abs().max() > 0 if bits == 4 else True
 
 
-def _LAYERS(module: str) -> bool:  # noqa: N802 (a constant selection)
+def _qwen3_layers(module: str) -> bool:
     """Qwen3-Omni's Thinker and Talker layers, routed experts included (routers stay float, as quantizers leave them)."""
     return (module.startswith(("thinker.model.layers.", "talker.model.layers."))
             and not module.endswith(("mlp.gate", "shared_expert_gate")))
@@ -141,7 +142,7 @@ def test_compressed_tensors_with_zero_points_load_as_their_dequantized_weights(t
     forward = pytest.importorskip("compressed_tensors.quantization.lifecycle.forward")
     from compressed_tensors.quantization import QuantizationArgs
 
-    ckpt = compressed_asymmetric_variant(tiny_ckpt, tmp_path / "ckpt", _LAYERS, bits, group)
+    ckpt = compressed_asymmetric_variant(tiny_ckpt, tmp_path / "ckpt", _qwen3_layers, bits, group)
     stored = load_weights(ckpt, "", None)
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group" if group else "channel",
                             group_size=group)
@@ -165,15 +166,9 @@ def test_qwen3_gptq_layers_and_experts_load_as_their_dequantized_weights(tiny_ck
     Qwen3-Omni keeps experts in fused tensors, which gptqmodel does not convert, so it has no reference here): the
     same tokens, codes and audio as a float checkpoint holding the dequantized weights; planned as that float
     checkpoint; with ``quantization`` int8 dequantized as read and quantized, and it speaks."""
-    gptq = packed_int_variant(tiny_ckpt, tmp_path / "gptq", "gptq", sym=False, act_order=True, modules=_LAYERS)
+    gptq = packed_int_variant(tiny_ckpt, tmp_path / "gptq", "gptq", sym=False, act_order=True, modules=_qwen3_layers)
     assert_serves_as_its_dequantized_twin(gptq, tiny_ckpt, tmp_path / "twin")
-    plans = []
-    for path in (gptq, tiny_ckpt):
-        with Omni(str(path), dtype="float32", quantization="int8") as omni:
-            plans.append([p.weight_bytes for p in omni.engine.memory_plan])
-            out = omni.generate(["Hello!"], modalities=["text", "audio"])[0]
-            assert out.text and out.audio is not None and out.audio.numel() > 0
-    assert plans[0] == plans[1]
+    assert_planned_as_float_and_quantizes_online(gptq, tiny_ckpt)
 
 
 def test_packed_int_configs_read_and_refused_naming_the_field():
