@@ -241,8 +241,9 @@ def _reader(files: dict[Path, list[str]], handles: contextlib.ExitStack) -> Call
 
 @dataclass(frozen=True)
 class _Dequantized:
-    """A checkpoint's layers read as float weights: FP8 weights with their scales, GPTQ / AWQ layers from their
-    packed tensors (``prequantized.StoredLayers``); ``aux``: those layers' other tensors."""
+    """A checkpoint's layers read as float weights: FP8 weights with their scales, integer layers with zero points
+    (GPTQ, AWQ, compressed-tensors') from their packed tensors (``prequantized.StoredLayers``); ``aux``: those layers'
+    other tensors."""
 
     fp8: Mapping[str, Fp8Scale]
     packed_int: Mapping[str, PackedInt]

@@ -155,8 +155,9 @@ class Fp8Scale:
 
 @dataclass(frozen=True)
 class PackedInt:
-    """GPTQ / AWQ integer weights (the module docstring): ``method`` gptq or awq, ``bits``, ``group_size`` (-1: one
-    group over the inputs), ``zero_offset`` added to each stored zero point (1 in GPTQ's original format)."""
+    """Integer weights with zero points, dequantized as read (the module docstring): ``method`` gptq, awq, or
+    pack-quantized (compressed-tensors' with ``symmetric: false``), ``bits``, ``group_size`` (-1: one group over the
+    inputs), ``zero_offset`` added to each stored zero point (1 in GPTQ's original format)."""
 
     method: str
     bits: int
@@ -351,7 +352,8 @@ class StoredLayers:
     packed: dict[str, tuple[tuple[int, int], QuantFormat]]
     fp8: dict[str, Fp8Scale]
     aux: frozenset[str]
-    # GPTQ / AWQ: ``X.weight`` -> ([N, K], scheme), dequantized as read (``X.qweight`` brings it in)
+    # GPTQ / AWQ / pack-quantized with zero points: ``X.weight`` -> ([N, K], scheme), dequantized as read (the
+    # scheme's first stored tensor, ``X.qweight`` or ``X.weight_packed``, brings it in)
     packed_int: dict[str, tuple[tuple[int, int], PackedInt]] = field(default_factory=dict)
 
     def stand_in(self, shapes: dict[str, Any], packed_value: Any) -> None:
@@ -365,8 +367,8 @@ class StoredLayers:
 
 def stored_layers(shapes: Mapping[str, tuple[int, ...]], stored: StoredQuantization,
                   prefix: str = "") -> StoredLayers:
-    """The checkpoint's packed and FP8 layers, from the files' headers (packed: K = words * 32 / bits), named as
-    in ``shapes`` (relative to ``prefix``; the config's targets match the full names). Raises
+    """The checkpoint's packed, FP8 and dequantized-integer layers, from the files' headers (packed: K = words * 32
+    / bits), named as in ``shapes`` (relative to ``prefix``; the config's targets match the full names). Raises
     UnsupportedQuantization for a packed layer no config group covers, or one without its scale."""
     packed, fp8, aux, packed_int = {}, {}, set(), {}
     for name, shape in shapes.items():
