@@ -249,6 +249,17 @@ class _Dequantized:
     packed_int: Mapping[str, PackedInt]
     aux: frozenset[str]
 
+    def for_target(self, read: Callable[[str], torch.Tensor], name: str, key: str,
+                   targets: Mapping[str, Any]) -> tuple[Any, Any] | None:
+        """(quantized target, the layer for it: ``PackedInt.for_format``) where checkpoint tensor ``name`` brings in
+        a layer with zero points whose weight a quantizing load quantizes; else None."""
+        base, _, stored = key.rpartition(".")
+        scheme = self.packed_int.get(base + ".weight")
+        target = targets.get(base + ".weight") if scheme is not None and stored == scheme.names[0] else None
+        if target is None:
+            return None
+        return target, scheme.for_format(read, name.rpartition(".")[0], target.buffer.fmt)
+
     def weight(self, read: Callable[[str], torch.Tensor], name: str, key: str) -> tuple[str, torch.Tensor] | None:
         """(state-dict key, tensor as the module takes it) for checkpoint tensor ``name`` (``key`` relative to the
         load's prefix); None for a pre-quantized layer's other tensors, read with its weight."""
@@ -463,6 +474,13 @@ def _load_quantizing(module: nn.Module, files: dict[Path, list[str]], prefix: st
                     target = targets[key]
                     target.buffer.write_quantized(target.start, values, scales)
                     del values, scales
+                elif (stored := dequantized.for_target(read, name, key, targets)) is not None:
+                    target, values = stored  # (a layer with zero points into its quantized layer)
+                    if isinstance(values, tuple):
+                        target.buffer.write_quantized(target.start, *values)
+                    else:
+                        target.buffer.write_rows(target.start, values)
+                    del values
                 else:
                     weight = dequantized.weight(read, name, key)
                     if weight is None:

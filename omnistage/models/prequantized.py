@@ -181,6 +181,28 @@ class PackedInt:
 
     def dequantize(self, read: Any, module: str) -> torch.Tensor:
         """Layer ``module``'s float32 weight [N, K] from its stored tensors (``read(name)``)."""
+        return self._weight(*self._unpacked(read, module))
+
+    def for_format(self, read: Any, module: str,
+                   fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Layer ``module`` for a quantizing load into ``fmt``: as stored, (values [N, K] in [-8, 7], float32 scales
+        [N, groups]), where it is exactly ``fmt``'s symmetric int4 (every zero point 8, each input in group
+        index // group_size, the same group size: a symmetric GPTQ layer without act-order), so its values are
+        not rounded a second time; else its float32 weight (``dequantize``), which the load quantizes."""
+        values, zeros, scales, group = self._unpacked(read, module)
+        k = values.shape[0]
+        if (fmt.bits == self.bits == 4 and fmt.group_size == self.group_size and bool((zeros == 8).all())
+                and torch.equal(group, torch.arange(k) // self.group_size)):
+            return (values - 8).to(torch.int8).t().contiguous(), scales.float().t().contiguous()
+        return self._weight(values, zeros, scales, group)
+
+    @staticmethod
+    def _weight(values: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        weight = (values - zeros[group]).float() * scales.float()[group]  # [K, N]
+        return weight.to(scales.dtype).float().t().contiguous()
+
+    def _unpacked(self, read: Any, module: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(values [K, N], zero points [groups, N], scales [groups, N] as stored, each input's group [K])."""
         if sys.byteorder != "little":
             raise UnsupportedQuantization(f"reading {self.method} weights needs a little-endian host")
         packed, qzeros, scales = (read(f"{module}.{name}") for name in self.names[:3])
@@ -208,8 +230,7 @@ class PackedInt:
                                               f"{groups}")
         else:
             group = torch.arange(k) // (k if self.group_size == -1 else self.group_size)
-        weight = (values - zeros[group]).float() * scales.float()[group]  # [K, N]
-        return weight.to(scales.dtype).float().t().contiguous()
+        return values, zeros, scales, group
 
 
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -171,6 +171,32 @@ def test_qwen3_gptq_layers_and_experts_load_as_their_dequantized_weights(tiny_ck
     assert_planned_as_float_and_quantizes_online(gptq, tiny_ckpt)
 
 
+def test_symmetric_gptq_int4_is_kept_as_stored_under_quantization_int4(tiny_ckpt, tmp_path):
+    """``--quantization int4`` in the checkpoint's group size keeps a symmetric GPTQ layer without act-order as
+    stored: its values are omnistage's int4, so they are not rounded a second time. A layer with zero points or
+    act-order is dequantized and quantized again."""
+    from omnistage.config.quantization import Quantization
+    from omnistage.models.layers.quant import QuantFormat
+    from omnistage.testing.quant_accuracy import load_part
+
+    for kept, kw in ((True, {}), (False, {"sym": False, "act_order": True})):
+        ckpt = packed_int_variant(tiny_ckpt, tmp_path / str(kept), "gptq", modules=_qwen3_layers, **kw)
+        stored = load_weights(ckpt, "", None)
+        scheme = parse_config(json.loads((ckpt / "config.json").read_text())["quantization_config"]).packed_int
+        model = load_part(ckpt, "thinker", torch.float32, Quantization("int4", 32))
+        for i, layer in enumerate(model.model.layers):
+            exact = [scheme.dequantize(stored.__getitem__, f"thinker.model.layers.{i}.self_attn.{name}")
+                     for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            if kept:  # (the stored values times their scales, exactly: no float16 rounding of the products)
+                as_stored = [scheme.for_format(stored.__getitem__, f"thinker.model.layers.{i}.self_attn.{name}",
+                                               QuantFormat(4, 32)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+                exact = [(v.float() * s.repeat_interleave(32, dim=1)) for v, s in as_stored]
+            for held, want in ((layer.self_attn.qkv_proj.weight_q.dequantize(), torch.cat(exact[:3])),
+                               (layer.self_attn.o_proj.weight_q.dequantize(), exact[3])):
+                assert torch.equal(held, want) == kept
+                assert (held - want).abs().max() < 0.1 * want.abs().max()
+
+
 def test_packed_int_configs_read_and_refused_naming_the_field():
     assert parse_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True,
                          "checkpoint_format": "gptq"}).packed_int == PackedInt("gptq", 4, 128, 1)
