@@ -137,18 +137,23 @@ class RotaryEmbedding(nn.Module):
         self.scale = scale
         self.length = length
 
+    def frequencies_for(self, length: float) -> torch.Tensor:
+        """[head_dim / 2] float32 inverse frequencies of a forward ``length`` long (a ``length`` scaling's; the
+        base ones where the rope does not follow the length)."""
+        scaled = None if self.length is None else self.length.frequencies(length)
+        return self.inv_freq.cpu() if scaled is None else scaled
+
     def row_frequencies(self, lengths: Sequence[float]) -> torch.Tensor:
-        """[N, head_dim / 2] float32 inverse frequencies of N rows whose forwards are ``lengths`` long (a
-        ``length`` scaling's; the base ones where the rope does not follow the length)."""
-        base = self.inv_freq.cpu()
-        scaled = self.length.frequencies if self.length is not None else lambda _length: None
-        rows = [scaled(n) for n in lengths]
-        return torch.stack([base if f is None else f for f in rows]) if rows else base.new_empty(0, base.numel())
+        """[N, head_dim / 2] float32 inverse frequencies of N rows whose forwards are ``lengths`` long."""
+        if not lengths:
+            return self.inv_freq.new_empty(0, self.inv_freq.numel(), device="cpu")
+        return torch.stack([self.frequencies_for(n) for n in lengths])
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype,
                 freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [N] -> (cos, sin) of shape [N, head_dim] in ``dtype``; ``freqs``: each row's inverse
-        frequencies [N, head_dim / 2] (``row_frequencies``), default the rope's own."""
+        """positions: [N] -> (cos, sin) of shape [N, head_dim] in ``dtype``; ``freqs``: the inverse frequencies, each
+        row's [N, head_dim / 2] (``row_frequencies``) or all rows' [head_dim / 2] (``frequencies_for``), default
+        the rope's own."""
         inv_freq = self.inv_freq if freqs is None else freqs
         angles = positions[..., None].float() * inv_freq.to(positions.device)
         return cos_sin(torch.cat((angles, angles), dim=-1), self.scale, dtype)

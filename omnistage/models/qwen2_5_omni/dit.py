@@ -427,7 +427,7 @@ class DiT(nn.Module):
             )
         )
         # (one forward over the t mel frames, as in transformers: a rope that follows the forward's length)
-        freqs = self.rotary.row_frequencies([t] * t).to(codes.device)
+        freqs = self.rotary.frequencies_for(t).to(codes.device)
         cos, sin = self.rotary(torch.arange(t, device=codes.device), constant.dtype, freqs)
         spans: dict[tuple[int, int], BlockSpan] = {}
         for blk in self.transformer_blocks:

@@ -15,7 +15,7 @@ from the table, later rows at ``index + delta``); the Thinker and the Talker sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,7 +217,7 @@ def step_rope_freqs(
     num_computed: Sequence[int],
     spans: Sequence[tuple[int, int]],
     prompts: Sequence[PromptPositions | None],
-    num_prompt: Sequence[int],
+    num_prompt: Iterable[int],
 ) -> dict[str, torch.Tensor]:
     """``{"rope_freqs": each row's inverse frequencies}`` where ``rotary``'s follow the forward's length
     (``rotary.LengthScaling``), else nothing. A row's length is the forward's in transformers' generate: a
@@ -226,16 +226,17 @@ def step_rope_freqs(
 
     positions: the step's ``[N]`` or ``[N, 3]`` float positions (``step_positions``); request i owns rows
     ``spans[i]`` from index ``num_computed[i]``, its prompt has ``num_prompt[i]`` rows at ``prompts[i]``
-    (None: plain indices). Padding rows get the base frequencies."""
+    (None: plain indices; read only where the rope follows the length, so a caller may pass a generator). Padding
+    rows get the base frequencies."""
     if rotary.length is None:
         return {}
-    top = (positions if positions.dim() == 1 else positions.amax(dim=-1)).tolist()
-    lengths = [0.0] * positions.shape[0]
+    top = (positions if positions.dim() == 1 else positions.amax(dim=-1)).float().cpu()
+    lengths = torch.zeros(positions.shape[0])
     for (s, e), lo, p, n in zip(spans, num_computed, prompts, num_prompt):
-        prompt_len = _prompt_length(p, n)
-        for row in range(s, e):
-            lengths[row] = prompt_len if lo + row - s < n else top[row] + 1.0
-    return {"rope_freqs": rotary.row_frequencies(lengths).to(positions.device)}
+        in_prompt = torch.arange(lo, lo + e - s) < n
+        lengths[s:e] = torch.where(in_prompt, _prompt_length(p, n), top[s:e] + 1.0)
+    distinct, row_of = torch.unique(lengths, return_inverse=True)  # (a prefill's rows share one length)
+    return {"rope_freqs": rotary.row_frequencies(distinct.tolist())[row_of].to(positions.device)}
 
 
 def _prompt_length(prompt: PromptPositions | None, num_prompt: int) -> float:

@@ -126,7 +126,7 @@ class ThinkerStageModel:
         pos = step_positions(positions, ctx.num_computed, spans, prompts)
         kwargs = {"input_ids": input_ids, "positions": pos}
         kwargs.update(step_rope_freqs(self.thinker.model.rotary, pos, ctx.num_computed, spans, prompts,
-                                      [r.num_prompt_tokens for r in ctx.requests]))
+                                      (r.num_prompt_tokens for r in ctx.requests)))
         if not any(m is not None for m in media):
             return kwargs, [_NO_UPDATES] * len(ctx.req_ids)
         # Encoder rows for the prompt rows [a, b) each request's chunk covers (host bookkeeping).
@@ -401,7 +401,7 @@ class TalkerStageModel:
         positions = step_positions(positions, ctx.num_computed, spans, prompts)
         kwargs = {"inputs_embeds": embeds, "positions": positions, "frames": frames}
         kwargs.update(step_rope_freqs(self.talker.model.rotary, positions, ctx.num_computed, spans, prompts,
-                                      [st["prefill_embeds"].shape[0] for st in ctx.states]))
+                                      (st["prefill_embeds"].shape[0] for st in ctx.states)))
         return kwargs, updates
 
     def forward(self, kv_caches, attn_meta: AttentionMetadata, inputs_embeds, positions, frames,
