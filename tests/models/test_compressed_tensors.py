@@ -139,7 +139,10 @@ def test_prequantized_checkpoint_is_planned_as_loaded_and_speaks(twins):
     online.shutdown()
     with Omni(str(packed), dtype="bfloat16") as omni:
         assert [p.weight_bytes for p in omni.engine.memory_plan] == [p.weight_bytes for p in online.memory_plan]
-        out = omni.generate(["Hello!"], modalities=["text", "audio"])[0]
+        out = omni.generate(["Hello!"], modalities=["text", "audio"], sampling_params={
+            # EOS banned for a few steps: whether random weights stop at once depends on the CPU's rounding
+            "thinker": SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4),
+            "talker": SamplingParams(temperature=0.0, max_tokens=16, min_tokens=4)})[0]
         assert out.text and out.audio is not None and out.audio.numel() > 0
 
 

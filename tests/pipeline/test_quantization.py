@@ -65,8 +65,8 @@ def test_plan_equals_what_the_quantized_engine_holds(tiny_ckpt, method, dtype, g
 
 def test_a_quantized_engine_speaks_reproducibly(tiny_ckpt):
     prompts = ["Tell me about the sea.", "Hello!"]
-    sampled = {"thinker": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=12),
-               "talker": SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=200)}
+    sampled = {"thinker": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=12, min_tokens=4),
+               "talker": SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=200, min_tokens=4)}
     runs = []
     for _ in range(2):
         with Omni(str(tiny_ckpt), quantization="int4", quantization_group_size=32) as omni:
@@ -114,8 +114,8 @@ def test_widths_that_do_not_divide_into_the_groups_load_quantized(tmp_path):
         assert plans["talker"].weight_bytes == floats + quantized
     finally:
         engine.shutdown()
-    sampled = {"thinker": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=8),
-               "talker": SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=40)}
+    sampled = {"thinker": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=8, min_tokens=4),
+               "talker": SamplingParams(temperature=0.9, top_k=50, seed=5, max_tokens=40, min_tokens=4)}
     runs = []
     for _ in range(2):
         with Omni(str(ckpt), quantization="int4") as omni:
