@@ -128,12 +128,12 @@ def test_portable_layout_where_the_kernel_does_not_take_the_shape() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("inputs", [20, 36, 100, 104])
+@pytest.mark.parametrize("inputs", [20, 36, 100, 104, 112])
 def test_int8_rows_of_any_length_match_the_dequantized_weight(dtype: torch.dtype, inputs: int) -> None:
     """int8 per channel where omnistage's kernels do not take the row (not a multiple of 32). torch 2.13's int8 kernel
-    in bfloat16 gave wrong sums for rows whose inputs are not a multiple of 8 and, from a few rows on, crashed the
-    process (a checkpoint with hidden size 100 under ``--quantization int8 --dtype bfloat16``): those take the
-    dequantizing path."""
+    in bfloat16 gave wrong sums for rows whose inputs are not a multiple of its vector (8 with AVX2, 16 with AVX-512:
+    104 inputs gave 1e18 there) and then crashed the process (a checkpoint with hidden size 100 under
+    ``--quantization int8 --dtype bfloat16``): those take the dequantizing path."""
     values, scales = quantize(_weight(k=inputs), INT8)
     packed = pack_weight(values, scales, INT8, dtype)
     for rows in (1, 2, 3, 40):

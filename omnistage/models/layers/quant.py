@@ -254,9 +254,10 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     if own_kernel_takes(x, weight):
         return quant_kernels.linear(rows, *kernel_args(weight), bias).view(*shape[:-1], weight.out_features)
     if weight.layout == "int8" and weight.fmt.per_channel and x.device.type == "cpu" and (
-            x.dtype == torch.float32 or weight.in_features % 8 == 0):
-        # (torch 2.13's kernel in bfloat16 with rows of inputs not a multiple of 8, from 2 rows: wrong sums, then
-        # out-of-bounds reads that crash the process; such rows take the dequantizing path below)
+            x.dtype == torch.float32 or weight.in_features % 16 == 0):
+        # (torch 2.13's kernel in bfloat16 with rows of inputs not a multiple of its vector (8 on AVX2, 16 on
+        # AVX-512): wrong sums, then out-of-bounds reads that crash the process, on AVX-512 from the first row;
+        # such rows take the dequantizing path below)
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight.data, _in(weight.scales, x.dtype))
     elif weight.layout == "int4pack":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), weight.data, weight.fmt.group_size,
