@@ -4,11 +4,13 @@ batch; the one-call MoE layer against each expert's SwiGLU; the shapes they refu
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.layers import quant_kernels
+from omnistage.models.layers import c_build, quant_kernels
 from omnistage.models.layers.quant import QuantFormat, dequantize, pack_nibbles, quantize
 
 pytestmark = pytest.mark.skipif(not quant_kernels.available(), reason="no C compiler: the kernels are not built")
@@ -186,3 +188,18 @@ def test_built_for_this_cpu() -> None:
     expected = ("avx512" if {"avx512f", "avx512bw", "avx2", "fma"} <= set(flags)
                 else "avx2" if {"avx2", "fma"} <= set(flags) else "portable")
     assert quant_kernels.isa() == expected
+
+
+def test_a_kernel_library_first_asked_for_inside_a_compiled_graph_is_built_there():
+    """A quantized code predictor's compiled frame may be the first to ask whether the kernels are built (int8
+    layers pack without asking): the build runs while the graph is traced instead of failing the compile (dynamo
+    cannot enter the build's lock), which had sent the frame to eager for good."""
+    built = []
+    library = c_build.LazyLibrary(lambda: built.append(1) or ctypes.CDLL(None), "test kernels", "nothing")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def frame(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if library.available() else x
+
+    assert torch.equal(frame(torch.ones(3)), torch.full((3,), 2.0)) and built == [1]
+    assert library.available() and built == [1]  # built once

@@ -70,6 +70,9 @@ class LazyLibrary:
         self.library: ctypes.CDLL | None = None
         self.failure: str | None = None
 
+    # A constant to torch.compile: traced where a layer asks first inside a compiled graph (a quantized code
+    # predictor's frame), the build runs at trace time instead of breaking the graph (dynamo cannot enter the lock).
+    @torch.compiler.assume_constant_result
     def available(self) -> bool:
         if os.environ.get("OMNISTAGE_CPU_KERNELS", "1") == "0":
             return False
