@@ -4,9 +4,11 @@ overrides the engine's, and what cannot be quantized is refused naming the stage
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
+import test_custom_family  # noqa: F401 (registers the toy family, which has no quantization scheme)
 import torch
 from torch import nn
 
@@ -137,7 +139,7 @@ def test_a_stage_overrides_the_engine_quantization(tiny_ckpt, tmp_path):
         engine.shutdown()
 
 
-def test_refusals_name_the_field(tiny_ckpt, q25_ckpt, monkeypatch):
+def test_refusals_name_the_field(tiny_ckpt, tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         StageConfig.from_dict({"name": "thinker", "execution": "ar", "model_part": "thinker", "quantization": "fp3"})
     assert info.value.field == "quantization" and "fp3" in str(info.value)
@@ -145,8 +147,9 @@ def test_refusals_name_the_field(tiny_ckpt, q25_ckpt, monkeypatch):
         EngineArgs(str(tiny_ckpt), quantization="int2")
     with pytest.raises(ValueError, match="group_size"):
         EngineArgs(str(tiny_ckpt), quantization="int4", quantization_group_size=7)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ToyChainForTest"]}))
     with pytest.raises(ConfigError) as info:  # a family without a quantization scheme: refused before loading
-        OmniEngine(EngineArgs(str(q25_ckpt), quantization="int8"), load_pipeline_config("qwen2_5_omni"))
+        Omni(tmp_path, quantization="int8")
     assert info.value.field == "quantization" and "does not support weight quantization" in str(info.value)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from omnistage.config import ExecutionType, ModelCapabilities, StageConfig
+from omnistage.config.quantization import Quantization
 from omnistage.core.sampling_params import SamplingParams
 from omnistage.models.family import (
     BridgeSpec,
@@ -31,6 +32,7 @@ from omnistage.models.family import (
     thinker_layout,
 )
 from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.qwen2_5_omni.bridges import TalkerToToken2Wav, ThinkerToTalker, talker2token2wav_args
 from omnistage.models.qwen2_5_omni.decoder import decoder_config
 from omnistage.models.qwen2_5_omni.loading import (
@@ -58,6 +60,8 @@ from omnistage.models.qwen2_5_omni.streaming import ChunkPlan
 from omnistage.models.qwen2_5_omni.talker import TalkerTokenIds
 from omnistage.models.qwen2_5_omni.tmrope import talker_positions
 from omnistage.models.qwen2_5_omni.voices import SPEAKER_FILE, Speaker, load_speakers, resolve_voice
+from omnistage.models.qwen3_omni.family import TOWER_LAYERS
+from omnistage.models.qwen3_omni.family import quant_scheme as qwen3_quant_scheme
 from omnistage.models.qwen3_omni.mrope import MediaSpan
 from omnistage.models.qwen3_omni.processor import (
     MediaItem,
@@ -70,6 +74,7 @@ from omnistage.models.registry import register_family
 from omnistage.models.tool_calls import QWEN_TOOL_CALLS
 
 PREFERRED_VOICE = "chelsie"  # transformers' generate(speaker="Chelsie") default
+INT8_LAYERS = {"thinker": TOWER_LAYERS, "talker": ()}  # (the Talker has no code predictor)
 
 
 
@@ -110,6 +115,12 @@ class Qwen25OmniFamily(HFChatFamily):
             self.default_voice = PREFERRED_VOICE if PREFERRED_VOICE in self.voices else self.voices[0]
 
     # ---- stage side ---------------------------------------------------------------------------------
+    def quant_scheme(self, part: str, quantization: Quantization) -> QuantScheme | None:
+        """As Qwen3-Omni's (``qwen3_omni.family.quant_scheme``): the Thinker's and the Talker's decoder layers in
+        the configured format (int4 or int8), the towers' layers in int8; embeddings, heads, projections and
+        Token2Wav in the serving dtype."""
+        return qwen3_quant_scheme(part, quantization, INT8_LAYERS)
+
     def kv_geometry(self, part: str) -> tuple[int, int, int] | None:
         cfg = {"thinker": self.config.thinker_config.text_config, "talker": self.config.talker_config}.get(part)
         if cfg is None:
@@ -119,13 +130,16 @@ class Qwen25OmniFamily(HFChatFamily):
 
     def build_model(self, ctx: BuildContext) -> Any:
         part = ctx.stage.model_part
+        scheme = self.quant_scheme(part, ctx.quantization)
         if part == "thinker":
-            thinker = load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device, self.thinker_prefix)
+            thinker = load_thinker(self.model_dir, self.config, ctx.dtype, ctx.device, self.thinker_prefix, scheme,
+                                   ctx.fast)
             encoders = load_media_encoders(self.model_dir, self.config, ctx.dtype, ctx.device, ctx.fast,
-                                           self.thinker_prefix)
+                                           self.thinker_prefix, scheme)
             return ThinkerStageModel(fast_kernels(thinker, ctx.fast), encoders)
         if part == "talker":
-            talker = fast_kernels(load_talker(self.model_dir, self.config, ctx.dtype, ctx.device), ctx.fast)
+            talker = load_talker(self.model_dir, self.config, ctx.dtype, ctx.device, scheme, ctx.fast)
+            talker = fast_kernels(talker, ctx.fast)
             # The Talker reads a few rows of the Thinker's embedding table (text specials, speaker bos rows).
             ids = [talker.ids.text_eos, talker.ids.text_pad, *(s.bos_token for s in self.speakers.values())]
             embed = load_thinker_embedding(self.model_dir, ids, ctx.dtype, ctx.device)

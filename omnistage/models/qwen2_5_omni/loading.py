@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from transformers import Qwen2_5OmniConfig
 
-from omnistage.models.layers.fast_linear import fast_kernels
+from omnistage.models.layers.fast_linear import fast_kernels, pack_on_load
+from omnistage.models.layers.quant_layers import QuantScheme
 from omnistage.models.loader import (
     EmbeddingRows,
     building,
@@ -77,21 +78,23 @@ def load_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
 
 def load_thinker(
     model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    prefix: str = "thinker.",
+    prefix: str = "thinker.", quantize: QuantScheme | None = None, fast: bool = False,
 ) -> Thinker:
-    """The Thinker, its tensors under ``prefix`` (none in a Thinker saved alone)."""
+    """The Thinker, its tensors under ``prefix`` (none in a Thinker saved alone); ``quantize``: the weights it
+    quantizes while loading; ``fast``: layers packed as the loader reads them (``pack_on_load``)."""
     with building(dtype, device, init=False):
         thinker = Thinker(config)
-    load_into(thinker, model_dir, prefix, dtype, skip=THINKER_TOWERS)
+    load_into(thinker, model_dir, prefix, dtype, skip=THINKER_TOWERS, quantize=quantize, loaded=pack_on_load(fast))
     return thinker.eval()
 
 
 def load_talker(
-    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    quantize: QuantScheme | None = None, fast: bool = False,
 ) -> Talker:
     with building(dtype, device, init=False):
         talker = Talker(config)
-    load_into(talker, model_dir, "talker.", dtype)
+    load_into(talker, model_dir, "talker.", dtype, quantize=quantize, loaded=pack_on_load(fast))
     return talker.eval()
 
 
@@ -112,20 +115,20 @@ def load_token2wav(model_dir: str | Path, config: Qwen2_5OmniConfig, device: str
 
 def load_media_encoders(
     model_dir: str | Path, config: Qwen2_5OmniConfig, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    fast: bool = False, thinker: str = "thinker.",
+    fast: bool = False, thinker: str = "thinker.", quantize: QuantScheme | None = None,
 ) -> MediaEncoders:
     """The Thinker's towers the checkpoint holds (under the Thinker's prefix ``thinker``), behind the shared
-    encoder cache."""
+    encoder cache; ``quantize``: the Thinker's scheme (names relative to the Thinker), its towers' part taken."""
     names = checkpoint_files(model_dir)
     towers: list[nn.Module | None] = []
-    for tower, cls, cfg in zip(THINKER_TOWERS, (AudioEncoder, VisionEncoder),
-                               (config.thinker_config.audio_config, config.thinker_config.vision_config)):
-        prefix = thinker + tower
+    for tower_prefix, cls, cfg in zip(THINKER_TOWERS, (AudioEncoder, VisionEncoder),
+                                      (config.thinker_config.audio_config, config.thinker_config.vision_config)):
+        prefix = thinker + tower_prefix
         if not any(n.startswith(prefix) for n in names):
             towers.append(None)
             continue
         with building(dtype, device, init=False):
             tower = cls(cfg)
-        load_into(tower, model_dir, prefix, dtype)
+        load_into(tower, model_dir, prefix, dtype, quantize=quantize.within(tower_prefix) if quantize else None)
         towers.append(fast_kernels(tower.eval(), fast, many_rows=True))
     return MediaEncoders(*towers)

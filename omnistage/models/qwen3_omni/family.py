@@ -89,7 +89,12 @@ def _media_encoders(model_dir: Path, config: Any, dtype: torch.dtype, device: st
     return MediaEncoders(towers["audio"], towers["vision"])
 
 
-def quant_scheme(part: str, quantization: Quantization) -> QuantScheme | None:
+# Per quantized part, the layers (relative to the part) in int8 beside its decoder layers (see ``quant_scheme``).
+INT8_LAYERS = {"thinker": TOWER_LAYERS, "talker": ("code_predictor.model.layers.",)}
+
+
+def quant_scheme(part: str, quantization: Quantization,
+                 int8_layers: Mapping[str, tuple[str, ...]] = INT8_LAYERS) -> QuantScheme | None:
     """Qwen3-Omni's quantized weights. Under int4: the Thinker's and Talker's decoder layers (attention
     projections, routed and shared experts) in int4; the code predictor's layers in int8 (its 15 passes per
     frame compound rounding; int8 keeps its codes close, ``benchmarks/quant_accuracy.py``), and so are the audio
@@ -97,18 +102,16 @@ def quant_scheme(part: str, quantization: Quantization) -> QuantScheme | None:
     1.1 GiB of which int8 saves is what lets the whole model fit 21 GiB). Under int8 all of these in int8 (per
     channel, or in the configured groups). Embeddings, output heads, routers, the projections, the towers'
     convolutions and mergers and Code2Wav keep the serving dtype (an int8 Thinker head was measured: half the
-    bytes, but no clear gain at one request and slower from 8 rows up, docs/quantization.md)."""
-    if not quantization.enabled or part not in ("thinker", "talker"):
+    bytes, but no clear gain at one request and slower from 8 rows up, docs/quantization.md). ``int8_layers``: per
+    part quantized, its int8 layers (another family's: Qwen2.5-Omni's Talker has no code predictor)."""
+    if not quantization.enabled or part not in int8_layers:
         return None
     if quantization.method == "int8":
         int8 = decoder = QuantFormat(8, quantization.group_size)
     else:
         int8, decoder = QuantFormat(8), QuantFormat(4, quantization.int4_group)
     formats = {"model.layers.": decoder}
-    if part == "talker":
-        formats["code_predictor.model.layers."] = int8
-    else:
-        formats.update({prefix: int8 for prefix in TOWER_LAYERS})
+    formats.update({prefix: int8 for prefix in int8_layers[part]})
     return QuantScheme(formats)
 
 
