@@ -17,6 +17,7 @@ from omnistage.models.qwen2_5_omni.loading import load_config, load_media_encode
 from omnistage.models.registry import load_pipeline_config
 from omnistage.pipeline.engine import OmniEngine
 from omnistage.pipeline.engine_args import EngineArgs
+from omnistage.testing.variants import packed_int_variant
 
 
 def _held(*modules: nn.Module | None) -> int:
@@ -100,3 +101,19 @@ def test_a_quantized_engine_speaks_reproducibly(q25_ckpt):
         assert a.error is None and a.token_ids and a.audio is not None and a.audio.numel() > 0
         assert torch.isfinite(a.audio).all()
         assert a.token_ids == b.token_ids and torch.equal(a.codes, b.codes) and torch.equal(a.audio, b.audio)
+
+
+def test_a_gptq_checkpoint_under_quantization_int4_keeps_its_layers_int4(q25_ckpt, tmp_path):
+    """Qwen2.5-Omni's GPTQ Int4 release is a Thinker of symmetric GPTQ int4 layers: under ``--quantization int4``
+    in its group size they are held as int4 (kept as stored: ``PackedInt.for_format``), not widened to the float
+    weight, and the engine speaks."""
+    ckpt = packed_int_variant(q25_ckpt, tmp_path / "gptq", "gptq",
+                              modules=lambda module: module.startswith("thinker.model.layers."),
+                              block_name_to_quantize="thinker.model.language_model.layers")
+    greedy = {"thinker": SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6),
+              "talker": SamplingParams(temperature=0.0, max_tokens=16, min_tokens=4, seed=1)}
+    with Omni(str(ckpt), quantization="int4", quantization_group_size=32) as omni:
+        out = omni.generate(["Hi there"], ["text", "audio"], greedy)[0]
+        thinker = omni.engine.orchestrator.stages["thinker"].runner.model.thinker
+        assert _formats(thinker.model.layers) == {"int4 (groups of 32)"}
+    assert out.error is None and len(out.token_ids) == 6 and out.audio.numel() > 0
