@@ -5,6 +5,7 @@ reference's."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -14,6 +15,7 @@ from test_code2wav_stream import stream_interleaved
 
 from omnistage.models.layers import cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d
+from omnistage.models.layers.fast_linear import Bf16StoredEmbedding, fast_kernels
 from omnistage.models.qwen3_omni.code2wav import (
     Code2Wav,
     Code2WavConfig,
@@ -335,3 +337,24 @@ def test_channels_last_snake_equals_the_reference(kernels, monkeypatch):
             assert torch.equal(got[:, :context], left)
             assert (got[:, context:].float() - reference).abs().max().item() <= tol * reference.abs().max().item()
             assert torch.equal(snake.forward_channels_last(x), got[:, context:])
+
+
+def test_a_float32_code_embedding_of_bfloat16_values_is_kept_as_them(monkeypatch):
+    """``fast`` on a float32 Code2Wav whose weights are bfloat16 values (a checkpoint stored in bfloat16): the code
+    embedding is held as bfloat16 (half the bytes), and the waveform has the same bits as with the float32 table."""
+    from omnistage.models.qwen3_omni import code2wav
+
+    model = copy.deepcopy(_model(64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    twin = copy.deepcopy(model)
+    fast_kernels(model, True)
+    with monkeypatch.context() as patch:
+        patch.setattr(code2wav, "pack_embedding", lambda *args: 0)
+        fast_kernels(twin, True)
+    assert isinstance(model.code_embedding, Bf16StoredEmbedding) and type(twin.code_embedding) is torch.nn.Embedding
+    assert model.code_embedding.stored_weight.dtype == torch.bfloat16 and model.code_embedding.weight.numel() == 0
+    codes = torch.randint(0, 64, (2, 8, 11), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        assert torch.equal(model(codes), twin(codes))

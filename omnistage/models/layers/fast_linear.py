@@ -243,11 +243,12 @@ class Bf16StoredEmbedding(nn.Embedding):
         return F.embedding(ids, self.stored_weight, self.padding_idx).float()
 
 
-def pack_embedding(embedding: nn.Module, head: nn.Module) -> int:
+def pack_embedding(embedding: nn.Module, head: nn.Module | None) -> int:
     """A float32 ``nn.Embedding`` whose weight holds bfloat16 values (a checkpoint stored in bfloat16, served in
     float32) kept as bfloat16 (``Bf16StoredEmbedding``; the float32 weight released), for ``pack_weights`` of the
-    models that own one; not where ``head`` shares the weight (call after ``pack_output_head``). 1, or 0 where it
-    stays. The released Thinker's vocabulary (152064 x 2048): 1.25 -> 0.62 GB."""
+    models that own one; not where ``head`` (None: the model has none) shares the weight (call after
+    ``pack_output_head``). 1, or 0 where it stays. The released Thinker's vocabulary (152064 x 2048): 1.25 ->
+    0.62 GB."""
     if (type(embedding) is not nn.Embedding or embedding.weight.dtype != torch.float32 or embedding.max_norm is not None
             or getattr(head, "weight", None) is embedding.weight or not amx_kernels.bf16_exact(embedding.weight)):
         return 0

@@ -42,7 +42,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from omnistage.models.layers import amx_kernels, cpu_kernels
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
-from omnistage.models.layers.fast_linear import pack_amx_layers
+from omnistage.models.layers.fast_linear import pack_amx_layers, pack_embedding
 from omnistage.models.layers.mlp import activation
 from omnistage.models.layers.rotary import (
     RotaryEmbedding,
@@ -642,10 +642,12 @@ class Code2Wav(nn.Module):
         on AMX tiles where the CPU has them and the weights are bfloat16 values (``amx_kernels``; their layouts
         for the other kernels are then never made). Those linear layers always see a batch's frames (hundreds
         to thousands of rows), where the tiles run several times the panel kernels' rate (released widths,
-        16 x 25 frames, 2 threads: ~140 GFLOP/s in bfloat16 on panels). Returns how many."""
+        16 x 25 frames, 2 threads: ~140 GFLOP/s in bfloat16 on panels). A float32 model's code embedding of
+        bfloat16 values is kept as them (``pack_embedding``: the released table 134 -> 67 MB, the same rows).
+        Returns how many."""
         convs = (m for m in self.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d)))
-        return (sum(conv.use_amx() for conv in convs)
-                + pack_amx_layers(self.pre_transformer) + pack_amx_layers(self.upsample))
+        return (sum(conv.use_amx() for conv in convs) + pack_amx_layers(self.pre_transformer)
+                + pack_amx_layers(self.upsample) + pack_embedding(self.code_embedding, None))
 
     def uses_fast_kernels(self, device: torch.device) -> bool:
         """The channels-last kernels are CPU kernels (oneDNN, inductor's C++); other devices keep the reference
