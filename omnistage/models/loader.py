@@ -249,26 +249,31 @@ class _Dequantized:
     packed_int: Mapping[str, PackedInt]
     aux: frozenset[str]
 
+    def _brought_in(self, key: str) -> tuple[str, PackedInt] | None:
+        """(state-dict key of the weight, its scheme) where tensor ``key`` is the one that brings in a layer with
+        zero points (its scheme's first stored tensor); None for any other."""
+        base, _, stored = key.rpartition(".")
+        scheme = self.packed_int.get(base + ".weight")
+        return (base + ".weight", scheme) if scheme is not None and stored == scheme.names[0] else None
+
     def for_target(self, read: Callable[[str], torch.Tensor], name: str, key: str,
                    targets: Mapping[str, Any]) -> tuple[Any, Any] | None:
         """(quantized target, the layer for it: ``PackedInt.for_format``) where checkpoint tensor ``name`` brings in
         a layer with zero points whose weight a quantizing load quantizes; else None."""
-        base, _, stored = key.rpartition(".")
-        scheme = self.packed_int.get(base + ".weight")
-        target = targets.get(base + ".weight") if scheme is not None and stored == scheme.names[0] else None
+        layer = self._brought_in(key)
+        target = targets.get(layer[0]) if layer is not None else None
         if target is None:
             return None
-        return target, scheme.for_format(read, name.rpartition(".")[0], target.buffer.fmt)
+        return target, layer[1].for_format(read, name.rpartition(".")[0], target.buffer.fmt)
 
     def weight(self, read: Callable[[str], torch.Tensor], name: str, key: str) -> tuple[str, torch.Tensor] | None:
         """(state-dict key, tensor as the module takes it) for checkpoint tensor ``name`` (``key`` relative to the
         load's prefix); None for a pre-quantized layer's other tensors, read with its weight."""
         if key in self.aux:
-            base, _, stored = key.rpartition(".")
-            scheme = self.packed_int.get(base + ".weight")
-            if scheme is None or stored != scheme.names[0]:
+            layer = self._brought_in(key)
+            if layer is None:
                 return None  # (an FP8 scale, a packed layer's other tensors)
-            return base + ".weight", scheme.dequantize(read, name.rpartition(".")[0])
+            return layer[0], layer[1].dequantize(read, name.rpartition(".")[0])
         tensor = read(name)
         fp8 = self.fp8.get(key)
         return key, tensor if fp8 is None else fp8.dequantize(tensor, read(name[: -len("weight")] + fp8.scale_name))
