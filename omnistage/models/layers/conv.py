@@ -18,7 +18,8 @@ few channels at many samples, where torch's [B, C, T] convolutions spend much of
 layouts: oneDNN runs a channels-last convolution without reordering activations (up to 1.7x faster for
 32-64 channels in bfloat16 on this project's AVX-512 CPU), kernel-1 convolutions and transposed
 convolutions become plain GEMMs whose outputs already have the next layer's layout, and streaming
-histories are prepended with contiguous copies. Results equal the [B, C, T] path up to float rounding
+histories are prepended with contiguous copies. Wide convolutions with many outputs in a call (``dft_conv.takes``)
+run as products of small DFTs instead: a quarter of the multiplications. Results equal the [B, C, T] path up to float rounding
 (other summation order). Weights in the layouts these calls need are derived on first use and kept until
 the weight changes; ``use_amx`` instead packs them once for ``amx_kernels`` (AMX CPUs, bfloat16-valued weights),
 which then serve the channels-last path, and releases the unpacked weight (one copy held; a packed module's
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers import amx_kernels, cpu_kernels
+from omnistage.models.layers import amx_kernels, cpu_kernels, dft_conv
 from omnistage.models.layers.fast_linear import release_weight
 
 # Length rules accept plain ints or integer tensors (one length per request).
@@ -212,6 +213,10 @@ class CausalConv1d(nn.Module):
             return out.view(batch, -1, conv.out_channels)
         if conv.out_channels * conv.groups <= self.FEW_OUTPUTS and conv.groups == 1 and self.stride == 1:
             return self._few_outputs_channels_last(padded, residual)
+        dilation = conv.dilation[0]
+        if (self.stride == 1 and conv.groups == 1
+                and dft_conv.takes(padded, conv.weight, dilation, padded.shape[1] - (conv.kernel_size[0] - 1) * dilation)):
+            return dft_conv.conv(padded, conv.weight, conv.bias, dilation, residual)
         weight = derived(
             self, "_cl_conv_weight", conv.weight,
             lambda w: w.unsqueeze(2).contiguous(memory_format=torch.channels_last),
