@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define CHUNK 64   /* channels a block's transform keeps in flight */
+#define MAX_CHUNK 128 /* channels a block's transform keeps in flight, at most (chunks split C evenly) */
 #define MAX_N 64 /* N: a power of two up to this */
 
 static inline float get_f32(const float *p) { return *p; }
@@ -50,7 +50,7 @@ static inline int64_t block_start(int64_t m, int64_t TO, int64_t S, int64_t d, i
 #else
 #define LANES 4
 #endif
-#define VECS (CHUNK / LANES)
+#define VECS (MAX_CHUNK / LANES)
 typedef float vf __attribute__((vector_size(LANES * 4)));
 
 static inline vf splat(float x) {
@@ -63,13 +63,20 @@ static inline vf splat(float x) {
 #endif
 }
 
+/* Channels a chunk takes: C split evenly into chunks of at most MAX_CHUNK, rounded up to whole vectors (96
+ * channels: one chunk of 96, not 64 + a half-empty one). */
+static inline int64_t chunk_width(int64_t C) {
+    const int64_t chunks = (C + MAX_CHUNK - 1) / MAX_CHUNK, even = (C + chunks - 1) / chunks;
+    return (even + LANES - 1) / LANES * LANES;
+}
+
 /* A block's N input rows (xs, CHUNK channels each) -> its P planes' rows (the planes' layout above): the real
  * transform's sums, x[n] and x[N - n] paired (cos is even, sin odd). */
-static void forward_block(int64_t N, const vf (*restrict xs)[VECS], const float *restrict tw,
+static void forward_block(int64_t N, int vecs, const vf (*restrict xs)[VECS], const float *restrict tw,
                           vf (*restrict planes)[VECS]) {
     const int64_t H = N / 2;
     const float *cs = tw, *sn = tw + N;
-    for (int v = 0; v < VECS; v++) {
+    for (int v = 0; v < vecs; v++) {
         vf ev[MAX_N / 2], od[MAX_N / 2];
         const vf x0 = xs[0][v], xh = xs[H][v];
         vf dc = x0 + xh, ny = (H & 1) ? x0 - xh : x0 + xh;
@@ -97,12 +104,12 @@ static void forward_block(int64_t N, const vf (*restrict xs)[VECS], const float 
 
 /* A block's P planes' rows (products) -> its outputs y[j] for j = K - 1 .. N - 1 (y[j] = (Y0 + (-1)^j Y_H +
  * sum_f 2 (Yr cos - Yi sin)) / N, j and N - j sharing the sums; Gauss: Yr = k1 - k3, Yi = k1 + k2). */
-static void inverse_block(int64_t N, int64_t K, const vf (*restrict planes)[VECS], const float *restrict tw,
-                          vf (*restrict y)[VECS]) {
+static void inverse_block(int64_t N, int64_t K, int vecs, const vf (*restrict planes)[VECS],
+                          const float *restrict tw, vf (*restrict y)[VECS]) {
     const int64_t H = N / 2;
     const float *cs = tw, *sn = tw + N;
     const vf scale = splat(1.0f / (float)N), two = splat(2.0f);
-    for (int v = 0; v < VECS; v++) {
+    for (int v = 0; v < vecs; v++) {
         vf yr[MAX_N / 2], yi[MAX_N / 2];
         for (int64_t f = 1; f < H; f++) {
             const int64_t p = 2 + 3 * (f - 1);
@@ -127,6 +134,7 @@ static void inverse_block(int64_t N, int64_t K, const vf (*restrict planes)[VECS
     void dft_forward_##SUFFIX(int64_t L, int64_t TO, int64_t C, int64_t m0, int64_t M, int64_t N, int64_t S,   \
                               int64_t d, const T *x, const float *tw, T *planes, int threads) {               \
         const int64_t P = 2 + 3 * (N / 2 - 1);                                                                 \
+        const int64_t CHUNK = chunk_width(C);                                                                  \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
         for (int64_t mi = 0; mi < M; mi++) {                                                                   \
             int64_t item;                                                                                      \
@@ -142,7 +150,7 @@ static void inverse_block(int64_t N, int64_t K, const vf (*restrict planes)[VECS
                         for (; c < w; c++) row[c] = get_##SUFFIX(x + (item * L + t) * C + c0 + c);             \
                     for (; c < CHUNK; c++) row[c] = 0.0f;                                                      \
                 }                                                                                              \
-                forward_block(N, xs, tw, out);                                                                 \
+                forward_block(N, CHUNK / LANES, xs, tw, out);                                                                 \
                 for (int64_t p = 0; p < P; p++) {                                                              \
                     T *dst = planes + (p * M + mi) * C + c0;                                                   \
                     const float *row = (const float *)out[p];                                                  \
@@ -158,7 +166,7 @@ static void inverse_block(int64_t N, int64_t K, const vf (*restrict planes)[VECS
     void dft_inverse_##SUFFIX(int64_t TO, int64_t C, int64_t m0, int64_t M,                                    \
                               int64_t N, int64_t K, int64_t d, const T *planes, const float *tw,               \
                               const float *bias, const T *residual, T *out, int threads) {                     \
-        const int64_t S = N - K + 1, P = 2 + 3 * (N / 2 - 1);                                                  \
+        const int64_t S = N - K + 1, P = 2 + 3 * (N / 2 - 1), CHUNK = chunk_width(C);                          \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
         for (int64_t mi = 0; mi < M; mi++) {                                                                   \
             int64_t item;                                                                                      \
@@ -183,7 +191,7 @@ static void inverse_block(int64_t N, int64_t K, const vf (*restrict planes)[VECS
                     for (; c < w; c++) row[c] = get_##SUFFIX(src + c);                                         \
                     for (; c < CHUNK; c++) row[c] = 0.0f;                                                      \
                 }                                                                                              \
-                inverse_block(N, K, in, tw, y);                                                                \
+                inverse_block(N, K, CHUNK / LANES, in, tw, y);                                                                \
                 for (int64_t j = K - 1; j < N; j++) {                                                          \
                     if (dest[j] < 0) continue;                                                                 \
                     T *o = out + dest[j] * C + c0;                                                             \
