@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from test_code2wav import random_codes, randomize_
 from test_code2wav_stream import stream_interleaved
 
-from omnistage.models.layers import dft_conv
+from omnistage.models.layers import cpu_kernels, dft_conv
 from omnistage.models.layers.conv import CausalConv1d
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 
-pytestmark = pytest.mark.skipif(not dft_conv._lazy.available(), reason="no C compiler: the direct path serves")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: the direct path serves")
 
 
 @pytest.fixture(autouse=True)
@@ -112,9 +112,36 @@ def test_a_decoder_on_it_equals_the_reference_kernels(monkeypatch):
     assert sorted(set(widths)) == [(96, 96), (192, 192)]
     diff = (fast - reference).abs().max().item()
     assert reference.std() > 0.02 and diff <= 1e-5
-    # Streamed in chunks (the DFT path where a call's rows are enough, else the direct one) == one-shot
-    streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[2, 28], [30]], rounds=4, seed=1)
+    # Streamed in chunks (the DFT path where a call's rows are enough, reading the carried context; else the
+    # direct one) == one-shot
+    widths.clear()
+    streams = stream_interleaved(Code2WavStreamer(model), list(codes), [[5, 25], [10, 20]], rounds=4, seed=1)
+    assert (192, 192) in widths
     assert max((s - r).abs().max().item() for s, r in zip(streams, reference)) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_snake_applied_as_blocks_read_equals_snake_then_convolution(dtype):
+    """With a left context and SnakeBeta: [left as it is; snake(x)] convolved, SnakeBeta's rows those of
+    ``cpu_kernels.snake`` (the kernels' arithmetic, rounded to the type)."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(112, 96, 7, generator=gen) / 26
+    bias = torch.randn(112, generator=gen)
+    x = torch.randn(3, 500, 96, generator=gen).to(dtype)
+    left = torch.randn(3, 18, 96, generator=gen).to(dtype)
+    alpha, scale = torch.rand(96, generator=gen) + 0.5, torch.rand(96, generator=gen) + 0.5
+    activated = cpu_kernels.snake(x, alpha, scale, left)  # [B, 18 + 500, C]
+    expect = _exact(activated, weight.to(dtype), bias, 3)
+    got = dft_conv.conv(x, weight.to(dtype), bias, 3, left=left, snake=(alpha, scale))
+    unfused = dft_conv.conv(activated, weight.to(dtype), bias, 3)
+    scale_ = expect.abs().max().item()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == (3, 500, 112) and (got.double() - expect).abs().max().item() <= tol * scale_
+    assert torch.equal(got, unfused)  # the same rows in, the same blocks: the same bits
+    with pytest.raises(ValueError, match="left must be"):
+        dft_conv.conv(x, weight.to(dtype), bias, 3, left=left[:, 1:], snake=(alpha, scale))
+    with pytest.raises(ValueError, match="give left"):
+        dft_conv.conv(x, weight.to(dtype), bias, 3, snake=(alpha, scale))
 
 
 def test_calls_inside_and_outside_inference_mode_mix():

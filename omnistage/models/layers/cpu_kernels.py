@@ -1,7 +1,8 @@
 """omnistage's own CPU kernels (``csrc/cpu_kernels.c``): linear layers and routed experts (one call per MoE
 layer) on weights in panel layout, paged decode attention read in place from the cache (both for the ``fast``
-option), a vocoder residual unit's tail (SnakeBeta, kernel-1 convolution, residual) in one pass, and the
-vocoder's last SnakeBeta and few-output convolution in one pass.
+option), a vocoder residual unit's tail (SnakeBeta, kernel-1 convolution, residual) in one pass, the vocoder's
+last SnakeBeta and few-output convolution in one pass, and the transforms of ``dft_conv``'s wide
+convolutions (blocks in, with SnakeBeta; products out, with bias and residual; the weight's planes).
 
 A decode batch gives each expert a few rows. GEMM libraries then stream an expert's weights at a fraction of
 the machine's read bandwidth and cost a call per expert (oneDNN: 2 per expert per layer). The expert kernel
@@ -130,6 +131,13 @@ def _build() -> ctypes.CDLL:
         attention.restype = None
         attention.argtypes = [i64] * 4 + [pointer] * 4 + [i64, pointer, pointer, i64, ctypes.c_float, pointer,
                                                           pointer, i32]
+    for suffix in _SUFFIX.values():  # the DFT convolutions' transforms (dft_conv)
+        forward = getattr(library, f"dft_forward_{suffix}")
+        forward.restype, forward.argtypes = None, [i64] * 9 + [pointer] * 6 + [i32]
+        inverse = getattr(library, f"dft_inverse_{suffix}")
+        inverse.restype, inverse.argtypes = None, [i64] * 7 + [pointer] * 5 + [i32]
+        weight = getattr(library, f"dft_weight_{suffix}")
+        weight.restype, weight.argtypes = None, [i64] * 4 + [pointer] * 3 + [i32]
     return library
 
 
@@ -158,6 +166,13 @@ def panels_preferred() -> bool:
 
 def _require() -> None:
     _lazy.require()
+
+
+def dft_function(name: str) -> Callable[..., None]:
+    """One of the DFT convolutions' transforms (``dft_forward_*``, ``dft_inverse_*``, ``dft_weight_*``; the
+    arguments ``dft_conv`` passes), for ``dft_conv``, which runs them around torch's batched GEMM."""
+    _require()
+    return _function(name)
 
 
 def _function(name: str):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
-from omnistage.models.layers import amx_kernels, cpu_kernels
+from omnistage.models.layers import amx_kernels, cpu_kernels, dft_conv
 from omnistage.models.layers.conv import CausalConv1d, CausalConvTranspose1d, LengthT, derived
 from omnistage.models.layers.fast_linear import pack_amx_layers, pack_embedding
 from omnistage.models.layers.mlp import activation
@@ -370,6 +370,11 @@ def _conv_channels_last(
         # A few outputs (the decoder's last convolution): SnakeBeta and the convolution in one pass over x
         left = _activated_left(conv, x, stream, snake, cpu_kernels.snake_kept)
         return cpu_kernels.snake_conv(x, left, *snake.kernel_parameters(), c.weight, c.bias, c.dilation[0])
+    if (snake is not None and context and conv.stride == 1 and c.groups == 1
+            and dft_conv.takes(x, c.weight, c.dilation[0], x.shape[1])):
+        # A wide convolution as products of small DFTs, SnakeBeta applied as its blocks read the rows
+        left = _activated_left(conv, x, stream, snake, cpu_kernels.snake_kept)
+        return dft_conv.conv(x, c.weight, c.bias, c.dilation[0], residual, left, snake.kernel_parameters())
     if context == 0:
         return conv.apply_padded_channels_last(x if snake is None else snake.forward_channels_last(x), residual)
     batch, _, channels = x.shape
