@@ -27,7 +27,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 BLOCK = 32  # inputs per block (the C kernels take up to 64); 26 outputs a block for 7 taps
 BLOCKS_PER_GEMM = 512  # blocks per batched GEMM (128 and 256 measured no faster on streamed Code2Wav calls)
 # Where the transforms pay (measured, AMD EPYC Zen 4, 2 threads: 7 taps; see tests/benchmarks):
-MIN_CHANNELS = 96  # fewer input or output channels: the transforms cost more than the GEMM saves
+MIN_CHANNELS = 64  # fewer input or output channels: the transforms cost more than the GEMM saves
 MIN_ROWS = 1024  # fewer outputs in a call: the weight's transform costs more than the GEMM saves
 
 

@@ -1395,7 +1395,7 @@ DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t)
  * Planes: 0 the sum (frequency 0), 1 the alternating sum (N / 2), then for f = 1 .. N / 2 - 1: re + im, re,
  * im of the input's transform and Wr, Wi - Wr, Wr + Wi of the weight's. Rows in float32 or bfloat16 (raw
  * 16-bit words; the transforms in float32, the planes in the rows' type). */
-#define MAX_CHUNK 128 /* channels a block's transform keeps in flight, at most (chunks split C evenly) */
+#define MAX_CHUNK 64 /* channels a block's transform keeps in flight, at most (chunks split C evenly; its rows stay in L1) */
 #define MAX_N 64 /* N: a power of two up to this */
 #define VECS (MAX_CHUNK / LANES)
 
@@ -1407,7 +1407,7 @@ static inline int64_t block_start(int64_t m, int64_t TO, int64_t S, int64_t d, i
 }
 
 /* Channels a chunk takes: C split evenly into chunks of at most MAX_CHUNK, rounded up to whole vectors (96
- * channels: one chunk of 96, not 64 + a half-empty one). */
+ * channels: two chunks of 48, not 64 + a half-empty one). */
 static inline int64_t chunk_width(int64_t C) {
     const int64_t chunks = (C + MAX_CHUNK - 1) / MAX_CHUNK, even = (C + chunks - 1) / chunks;
     return (even + LANES - 1) / LANES * LANES;
