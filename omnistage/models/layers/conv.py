@@ -18,9 +18,9 @@ few channels at many samples, where torch's [B, C, T] convolutions spend much of
 layouts: oneDNN runs a channels-last convolution without reordering activations (up to 1.7x faster for
 32-64 channels in bfloat16 on this project's AVX-512 CPU), kernel-1 convolutions and transposed
 convolutions become plain GEMMs whose outputs already have the next layer's layout, and streaming
-histories are prepended with contiguous copies. Wide convolutions with many outputs in a call (``dft_conv.takes``)
-run as products of small DFTs instead: a quarter of the multiplications. Results equal the [B, C, T] path up to float rounding
-(other summation order). Weights in the layouts these calls need are derived on first use and kept until
+histories are prepended with contiguous copies. Wide convolutions with many outputs in a call
+(``dft_conv.takes``) run as products of small DFTs instead: a quarter of the multiplications. Results equal the
+[B, C, T] path up to float rounding (other summation order). Weights in the layouts these calls need are derived on first use and kept until
 the weight changes; ``use_amx`` instead packs them once for ``amx_kernels`` (AMX CPUs, bfloat16-valued weights),
 which then serve the channels-last path, and releases the unpacked weight (one copy held; a packed module's
 ``state_dict()`` raises, as ``fast_linear``'s packed layers do).

@@ -9,9 +9,9 @@ multiply-adds per weight instead of 7: one batched GEMM of ``planes(BLOCK)`` pla
 before it and the inverse transforms after it done by the CPU kernels (float32 arithmetic). SnakeBeta before
 the convolution is applied as the blocks read their rows (``snake``: the activated signal is never stored).
 
-The weight's transform is made for each call, into a buffer of that call, not kept (at the released widths it is 6.7 times the weight's
-bytes: one copy of the weights is held, as everywhere else): where a call has too few rows to pay for it
-(``takes``), the direct convolution serves. Results differ from the direct convolution's by float rounding
+The weight's transform is made for each call, into a buffer of that call, not kept (at the released widths it
+is 6.7 times the weight's bytes: one copy of the weights is held, as everywhere else): where a call has too few
+rows to pay for it (``takes``), the direct convolution serves. Results differ from the direct convolution's by float rounding
 (~1e-6 relative in float32; bfloat16 planes round the products' inputs, as bfloat16 convolutions do).
 """
 
@@ -29,8 +29,6 @@ BLOCKS_PER_GEMM = 512  # blocks per batched GEMM (128 and 256 measured no faster
 # Where the transforms pay (measured, AMD EPYC Zen 4, 2 threads: 7 taps; see tests/benchmarks):
 MIN_CHANNELS = 64  # fewer input or output channels: the transforms cost more than the GEMM saves
 MIN_ROWS = 1024  # fewer outputs in a call: the weight's transform costs more than the GEMM saves
-
-
 _TWIDDLES: dict[int, torch.Tensor] = {}
 
 
