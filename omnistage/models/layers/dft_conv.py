@@ -17,6 +17,7 @@ rows to pay for it (``takes``), the direct convolution serves. Results differ fr
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,7 +30,6 @@ BLOCKS_PER_GEMM = 512  # blocks per batched GEMM (128 and 256 measured no faster
 # Where the transforms pay (measured, AMD EPYC Zen 4, 2 threads: 7 taps; see tests/benchmarks):
 MIN_CHANNELS = 64  # fewer input or output channels: the transforms cost more than the GEMM saves
 MIN_ROWS = 1024  # fewer outputs in a call: the weight's transform costs more than the GEMM saves
-_TWIDDLES: dict[int, torch.Tensor] = {}
 
 
 def planes(block: int) -> int:
@@ -37,22 +37,22 @@ def planes(block: int) -> int:
     return 2 + 3 * (block // 2 - 1)
 
 
+@functools.cache
 def _twiddles(block: int) -> torch.Tensor:
     """cos(2 pi q / block) for q < block, then sin: computed in float64, rounded once."""
-    if block not in _TWIDDLES:
-        angle = 2 * math.pi * torch.arange(block, dtype=torch.float64) / block
-        _TWIDDLES[block] = torch.cat((angle.cos(), angle.sin())).float()
-    return _TWIDDLES[block]
+    angle = 2 * math.pi * torch.arange(block, dtype=torch.float64) / block
+    return torch.cat((angle.cos(), angle.sin())).float()
 
 
-def takes(padded: torch.Tensor, weight: torch.Tensor, dilation: int, outputs: int) -> bool:
-    """Whether this path serves a stride-1, ungrouped convolution of ``weight`` [C_out, C_in, K] over
-    ``padded`` [B, T_in, C_in] giving ``outputs`` rows per item: CPU rows of float32 or bfloat16, 2 <= K <=
-    BLOCK / 2, at least ``MIN_CHANNELS`` channels in and out, at least ``MIN_ROWS`` outputs in all."""
+def takes(rows: torch.Tensor, weight: torch.Tensor, dilation: int, outputs: int) -> bool:
+    """Whether this path serves a stride-1, ungrouped convolution of ``weight`` [C_out, C_in, K] over ``rows``
+    [B, T_in, C_in] (with their left context or without: ``conv``'s two forms) giving ``outputs`` rows per item:
+    CPU rows of float32 or bfloat16, 2 <= K <= BLOCK / 2, at least ``MIN_CHANNELS`` channels in and out, at least
+    ``MIN_ROWS`` outputs in all."""
     taps = weight.shape[-1]
-    return (padded.device.type == "cpu" and padded.dtype in _SUFFIX and weight.dtype == padded.dtype
+    return (rows.device.type == "cpu" and rows.dtype in _SUFFIX and weight.dtype == rows.dtype
             and 2 <= taps <= BLOCK // 2 and min(weight.shape[0], weight.shape[1]) >= MIN_CHANNELS
-            and padded.shape[0] * outputs >= MIN_ROWS and dilation >= 1 and cpu_kernels.available())
+            and rows.shape[0] * outputs >= MIN_ROWS and dilation >= 1 and cpu_kernels.available())
 
 
 def conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,

@@ -1395,9 +1395,12 @@ DEFINE_DECODER_LAYERS(bf16dp, bf16, uint16_t, uint16_t)
  * Planes: 0 the sum (frequency 0), 1 the alternating sum (N / 2), then for f = 1 .. N / 2 - 1: re + im, re,
  * im of the input's transform and Wr, Wi - Wr, Wr + Wi of the weight's. Rows in float32 or bfloat16 (raw
  * 16-bit words; the transforms in float32, the planes in the rows' type). */
-#define MAX_CHUNK 64 /* channels a block's transform keeps in flight, at most (chunks split C evenly; its rows stay in L1) */
+/* Channels a block's transform keeps in flight, at most (chunks split C evenly; its rows stay in L1). */
+#define MAX_CHUNK 64
 #define MAX_N 64 /* N: a power of two up to this */
 #define VECS (MAX_CHUNK / LANES)
+#define PLANES(N) (2 + 3 * ((N) / 2 - 1)) /* planes of a block of N inputs */
+#define PLANE(f) (2 + 3 * ((f) - 1))      /* the first of complex frequency f's three planes */
 
 /* Block m's item and first row in it: an item has bases * d blocks (bases = ceil(T / (S d))). */
 static inline int64_t block_start(int64_t m, int64_t TO, int64_t S, int64_t d, int64_t *item) {
@@ -1437,7 +1440,7 @@ static void forward_block(int64_t N, int vecs, const vf (*restrict xs)[VECS], co
                 re += splat(cs[(f * n) & (N - 1)]) * ev[n];
                 im -= splat(sn[(f * n) & (N - 1)]) * od[n];
             }
-            const int64_t p = 2 + 3 * (f - 1);
+            const int64_t p = PLANE(f);
             planes[p][v] = re + im;
             planes[p + 1][v] = re;
             planes[p + 2][v] = im;
@@ -1455,7 +1458,7 @@ static void inverse_block(int64_t N, int64_t K, int vecs, const vf (*restrict pl
     for (int v = 0; v < vecs; v++) {
         vf yr[MAX_N / 2], yi[MAX_N / 2];
         for (int64_t f = 1; f < H; f++) {
-            const int64_t p = 2 + 3 * (f - 1);
+            const int64_t p = PLANE(f);
             yr[f] = two * (planes[p][v] - planes[p + 2][v]);
             yi[f] = two * (planes[p][v] + planes[p + 1][v]);
         }
@@ -1473,90 +1476,90 @@ static void inverse_block(int64_t N, int64_t K, int vecs, const vf (*restrict pl
 }
 
 /* Input blocks m0 .. m0 + M - 1 -> planes [P][M][C]. tw: cos(2 pi q / N) for q < N, then sin. */
-#define DEFINE_FORWARD(SUFFIX, T)                                                                             \
-    void dft_forward_##SUFFIX(int64_t H, int64_t TX, int64_t TO, int64_t C, int64_t m0, int64_t M, int64_t N,  \
-                              int64_t S, int64_t d, const T *left, const T *x, const float *alpha,             \
-                              const float *scale, const float *tw, T *planes, int threads) {                   \
-        const int64_t P = 2 + 3 * (N / 2 - 1);                                                                 \
-        const int64_t CHUNK = chunk_width(C);                                                                  \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
-        for (int64_t mi = 0; mi < M; mi++) {                                                                   \
-            int64_t item;                                                                                      \
-            const int64_t t0 = block_start(m0 + mi, TO, S, d, &item);                                          \
-            vf xs[MAX_N][VECS], out[2 + 3 * (MAX_N / 2 - 1)][VECS];                                       \
-            for (int64_t c0 = 0; c0 < C; c0 += CHUNK) {                                                        \
-                const int64_t w = C - c0 < CHUNK ? C - c0 : CHUNK;                                             \
-                for (int64_t n = 0; n < N; n++) {                                                              \
-                    const int64_t t = t0 + n * d;                                                              \
-                    int64_t c = 0;                                                                             \
-                    float *row = (float *)xs[n];                                                               \
-                    if (t < H && left)                                                                         \
-                        for (; c < w; c++) row[c] = get_##SUFFIX(left + (item * H + t) * C + c0 + c);          \
-                    else if (t >= H && t < H + TX) {                                                           \
-                        const T *v = x + (item * TX + t - H) * C + c0;                                         \
-                        if (alpha) {                                                                           \
-                            snake_span_##SUFFIX(w, v, alpha + c0, scale + c0, row);                            \
-                            c = w;                                                                             \
-                        } else                                                                                 \
-                            for (; c < w; c++) row[c] = get_##SUFFIX(v + c);                                   \
-                    }                                                                                          \
-                    for (; c < CHUNK; c++) row[c] = 0.0f;                                                      \
-                }                                                                                              \
-                forward_block(N, CHUNK / LANES, xs, tw, out);                                                                 \
-                for (int64_t p = 0; p < P; p++) {                                                              \
-                    T *dst = planes + (p * M + mi) * C + c0;                                                   \
-                    const float *row = (const float *)out[p];                                                  \
-                    for (int64_t c = 0; c < w; c++) put_##SUFFIX(dst + c, row[c]);                             \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
+#define DEFINE_FORWARD(SUFFIX, T)                                                                                    \
+    void dft_forward_##SUFFIX(int64_t H, int64_t TX, int64_t TO, int64_t C, int64_t m0, int64_t M, int64_t N,        \
+                              int64_t S, int64_t d, const T *left, const T *x, const float *alpha,                   \
+                              const float *scale, const float *tw, T *planes, int threads) {                         \
+        const int64_t P = PLANES(N);                                                                                 \
+        const int64_t CHUNK = chunk_width(C);                                                                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
+        for (int64_t mi = 0; mi < M; mi++) {                                                                         \
+            int64_t item;                                                                                            \
+            const int64_t t0 = block_start(m0 + mi, TO, S, d, &item);                                                \
+            vf xs[MAX_N][VECS], out[PLANES(MAX_N)][VECS];                                                            \
+            for (int64_t c0 = 0; c0 < C; c0 += CHUNK) {                                                              \
+                const int64_t w = C - c0 < CHUNK ? C - c0 : CHUNK;                                                   \
+                for (int64_t n = 0; n < N; n++) {                                                                    \
+                    const int64_t t = t0 + n * d;                                                                    \
+                    int64_t c = 0;                                                                                   \
+                    float *row = (float *)xs[n];                                                                     \
+                    if (t < H && left)                                                                               \
+                        for (; c < w; c++) row[c] = get_##SUFFIX(left + (item * H + t) * C + c0 + c);                \
+                    else if (t >= H && t < H + TX) {                                                                 \
+                        const T *v = x + (item * TX + t - H) * C + c0;                                               \
+                        if (alpha) {                                                                                 \
+                            snake_span_##SUFFIX(w, v, alpha + c0, scale + c0, row);                                  \
+                            c = w;                                                                                   \
+                        } else                                                                                       \
+                            for (; c < w; c++) row[c] = get_##SUFFIX(v + c);                                         \
+                    }                                                                                                \
+                    for (; c < CHUNK; c++) row[c] = 0.0f;                                                            \
+                }                                                                                                    \
+                forward_block(N, CHUNK / LANES, xs, tw, out);                                                        \
+                for (int64_t p = 0; p < P; p++) {                                                                    \
+                    T *dst = planes + (p * M + mi) * C + c0;                                                         \
+                    const float *row = (const float *)out[p];                                                        \
+                    for (int64_t c = 0; c < w; c++) put_##SUFFIX(dst + c, row[c]);                                   \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
     }
 
 /* Planes [P][M][C] of blocks m0 .. -> out [B, T, C] (+ bias, + residual [B, T, C] where given): each item's
  * outputs below T. */
-#define DEFINE_INVERSE(SUFFIX, T)                                                                             \
-    void dft_inverse_##SUFFIX(int64_t TO, int64_t C, int64_t m0, int64_t M,                                    \
-                              int64_t N, int64_t K, int64_t d, const T *planes, const float *tw,               \
-                              const float *bias, const T *residual, T *out, int threads) {                     \
-        const int64_t S = N - K + 1, P = 2 + 3 * (N / 2 - 1), CHUNK = chunk_width(C);                          \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
-        for (int64_t mi = 0; mi < M; mi++) {                                                                   \
-            int64_t item;                                                                                      \
-            const int64_t t0 = block_start(m0 + mi, TO, S, d, &item);                                          \
-            int64_t dest[MAX_N]; /* output row of block position j, -1: not kept */                            \
-            int any = 0;                                                                                       \
-            for (int64_t j = 0; j < N; j++) {                                                                  \
-                dest[j] = -1;                                                                                  \
-                const int64_t t = t0 + (j - (K - 1)) * d;                                                      \
-                if (j < K - 1 || t >= TO) continue;                                                            \
-                dest[j] = item * TO + t;                                                                       \
-                any = 1;                                                                                       \
-            }                                                                                                  \
-            if (!any) continue;                                                                                \
-            vf in[2 + 3 * (MAX_N / 2 - 1)][VECS], y[MAX_N][VECS];                                         \
-            for (int64_t c0 = 0; c0 < C; c0 += CHUNK) {                                                        \
-                const int64_t w = C - c0 < CHUNK ? C - c0 : CHUNK;                                             \
-                for (int64_t p = 0; p < P; p++) {                                                              \
-                    const T *src = planes + (p * M + mi) * C + c0;                                             \
-                    int64_t c = 0;                                                                             \
-                    float *row = (float *)in[p];                                                               \
-                    for (; c < w; c++) row[c] = get_##SUFFIX(src + c);                                         \
-                    for (; c < CHUNK; c++) row[c] = 0.0f;                                                      \
-                }                                                                                              \
-                inverse_block(N, K, CHUNK / LANES, in, tw, y);                                                                \
-                for (int64_t j = K - 1; j < N; j++) {                                                          \
-                    if (dest[j] < 0) continue;                                                                 \
-                    T *o = out + dest[j] * C + c0;                                                             \
-                    const T *r = residual ? residual + dest[j] * C + c0 : 0;                                   \
-                    for (int64_t c = 0; c < w; c++) {                                                          \
-                        float v = ((const float *)y[j])[c];                                                    \
-                        if (bias) v += bias[c0 + c];                                                           \
-                        if (r) v += get_##SUFFIX(r + c);                                                       \
-                        put_##SUFFIX(o + c, v);                                                                \
-                    }                                                                                          \
-                }                                                                                              \
-            }                                                                                                  \
-        }                                                                                                      \
+#define DEFINE_INVERSE(SUFFIX, T)                                                                                    \
+    void dft_inverse_##SUFFIX(int64_t TO, int64_t C, int64_t m0, int64_t M,                                          \
+                              int64_t N, int64_t K, int64_t d, const T *planes, const float *tw,                     \
+                              const float *bias, const T *residual, T *out, int threads) {                           \
+        const int64_t S = N - K + 1, P = PLANES(N), CHUNK = chunk_width(C);                                          \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
+        for (int64_t mi = 0; mi < M; mi++) {                                                                         \
+            int64_t item;                                                                                            \
+            const int64_t t0 = block_start(m0 + mi, TO, S, d, &item);                                                \
+            int64_t dest[MAX_N]; /* output row of block position j, -1: not kept */                                  \
+            int any = 0;                                                                                             \
+            for (int64_t j = 0; j < N; j++) {                                                                        \
+                dest[j] = -1;                                                                                        \
+                const int64_t t = t0 + (j - (K - 1)) * d;                                                            \
+                if (j < K - 1 || t >= TO) continue;                                                                  \
+                dest[j] = item * TO + t;                                                                             \
+                any = 1;                                                                                             \
+            }                                                                                                        \
+            if (!any) continue;                                                                                      \
+            vf in[PLANES(MAX_N)][VECS], y[MAX_N][VECS];                                                              \
+            for (int64_t c0 = 0; c0 < C; c0 += CHUNK) {                                                              \
+                const int64_t w = C - c0 < CHUNK ? C - c0 : CHUNK;                                                   \
+                for (int64_t p = 0; p < P; p++) {                                                                    \
+                    const T *src = planes + (p * M + mi) * C + c0;                                                   \
+                    int64_t c = 0;                                                                                   \
+                    float *row = (float *)in[p];                                                                     \
+                    for (; c < w; c++) row[c] = get_##SUFFIX(src + c);                                               \
+                    for (; c < CHUNK; c++) row[c] = 0.0f;                                                            \
+                }                                                                                                    \
+                inverse_block(N, K, CHUNK / LANES, in, tw, y);                                                       \
+                for (int64_t j = K - 1; j < N; j++) {                                                                \
+                    if (dest[j] < 0) continue;                                                                       \
+                    T *o = out + dest[j] * C + c0;                                                                   \
+                    const T *r = residual ? residual + dest[j] * C + c0 : 0;                                         \
+                    for (int64_t c = 0; c < w; c++) {                                                                \
+                        float v = ((const float *)y[j])[c];                                                          \
+                        if (bias) v += bias[c0 + c];                                                                 \
+                        if (r) v += get_##SUFFIX(r + c);                                                             \
+                        put_##SUFFIX(o + c, v);                                                                      \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
     }
 
 #define TILE_I 8   /* input channels a tile of the weight's planes holds */
@@ -1564,53 +1567,53 @@ static void inverse_block(int64_t N, int64_t K, int vecs, const vf (*restrict pl
 /* A convolution weight [CO][CI][K] -> its planes [P][CI][CO] for blocks of N (the taps reversed: a block's
  * output j is the circular convolution's), TILE_I x TILE (input, output) channels at a time: each output
  * channel's taps read in one run, each plane's rows written TILE outputs at a time. */
-#define DEFINE_WEIGHT(SUFFIX, T)                                                                              \
-    void dft_weight_##SUFFIX(int64_t CO, int64_t CI, int64_t K, int64_t N, const T *weight, const float *tw,   \
-                             T *planes, int threads) {                                                        \
-        const int64_t H = N / 2, plane = CI * CO, tiles_o = (CO + TILE - 1) / TILE;                            \
-        const int64_t P = 2 + 3 * (H - 1), tiles = tiles_o * ((CI + TILE_I - 1) / TILE_I);                         \
-        float cf[MAX_N / 2 + 1][MAX_N], sf[MAX_N / 2 + 1][MAX_N]; /* cos, sin(2 pi f q / N) */                 \
-        for (int64_t f = 0; f <= H; f++)                                                                       \
-            for (int64_t q = 0; q < K; q++) {                                                                  \
-                cf[f][q] = tw[(f * q) & (N - 1)];                                                              \
-                sf[f][q] = tw[N + ((f * q) & (N - 1))];                                                        \
-            }                                                                                                  \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                      \
-        for (int64_t tile = 0; tile < tiles; tile++) {                                                         \
-            const int64_t ci0 = tile / tiles_o * TILE_I, co0 = tile % tiles_o * TILE;                            \
-            const int64_t ni = CI - ci0 < TILE_I ? CI - ci0 : TILE_I, no = CO - co0 < TILE ? CO - co0 : TILE;      \
-            float buf[2 + 3 * (MAX_N / 2 - 1)][TILE_I][TILE];                                                    \
-            for (int64_t i = 0; i < ni; i++) {                                                                 \
-                float h[MAX_N][TILE] = {{0}}; /* reversed taps, TILE output channels side by side */           \
-                for (int64_t o = 0; o < no; o++) {                                                             \
-                    const T *taps = weight + ((co0 + o) * CI + ci0 + i) * K;                                   \
-                    for (int64_t q = 0; q < K; q++) h[q][o] = get_##SUFFIX(taps + K - 1 - q);                  \
-                }                                                                                              \
-                for (int64_t f = 0; f <= H; f++) {                                                             \
-                    float re[TILE] = {0}, im[TILE] = {0};                                                      \
-                    for (int64_t q = 0; q < K; q++)                                                            \
-                        for (int o = 0; o < TILE; o++) {                                                       \
-                            re[o] += cf[f][q] * h[q][o];                                                       \
-                            im[o] -= sf[f][q] * h[q][o];                                                       \
-                        }                                                                                      \
-                    if (f == 0 || f == H) {                                                                    \
-                        for (int o = 0; o < TILE; o++) buf[f == 0 ? 0 : 1][i][o] = re[o];                      \
-                        continue;                                                                              \
-                    }                                                                                          \
-                    const int64_t p = 2 + 3 * (f - 1);                                                         \
-                    for (int o = 0; o < TILE; o++) {                                                           \
-                        buf[p][i][o] = re[o];                                                                  \
-                        buf[p + 1][i][o] = im[o] - re[o];                                                      \
-                        buf[p + 2][i][o] = re[o] + im[o];                                                      \
-                    }                                                                                          \
-                }                                                                                              \
-            }                                                                                                  \
-            for (int64_t p = 0; p < P; p++)                                                                    \
-                for (int64_t i = 0; i < ni; i++) {                                                             \
-                    T *dst = planes + p * plane + (ci0 + i) * CO + co0;                                        \
-                    for (int64_t o = 0; o < no; o++) put_##SUFFIX(dst + o, buf[p][i][o]);                      \
-                }                                                                                              \
-        }                                                                                                      \
+#define DEFINE_WEIGHT(SUFFIX, T)                                                                                     \
+    void dft_weight_##SUFFIX(int64_t CO, int64_t CI, int64_t K, int64_t N, const T *weight, const float *tw,         \
+                             T *planes, int threads) {                                                               \
+        const int64_t H = N / 2, plane = CI * CO, tiles_o = (CO + TILE - 1) / TILE;                                  \
+        const int64_t P = PLANES(N), tiles = tiles_o * ((CI + TILE_I - 1) / TILE_I);                                 \
+        float cf[MAX_N / 2 + 1][MAX_N], sf[MAX_N / 2 + 1][MAX_N]; /* cos, sin(2 pi f q / N) */                       \
+        for (int64_t f = 0; f <= H; f++)                                                                             \
+            for (int64_t q = 0; q < K; q++) {                                                                        \
+                cf[f][q] = tw[(f * q) & (N - 1)];                                                                    \
+                sf[f][q] = tw[N + ((f * q) & (N - 1))];                                                              \
+            }                                                                                                        \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                            \
+        for (int64_t tile = 0; tile < tiles; tile++) {                                                               \
+            const int64_t ci0 = tile / tiles_o * TILE_I, co0 = tile % tiles_o * TILE;                                \
+            const int64_t ni = CI - ci0 < TILE_I ? CI - ci0 : TILE_I, no = CO - co0 < TILE ? CO - co0 : TILE;        \
+            float buf[PLANES(MAX_N)][TILE_I][TILE];                                                                  \
+            for (int64_t i = 0; i < ni; i++) {                                                                       \
+                float h[MAX_N][TILE] = {{0}}; /* reversed taps, TILE output channels side by side */                 \
+                for (int64_t o = 0; o < no; o++) {                                                                   \
+                    const T *taps = weight + ((co0 + o) * CI + ci0 + i) * K;                                         \
+                    for (int64_t q = 0; q < K; q++) h[q][o] = get_##SUFFIX(taps + K - 1 - q);                        \
+                }                                                                                                    \
+                for (int64_t f = 0; f <= H; f++) {                                                                   \
+                    float re[TILE] = {0}, im[TILE] = {0};                                                            \
+                    for (int64_t q = 0; q < K; q++)                                                                  \
+                        for (int o = 0; o < TILE; o++) {                                                             \
+                            re[o] += cf[f][q] * h[q][o];                                                             \
+                            im[o] -= sf[f][q] * h[q][o];                                                             \
+                        }                                                                                            \
+                    if (f == 0 || f == H) {                                                                          \
+                        for (int o = 0; o < TILE; o++) buf[f == 0 ? 0 : 1][i][o] = re[o];                            \
+                        continue;                                                                                    \
+                    }                                                                                                \
+                    const int64_t p = PLANE(f);                                                                      \
+                    for (int o = 0; o < TILE; o++) {                                                                 \
+                        buf[p][i][o] = re[o];                                                                        \
+                        buf[p + 1][i][o] = im[o] - re[o];                                                            \
+                        buf[p + 2][i][o] = re[o] + im[o];                                                            \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int64_t p = 0; p < P; p++)                                                                          \
+                for (int64_t i = 0; i < ni; i++) {                                                                   \
+                    T *dst = planes + p * plane + (ci0 + i) * CO + co0;                                              \
+                    for (int64_t o = 0; o < no; o++) put_##SUFFIX(dst + o, buf[p][i][o]);                            \
+                }                                                                                                    \
+        }                                                                                                            \
     }
 
 DEFINE_FORWARD(f32, float)
